@@ -1,0 +1,35 @@
+"""lightning-hetero: capacity-weighted data parallelism for mixed GPUs, as a PyTorch Lightning strategy.
+
+Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) with
+Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_hetero.capacity import parse_capacities
+from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
+from lightning_hetero.lab import HeteroLab, LabGroups
+from lightning_hetero.plan import split_batch
+from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.strategy import HeteroDDPStrategy
+from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
+
+HeteroDDPStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceInfo",
+    "GlobalOrder",
+    "HeteroBatchSampler",
+    "HeteroDDPStrategy",
+    "HeteroLab",
+    "LabGroups",
+    "PEAK_TFLOPS",
+    "WeightingState",
+    "describe_device",
+    "parse_capacities",
+    "peak_tflops",
+    "split_batch",
+    "weighted_allreduce_hook",
+]

@@ -1,0 +1,113 @@
+"""Where each rank's capacity (its relative training speed) comes from.
+
+``capacities`` on the strategy is one of:
+
+- a list of positive numbers, one per global rank: ``[3, 1]``;
+- a mapping from a device-name substring to a weight: ``{"A100": 3.0, "3090": 1.0}`` (``"*"`` matches any device;
+  the longest matching key wins);
+- ``"equal"``; ``"peak"`` (the published-rate table in :mod:`lightning_hetero.devices`);
+- ``"profile"`` (time the user's own model on every rank before training);
+- ``"auto"``: ``"profile"`` when fitting, else ``"peak"`` on GPUs whose cards are all known, else ``"equal"``.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from lightning_hetero.devices import DeviceInfo, peak_tflops
+from lightning_hetero.plan import validate_weights
+
+CapacitiesArg = Union[str, Sequence[float], Mapping[str, float]]
+CAPACITY_SOURCES = ("auto", "equal", "peak", "profile")
+
+
+@dataclass(frozen=True)
+class CapacitySpec:
+    """A validated ``capacities`` argument."""
+
+    source: str  # "list", "mapping", or one of CAPACITY_SOURCES
+    weights: tuple[float, ...] = ()
+    mapping: tuple[tuple[str, float], ...] = ()
+
+
+def parse_capacities(value: CapacitiesArg) -> CapacitySpec:
+    """Validate the ``capacities`` argument at construction time; ``ValueError`` naming it otherwise."""
+    if isinstance(value, str):
+        if value not in CAPACITY_SOURCES:
+            raise ValueError(f"`capacities`={value!r} is not one of {CAPACITY_SOURCES}, a list or a mapping.")
+        return CapacitySpec(source=value)
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError("`capacities` mapping is empty: map device-name substrings to weights.")
+        pairs = []
+        for key, weight in value.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"`capacities` key {key!r} must be a non-empty device-name substring.")
+            pairs.append((key, validate_weights([weight], f"capacities[{key!r}]")[0]))
+        return CapacitySpec(source="mapping", mapping=tuple(pairs))
+    if isinstance(value, Sequence):
+        return CapacitySpec(source="list", weights=tuple(validate_weights(value, "capacities")))
+    raise ValueError(f"`capacities`={value!r} must be a list, a mapping or one of {CAPACITY_SOURCES}.")
+
+
+def weight_for_device(mapping: Sequence[tuple[str, float]], device_name: str) -> Optional[float]:
+    """The weight of the longest key that is a substring of ``device_name`` (case-insensitive), ``"*"`` last."""
+    lowered = device_name.lower()
+    matches = [(key, w) for key, w in mapping if key != "*" and key.lower() in lowered]
+    if matches:
+        return max(matches, key=lambda kw: len(kw[0]))[1]
+    return dict(mapping).get("*")
+
+
+def peak_capacities(devices: Sequence[DeviceInfo], dtype: torch.dtype) -> Optional[list[float]]:
+    """Published rates for every rank, or ``None`` when some rank's rate is unknown (CPU ranks)."""
+    rates = [peak_tflops(d, dtype) for d in devices]
+    if any(r is None or not math.isfinite(r) or r <= 0 for r in rates):
+        return None
+    return [float(r) for r in rates]  # type: ignore[arg-type]
+
+
+def resolve_static_capacities(
+    spec: CapacitySpec, devices: Sequence[DeviceInfo], dtype: torch.dtype
+) -> tuple[list[float], str]:
+    """Weights that need no measurement, and a word for the table saying where they came from.
+
+    ``"profile"`` and ``"auto"`` resolve here to their fallback; the strategy replaces them with measured
+    throughput when it can profile.
+    """
+    world = len(devices)
+    if spec.source == "list":
+        if len(spec.weights) != world:
+            raise ValueError(
+                f"`capacities` has {len(spec.weights)} weights but the job has {world} ranks: give one per rank."
+            )
+        return list(spec.weights), "explicit"
+    if spec.source == "mapping":
+        weights = []
+        for d in devices:
+            w = weight_for_device(spec.mapping, d.name)
+            if w is None:
+                keys = [k for k, _ in spec.mapping]
+                raise ValueError(
+                    f"`capacities` keys {keys} match no part of rank {d.rank}'s device name {d.name!r} "
+                    f"(host {d.host}); add a key for it or a '*' fallback."
+                )
+            weights.append(w)
+        return weights, "mapping"
+    if spec.source == "equal":
+        return [1.0] * world, "equal"
+    peak = peak_capacities(devices, dtype)
+    if spec.source == "peak":
+        if peak is None:
+            unknown = sorted({d.name for d in devices if peak_tflops(d, dtype) is None})
+            raise ValueError(
+                f"`capacities`='peak' has no published rate for {unknown}; use 'profile', 'equal' or explicit weights."
+            )
+        return peak, "peak"
+    # "auto" / "profile" before (or without) measurement
+    if peak is not None:
+        return peak, "peak"
+    return [1.0] * world, "equal"

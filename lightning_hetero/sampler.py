@@ -1,0 +1,193 @@
+"""Capacity-aware batch sampling: every rank takes its share of the same global batch.
+
+All ranks draw one global order per epoch (seeded with seed + epoch, like ``DistributedSampler``), cut it into
+global batches of G samples, and rank r takes its slice of b_r samples of each. Every rank therefore runs the same
+number of steps whatever the dataset length, and each global batch is exactly what one big device would have seen.
+
+The last global batch of an epoch may be partial (``drop_last=False``); it is split by the same rule. When it has
+fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a
+*padding* batch whose gradient weight is 0, so step counts still agree and no sample counts twice.
+
+Shares may change between steps (live rebalancing): a change is keyed to a global-batch index, so every rank
+applies it to the same batch, and the gradient weight of a step is always read off the split that produced it.
+"""
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import BatchSampler, Sampler
+
+from lightning_hetero.plan import split_batch
+
+
+class GlobalOrder(Sampler[int]):
+    """The epoch's order of all dataset indices, identical on every rank."""
+
+    def __init__(self, num_samples: int, shuffle: bool, seed: int = 0) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.num_samples))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+@dataclass(frozen=True)
+class ShareChange:
+    """From global batch ``first_batch`` of an epoch on, split with these capacities (and optional caps)."""
+
+    first_batch: int
+    capacities: tuple[float, ...]
+    caps: Optional[tuple[int, ...]] = None
+
+
+class HeteroBatchSampler(BatchSampler):
+    """Yields this rank's share of every global batch.
+
+    Example::
+
+        order = GlobalOrder(len(dataset), shuffle=True, seed=0)
+        sampler = HeteroBatchSampler(order, global_batch_size=64, capacities=[3, 1], rank=0, drop_last=False)
+        loader = DataLoader(dataset, batch_sampler=sampler)  # rank 0 gets 48 of every 64 samples
+    """
+
+    def __init__(
+        self,
+        order: GlobalOrder,
+        global_batch_size: int,
+        capacities: Sequence[float],
+        rank: int,
+        drop_last: bool,
+        caps: Optional[Sequence[int]] = None,
+    ) -> None:
+        if global_batch_size < len(capacities):
+            raise ValueError(
+                f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
+                "every rank needs at least one sample of each global batch."
+            )
+        # BatchSampler.__init__ is skipped on purpose: its `batch_size` means a per-rank constant, which ours is not.
+        self.sampler = order
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.drop_last = drop_last
+        self.world_size = len(capacities)
+        self._changes: list[ShareChange] = [
+            ShareChange(0, tuple(float(c) for c in capacities), tuple(caps) if caps else None)
+        ]
+        self._full_splits: dict[int, list[int]] = {}
+        self.batches_yielded = 0  # in the current epoch; the rebalancer keys changes past this
+        self.start_batch = 0  # set to resume mid-epoch
+
+    # -- schedule -----------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """This rank's share of a full global batch under the current shares (for display and Lightning)."""
+        return self.split_at(self._changes[-1].first_batch)[self.rank]
+
+    @property
+    def capacities(self) -> tuple[float, ...]:
+        return self._changes[-1].capacities
+
+    def change_shares(self, capacities: Sequence[float], first_batch: int, caps: Optional[Sequence[int]] = None) -> None:
+        """Split global batches ``first_batch``, ``first_batch + 1``, ... of this epoch with new capacities."""
+        if len(capacities) != self.world_size:
+            raise ValueError(f"`capacities` has {len(capacities)} weights for {self.world_size} ranks.")
+        if first_batch < self._changes[-1].first_batch:
+            raise ValueError("share changes must move forward in the epoch")
+        self._changes = [c for c in self._changes if c.first_batch < first_batch]
+        self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
+        self._full_splits.clear()
+        split_batch(self.global_batch_size, capacities, caps)  # fail now, not mid-iteration
+
+    def _change_at(self, batch_index: int) -> ShareChange:
+        firsts = [c.first_batch for c in self._changes]
+        return self._changes[bisect.bisect_right(firsts, batch_index) - 1]
+
+    def split_at(self, batch_index: int, batch_len: Optional[int] = None) -> list[int]:
+        """Per-rank sample counts of global batch ``batch_index`` (of ``batch_len`` samples; default: full)."""
+        change = self._change_at(batch_index)
+        n = self.global_batch_size if batch_len is None else batch_len
+        if n == self.global_batch_size:
+            key = change.first_batch
+            if key not in self._full_splits:
+                self._full_splits[key] = split_batch(n, change.capacities, change.caps)
+            return self._full_splits[key]
+        return split_batch(n, change.capacities, change.caps)
+
+    def global_batch_len(self, batch_index: int) -> int:
+        """Number of real samples in global batch ``batch_index`` of an epoch."""
+        n = len(self.sampler)
+        return max(0, min(self.global_batch_size, n - batch_index * self.global_batch_size))
+
+    def sizes_at(self, batch_index: int) -> tuple[int, int]:
+        """(this rank's real samples, all ranks' samples) of global batch ``batch_index``: the gradient weight."""
+        total = self.global_batch_len(batch_index)
+        return self.split_at(batch_index, total)[self.rank], total
+
+    # -- iteration ----------------------------------------------------------------------------------------------
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's global batches (as one big device would see them), after ``set_epoch``."""
+        indices = list(self.sampler)
+        g = self.global_batch_size
+        batches = [indices[i : i + g] for i in range(0, len(indices), g)]
+        if batches and self.drop_last and len(batches[-1]) < g:
+            batches.pop()
+        return batches
+
+    def rank_slice(self, batch_index: int, global_batch: Sequence[int], rank: Optional[int] = None) -> list[int]:
+        """The indices of ``global_batch`` that ``rank`` trains on; empty for a padding step."""
+        r = self.rank if rank is None else rank
+        split = self.split_at(batch_index, len(global_batch))
+        offset = sum(split[:r])
+        return list(global_batch[offset : offset + split[r]])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.batches_yielded = self.start_batch
+        start, self.start_batch = self.start_batch, 0
+        if start == 0 and self._changes[-1].first_batch > 0:
+            # A new epoch starts with the latest shares.
+            latest = self._changes[-1]
+            self._changes = [ShareChange(0, latest.capacities, latest.caps)]
+            self._full_splits.clear()
+        for k, batch in enumerate(self.global_batches()):
+            if k < start:
+                continue
+            mine = self.rank_slice(k, batch)
+            self.batches_yielded = k + 1
+            # A padding step re-reads a real sample; its gradient weight (sizes_at) is 0.
+            yield mine if mine else [batch[-1]]
+
+    def __len__(self) -> int:
+        n, g = len(self.sampler), self.global_batch_size
+        return n // g if self.drop_last else -(-n // g)
+
+    # -- checkpointing ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.sampler.epoch,
+            "seed": self.sampler.seed,
+            "changes": [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self._changes],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
+        self.sampler.set_epoch(int(state["epoch"]))
+        self._changes = [
+            ShareChange(int(first), tuple(caps_), tuple(limits) if limits else None)
+            for first, caps_, limits in state["changes"]
+        ]
+        self._full_splits.clear()
+        self.start_batch = start_batch

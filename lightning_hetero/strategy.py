@@ -1,0 +1,371 @@
+"""``HeteroDDPStrategy``: DDP where every rank trains on a share of the global batch that matches its speed.
+
+Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
+
+1. ``setup_environment``: after the process group exists, every rank reports its device, the capacities are
+   resolved and the device-class / host process groups are built.
+2. ``process_dataloader``: each loader is rebuilt around a :class:`HeteroBatchSampler`, so the user's
+   ``DataLoader(batch_size=B)`` keeps its DDP meaning (global batch G = B × world size) but rank r loads b_r ∝ c_r.
+3. ``_register_ddp_hooks``: the weighting hook (any device type) scales each rank's gradient by b_r / G; the
+   user's comm hook, if any, runs inside it.
+4. ``on_train_batch_start`` / ``optimizer_step``: count the step's samples into the weight, then reset it.
+5. ``reduce``: inside a step, ``self.log(..., sync_dist=True)`` means are weighted by local batch size.
+"""
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+from typing_extensions import override
+
+from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
+from lightning_hetero.devices import describe_device
+from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class HeteroDDPStrategy(DDPStrategy):
+    """Data-parallel training over unequal devices, with the math of one device on the global batch.
+
+    Args:
+        capacities: relative speed of each rank: a list (one per global rank), a mapping from device-name
+            substring to weight (``{"A100": 3, "3090": 1, "*": 1}``), or ``"equal"``, ``"peak"`` (published rates),
+            ``"profile"`` (measured on the model), ``"auto"`` (best available).
+        global_batch_size: samples per optimizer step over all ranks. Default: the loader's ``batch_size`` × world
+            size, which is what plain DDP trains on, so hyper-parameters transfer unchanged.
+        ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb``,
+            ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
+        timeout: seconds a collective may wait before the job fails (instead of hanging).
+        print_table: rank 0 prints the lab table once.
+        ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
+    """
+
+    strategy_name = "hetero_ddp"
+
+    def __init__(
+        self,
+        capacities: CapacitiesArg = "auto",
+        global_batch_size: Optional[int] = None,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
+        timeout: float = 1800.0,
+        start_method: StartMethod = "popen",
+        process_group_backend: Optional[str] = None,
+        print_table: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+    ) -> None:
+        self._capacity_spec = parse_capacities(capacities)
+        if global_batch_size is not None and (
+            isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+        ):
+            raise ValueError(f"`global_batch_size`={global_batch_size!r} must be a positive integer or None.")
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"`timeout`={timeout!r} must be a positive number of seconds.")
+        ddp_kwargs = dict(ddp_kwargs or {})
+        if "device_ids" in ddp_kwargs or "module" in ddp_kwargs:
+            raise ValueError("`ddp_kwargs` must not set `module` or `device_ids`: the strategy owns them.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=float(timeout)),
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._global_batch_size = global_batch_size
+        self._print_table = print_table
+        self._lab: Optional[HeteroLab] = None
+        self._groups: Optional[LabGroups] = None
+        self._weighting: Optional[WeightingState] = None
+        self._train_sampler: Optional[HeteroBatchSampler] = None
+        self._train_step_size: Optional[int] = None  # this rank's real samples in the current training batch
+        self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
+        self._table_printed = False
+
+    # -- public, read-only views ----------------------------------------------------------------------------------
+    @property
+    def lab(self) -> HeteroLab:
+        """Ranks, devices, groups and batch shares of this job (available after setup)."""
+        if self._lab is None:
+            raise RuntimeError("the lab is described once the process group exists (after `Trainer.fit` starts).")
+        return self._lab
+
+    @property
+    def groups(self) -> LabGroups:
+        """This rank's process groups: by device class, by host, and the leaders across them."""
+        if self._groups is None:
+            raise RuntimeError("process groups are built once the process group exists.")
+        return self._groups
+
+    @property
+    def train_batch_sampler(self) -> Optional[HeteroBatchSampler]:
+        return self._train_sampler
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        local = describe_device(self.root_device, self.global_rank)
+        devices = gather_devices(local)
+        weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
+        self._lab = HeteroLab(devices=devices, capacities=tuple(weights), capacity_source=source)
+        self._groups = build_groups(self._lab)
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype this rank's matmuls run in, for the published-rate table."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if "bf16" in precision:
+            return torch.bfloat16
+        if precision.startswith("16"):
+            return torch.float16
+        return torch.float32
+
+    def update_capacities(self, capacities: Sequence[float], source: str) -> None:
+        """Adopt new capacities (profiled or rebalanced) for the batches that follow."""
+        self._lab = replace(self.lab, capacities=tuple(float(c) for c in capacities), capacity_source=source)
+
+    # -- data -----------------------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self.world_size == 1:
+            return dataloader
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        stage = trainer.state.stage if trainer is not None else None
+        loader_name = f"{stage.dataloader_prefix}_dataloader" if stage is not None else "dataloader"
+        batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+            wrapped: Any = _IndexBatchSamplerWrapper(batch_sampler)  # prediction loop tracks indices through it
+        else:
+            wrapped = batch_sampler
+        new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
+        if stage == RunningStage.TRAINING:
+            self._train_sampler = batch_sampler
+        if stage == RunningStage.TRAINING or self.lab.global_batch_size is None:
+            self._lab = replace(
+                self.lab, global_batch_size=batch_sampler.global_batch_size, split=tuple(batch_sampler.split_at(0))
+            )
+            self._show_table()
+        return new_loader
+
+    def _build_batch_sampler(self, dataloader: object, loader_name: str) -> HeteroBatchSampler:
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(
+                f"{loader_name}: {type(dataloader).__name__} is not a torch DataLoader; HeteroDDPStrategy splits the "
+                "global batch through the DataLoader's sampler. Return a DataLoader over a map-style dataset."
+            )
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError(
+                f"{loader_name}: an IterableDataset has no indices to split by capacity. Use a map-style Dataset, or "
+                "use Lightning's `DDPStrategy` and size each rank's stream yourself."
+            )
+        outer = dataloader.batch_sampler
+        inner = outer._batch_sampler if isinstance(outer, _IndexBatchSamplerWrapper) else outer
+        if isinstance(inner, HeteroBatchSampler):
+            return inner
+        if inner is None or type(inner) is not BatchSampler:
+            raise ValueError(
+                f"{loader_name}: a custom batch sampler ({type(inner).__name__}) cannot be re-split by capacity. "
+                "Pass `batch_size=` (and `shuffle=`) to the DataLoader, or build a `HeteroBatchSampler` yourself."
+            )
+        order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
+        global_batch = self._global_batch_size or inner.batch_size * self.world_size
+        if global_batch < self.world_size:
+            raise ValueError(
+                f"`global_batch_size`={global_batch} is smaller than the world size {self.world_size}: every rank "
+                "needs at least one sample per step."
+            )
+        return HeteroBatchSampler(
+            order,
+            global_batch_size=global_batch,
+            capacities=self.lab.capacities,
+            rank=self.global_rank,
+            drop_last=inner.drop_last,
+        )
+
+    def _show_table(self) -> None:
+        if self._print_table and not self._table_printed and self.global_rank == 0:
+            rank_zero_info("HeteroDDPStrategy lab:\n" + self.lab.table())
+        self._table_printed = True
+
+    # -- gradient path --------------------------------------------------------------------------------------------
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        inner_hook, inner_state = self._inner_comm_hook()
+        self._weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
+        self.model.register_comm_hook(self._weighting, weighted_allreduce_hook)
+
+    def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
+        """The averaging hook that receives the weighted bucket: the user's, wrapped if asked; else a plain sum."""
+        hook, state, wrapper = self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper
+        if hook is None and wrapper is None:
+            return None, None
+        hook = hook or default_hooks.allreduce_hook
+        return (wrapper(hook) if wrapper is not None else hook), state
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._train_sampler is None or self._weighting is None:
+            self._train_step_size = None
+            return
+        local, total = self._train_sampler.sizes_at(batch_idx)
+        self._weighting.add_step(local, total)
+        self._train_step_size = local
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().optimizer_step(*args, **kwargs)
+        finally:
+            if self._weighting is not None:
+                self._weighting.reset()
+
+    # -- logging --------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _weighted_logging(self, batch_size: Optional[int]) -> Any:
+        """While a step runs, `reduce` weights means by this rank's ``batch_size`` (None: plain mean)."""
+        self._logging_batch_size = batch_size
+        try:
+            yield
+        finally:
+            self._logging_batch_size = None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._weighted_logging(self._train_step_size):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._weighted_logging(_batch_size_of(args, kwargs)):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._weighted_logging(_batch_size_of(args, kwargs)):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Inside a step, a mean over ranks is weighted by each rank's batch size (ranks see unequal batches)."""
+        is_mean = reduce_op is None or reduce_op == dist.ReduceOp.AVG or str(reduce_op).lower() in ("mean", "avg")
+        if not (is_mean and isinstance(tensor, Tensor) and self._logging_batch_size is not None and dist.is_initialized()):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        values = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32).reshape(-1)
+        weight = torch.tensor([float(self._logging_batch_size)], dtype=values.dtype, device=values.device)
+        packed = torch.cat([values * weight, weight])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        mean = packed[:-1] / packed[-1].clamp_min(1e-12)
+        return mean.reshape(tensor.shape).to(tensor.dtype)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (
+            ("hetero_ddp", "popen"),
+            ("hetero_ddp_spawn", "spawn"),
+            ("hetero_ddp_fork", "fork"),
+            ("hetero_ddp_notebook", "fork"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"Capacity-weighted DDP for mixed GPUs, start method '{start_method}'",
+                    start_method=start_method,
+                )
+
+
+def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[int]:
+    batch = args[0] if args else kwargs.get("batch")
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # an odd batch type: fall back to Lightning's unweighted mean
+        return None
+
+
+def _global_order(sampler: object, num_samples: int, loader_name: str) -> GlobalOrder:
+    """The global order the user's sampler (or Lightning's injected one) asked for."""
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    if isinstance(sampler, DistributedSampler):
+        base = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
+        if base is None:
+            return GlobalOrder(num_samples, shuffle=sampler.shuffle, seed=sampler.seed)
+        if isinstance(base, (SequentialSampler, RandomSampler)):
+            return GlobalOrder(num_samples, shuffle=sampler.shuffle or isinstance(base, RandomSampler), seed=sampler.seed)
+        sampler = base
+    if isinstance(sampler, SequentialSampler):
+        return GlobalOrder(num_samples, shuffle=False, seed=seed)
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler.num_samples != num_samples:
+            raise ValueError(
+                f"{loader_name}: RandomSampler with replacement or num_samples is not supported by HeteroDDPStrategy."
+            )
+        return GlobalOrder(num_samples, shuffle=True, seed=seed)
+    raise ValueError(
+        f"{loader_name}: the custom sampler {type(sampler).__name__} cannot be split by capacity, because every rank "
+        "must draw the same global order. Use shuffle=True/False, or pass a `HeteroBatchSampler` as batch_sampler."
+    )
+
+
+_LOADER_ARGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def _rebuild_loader(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
+    """The same loader settings around a new batch sampler."""
+    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)

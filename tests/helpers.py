@@ -1,0 +1,139 @@
+"""Shared pieces for the CPU tests: a tiny model, an indexed dataset, fork-launched fits and a one-process reference.
+
+Multi-process fits use Lightning's fork launcher (fast, in-process). Each rank records, after every optimizer step,
+its flattened parameters and the dataset indices it trained on; the test then compares ranks with each other and
+with one process trained on the same global batches.
+"""
+
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+
+
+class IndexedDataset(Dataset):
+    """Random regression-like classification data that also returns each sample's index."""
+
+    def __init__(self, n: int, features: int = 8, classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, features, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class TinyModel(LightningModule):
+    def __init__(self, optimizer: str = "sgd", features: int = 8, classes: int = 4, batch_size: int = 4,
+                 n: int = 53, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr / 10)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(self.hparams.n), batch_size=self.hparams.batch_size, shuffle=True)
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+class Recorder(Callback):
+    """Saves, per rank, the parameters after every optimizer step and the indices of every batch."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.params: list[torch.Tensor] = []
+        self.indices: list[list[int]] = []
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.params.append(flat_params(pl_module))
+        self.indices.append([int(i) for i in batch[2]])
+        if "train_loss" in trainer.callback_metrics:
+            self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        torch.save({"params": self.params, "indices": self.indices, "logged": self.logged,
+                    "steps": trainer.global_step},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_kwargs: Optional[dict] = None,
+                    max_epochs: int = 3, **trainer_kwargs: Any) -> list[dict]:
+    """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
+                                 **(strategy_kwargs or {}))
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=max_epochs,
+                      callbacks=[Recorder(out_dir)], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      **trainer_kwargs)
+    trainer.fit(model)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epochs: int, seed: int = 0,
+                  shuffle_within: bool = False) -> tuple[list[torch.Tensor], list[list[list[int]]]]:
+    """One process trained on the same global batches; returns params after each step and the global batches.
+
+    ``shuffle_within`` reorders samples inside each global batch: the run-to-run floor of summation order.
+    """
+    dataset = IndexedDataset(model.hparams.n)
+    g = model.hparams.batch_size * world
+    order = GlobalOrder(len(dataset), shuffle=True, seed=seed)
+    sampler = HeteroBatchSampler(order, g, capacities, rank=0, drop_last=False)
+    optimizer = model.configure_optimizers()
+    params, batches = [], []
+    for epoch in range(epochs):
+        order.set_epoch(epoch)
+        for batch in sampler.global_batches():
+            batches.append(batch)
+            idx = torch.tensor(batch)
+            if shuffle_within:
+                idx = idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(len(batches)))]
+            optimizer.zero_grad()
+            loss = model.loss((dataset.x[idx], dataset.y[idx], idx))
+            loss.backward()
+            optimizer.step()
+            params.append(flat_params(model))
+    return params, batches
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs().max() / b.abs().max()).item())
