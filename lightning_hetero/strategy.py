@@ -41,6 +41,7 @@ from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_s
 from lightning_hetero.devices import describe_device
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.state import RankStateCallback
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._train_step_size: Optional[int] = None  # this rank's real samples in the current training batch
         self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
         self._table_printed = False
+        self._rank_state = RankStateCallback()
 
     # -- public, read-only views ----------------------------------------------------------------------------------
     @property
@@ -139,6 +141,11 @@ class HeteroDDPStrategy(DDPStrategy):
     def train_batch_sampler(self) -> Optional[HeteroBatchSampler]:
         return self._train_sampler
 
+    @property
+    def rank_state(self) -> RankStateCallback:
+        """Per-rank state saved in checkpoints (parts register themselves with ``rank_state.register``)."""
+        return self._rank_state
+
     # -- setup ----------------------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
@@ -148,6 +155,10 @@ class HeteroDDPStrategy(DDPStrategy):
         weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
         self._lab = HeteroLab(devices=devices, capacities=tuple(weights), capacity_source=source)
         self._groups = build_groups(self._lab)
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        # Callbacks are restored before `setup`: the state callback must be in place by then.
+        if trainer is not None and self._rank_state not in trainer.callbacks:
+            trainer.callbacks.append(self._rank_state)
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype this rank's matmuls run in, for the published-rate table."""
