@@ -91,6 +91,7 @@ class HeteroBatchSampler(BatchSampler):
         self._full_splits: dict[int, list[int]] = {}
         self.batches_yielded = 0  # in the current epoch; the rebalancer keys changes past this
         self.start_batch = 0  # set to resume mid-epoch
+        self._schedule_epoch = order.epoch  # the epoch `_changes` are keyed to
 
     # -- schedule -----------------------------------------------------------------------------------------------
     @property
@@ -108,10 +109,19 @@ class HeteroBatchSampler(BatchSampler):
             raise ValueError(f"`capacities` has {len(capacities)} weights for {self.world_size} ranks.")
         if first_batch < self._changes[-1].first_batch:
             raise ValueError("share changes must move forward in the epoch")
+        self._roll_schedule_to_epoch()
         self._changes = [c for c in self._changes if c.first_batch < first_batch]
         self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
         self._full_splits.clear()
         split_batch(self.global_batch_size, capacities, caps)  # fail now, not mid-iteration
+
+    def _roll_schedule_to_epoch(self) -> None:
+        """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
+        if self.sampler.epoch != self._schedule_epoch:
+            latest = self._changes[-1]
+            self._changes = [ShareChange(0, latest.capacities, latest.caps)]
+            self._full_splits.clear()
+            self._schedule_epoch = self.sampler.epoch
 
     def _change_at(self, batch_index: int) -> ShareChange:
         firsts = [c.first_batch for c in self._changes]
@@ -158,11 +168,7 @@ class HeteroBatchSampler(BatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         self.batches_yielded = self.start_batch
         start, self.start_batch = self.start_batch, 0
-        if start == 0 and self._changes[-1].first_batch > 0:
-            # A new epoch starts with the latest shares.
-            latest = self._changes[-1]
-            self._changes = [ShareChange(0, latest.capacities, latest.caps)]
-            self._full_splits.clear()
+        self._roll_schedule_to_epoch()
         for k, batch in enumerate(self.global_batches()):
             if k < start:
                 continue
@@ -190,4 +196,5 @@ class HeteroBatchSampler(BatchSampler):
             for first, caps_, limits in state["changes"]
         ]
         self._full_splits.clear()
+        self._schedule_epoch = self.sampler.epoch
         self.start_batch = start_batch

@@ -27,7 +27,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -189,7 +189,9 @@ class HeteroDDPStrategy(DDPStrategy):
         new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
-        if stage == RunningStage.TRAINING or self.lab.global_batch_size is None:
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # The table shows the training split; validate/test/predict-only runs show their own loader's.
+        if stage == RunningStage.TRAINING or (not fitting and self.lab.global_batch_size is None):
             self._lab = replace(
                 self.lab, global_batch_size=batch_sampler.global_batch_size, split=tuple(batch_sampler.split_at(0))
             )
