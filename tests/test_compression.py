@@ -1,0 +1,243 @@
+"""Compressed gradient communication: cast, PowerSGD and top-k hooks under capacity weighting (2 CPU ranks, gloo)."""
+
+import copy
+import os
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_hetero import CastCompression, HeteroDDPStrategy, PowerSGDCompression, TopKCompression
+from lightning_hetero.compression import CommCounter, TopKState, parse_compression, topk_hook
+from tests.helpers import Recorder, free_port
+
+CAPACITIES = [3, 1]  # unequal shares: the weighting hook scales the two ranks' buckets differently
+GLOBAL_BATCH = 128  # 96 + 32 samples; 15 steps per epoch over the 1797 digits
+
+
+class Digits(Dataset):
+    def __init__(self) -> None:
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        self.x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+        self.y = torch.tensor(data.target, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class DigitsMLP(LightningModule):
+    def __init__(self, hidden: int = 32, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Digits(), batch_size=GLOBAL_BATCH // 2, shuffle=True)
+
+
+def full_loss(flat: torch.Tensor, hidden: int = 32) -> float:
+    """Cross-entropy over all digits of the model whose parameters are ``flat``."""
+    model = DigitsMLP(hidden)
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    data = Digits()
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model.net(data.x), data.y))
+
+
+class BytesRecorder(Recorder):
+    """Also records the strategy's bytes per optimizer step and the logged ``comm/bytes``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.bytes: list[Optional[int]] = []
+        self.logged_bytes: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.bytes.append(trainer.strategy.comm_bytes_last_step)
+        self.logged_bytes.append(float(trainer.callback_metrics.get("comm/bytes", float("nan"))))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt")
+        record = torch.load(path)
+        record.update(bytes=self.bytes, logged_bytes=self.logged_bytes,
+                      table=trainer.strategy.lab.columns)
+        torch.save(record, path)
+
+
+def fit_digits(out_dir: str, compression: Any, epochs: int, model: Optional[DigitsMLP] = None,
+               ckpt_path: Optional[str] = None, save_every_epoch: bool = False, **trainer_kwargs: Any) -> list[dict]:
+    """Fit the digits MLP on 2 forked CPU ranks; return each rank's record (params after every step, bytes)."""
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ["MASTER_PORT"] = str(free_port())
+    seed_everything(0)
+    model = model if model is not None else DigitsMLP()
+    strategy = HeteroDDPStrategy(capacities=CAPACITIES, compression=compression, start_method="fork",
+                                 print_table=False, timeout=120)
+    callbacks: list[Any] = [BytesRecorder(out_dir)]
+    if save_every_epoch:
+        callbacks.append(ModelCheckpoint(dirpath=out_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}"))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, callbacks=callbacks,
+                      logger=False, enable_checkpointing=save_every_epoch, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+def assert_replicas_equal(records: list[dict]) -> None:
+    for step, (a, b) in enumerate(zip(records[0]["params"], records[1]["params"])):
+        assert torch.equal(a, b), f"replicas differ after step {step}"
+
+
+def psgd_expected_elements(model: nn.Module, rank: int, min_rate: float = 2.0) -> int:
+    """Elements PowerSGD sends per step: (n + m) r per compressed matrix, n m for everything else."""
+    total = 0
+    for p in model.parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_rate < n * m else n * m
+    return total
+
+
+# -- config --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: PowerSGDCompression(rank=0), "PowerSGDCompression.rank"),
+        (lambda: PowerSGDCompression(start_iter=1), "PowerSGDCompression.start_iter"),
+        (lambda: PowerSGDCompression(min_compression_rate=-1), "PowerSGDCompression.min_compression_rate"),
+        (lambda: TopKCompression(ratio=0), "TopKCompression.ratio"),
+        (lambda: TopKCompression(ratio=1.5), "TopKCompression.ratio"),
+        (lambda: TopKCompression(warmup_steps=-3), "TopKCompression.warmup_steps"),
+        (lambda: TopKCompression(ratio=0.5, warmup_ratio=0.1), "TopKCompression.warmup_ratio"),
+        (lambda: CastCompression(dtype="fp8"), "CastCompression.dtype"),
+        (lambda: CastCompression(group_by="rack"), "CastCompression.group_by"),
+        (lambda: TopKCompression(hierarchical="yes"), "TopKCompression.hierarchical"),
+        (lambda: HeteroDDPStrategy(compression="zip"), "`compression`"),
+        (lambda: HeteroDDPStrategy(compression="topk", ddp_comm_hook=lambda s, b: None), "`compression`"),
+    ],
+)
+def test_bad_config_names_the_field(make, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        make()
+
+
+def test_strings_map_to_configs():
+    assert parse_compression("none") is None
+    assert parse_compression("bf16") == CastCompression(dtype="bf16")
+    assert parse_compression("powersgd") == PowerSGDCompression()
+    assert parse_compression("topk") == TopKCompression()
+    schedule = TopKCompression(ratio=0.01, warmup_steps=4, warmup_ratio=0.16)
+    assert [round(schedule.ratio_at(s), 4) for s in range(6)] == [0.16, 0.08, 0.04, 0.02, 0.01, 0.01]
+
+
+# -- top-k hook on its own: what is sent plus what is kept is the weighted gradient ------------------------------
+class FakeBucket:
+    """The parts of ``dist.GradBucket`` the hooks use."""
+
+    def __init__(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> None:
+        self._buffer, self._params = buffer, params
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+
+def _topk_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        params = [torch.zeros(40, 25)]
+        state = TopKState(TopKCompression(ratio=0.05), None, params, torch.device("cpu"), CommCounter(), "all")
+        g = torch.Generator().manual_seed(rank)
+        results = []
+        for step in range(3):
+            weighted = torch.randn(1000, generator=g) * (1.5 if rank == 0 else 0.5)  # b_r W / G times g_r
+            if step == 2 and rank == 1:
+                weighted[7] = float("nan")
+            residual_before = state.residuals.get(0, torch.zeros(1000)).clone()
+            out = topk_hook(state, FakeBucket(weighted.clone(), params)).wait()
+            results.append((weighted, residual_before, state.residuals[0].clone(), out.clone(),
+                            state.counter.take()))
+        torch.save(results, os.path.join(out_dir, f"topk{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_topk_residual_plus_sent_is_weighted_gradient_and_nonfinite_keeps_residual(tmp_path):
+    mp.start_processes(_topk_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"topk{r}.pt") for r in range(2)]
+    k = 50
+    for step in range(2):
+        sent = []
+        for rank in range(2):
+            weighted, before, after, out, counted = got[rank][step]
+            acc = weighted + before
+            mask = after == 0
+            assert int(mask.sum()) == k  # exactly k entries left this rank
+            sent_r = torch.where(mask, acc, torch.zeros(()))
+            assert torch.equal(after + sent_r, acc)  # residual + sent == weighted gradient (+ carried residual)
+            assert sent_r.abs().min().item() >= 0 and acc[mask].abs().min() >= acc[~mask].abs().max()
+            assert counted == {"all": k * (4 + 4)}  # fp32 values + int32 indices
+            sent.append(sent_r)
+        # Both ranks receive the same average of what was sent.
+        assert torch.equal(got[0][step][3], got[1][step][3])
+        assert torch.equal(got[0][step][3] * 2, sent[0] + sent[1])
+    # Step 2: rank 1's bucket has a NaN. Its residual is left as it was; the NaN reaches every rank's gradient.
+    _, before, after, out, _ = got[1][2]
+    assert torch.equal(after, before) and torch.isfinite(after).all()
+    for rank in range(2):
+        assert torch.isfinite(got[rank][2][2]).all()
+        assert not torch.isfinite(got[rank][2][3]).all()
+
+
+# -- training -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uncompressed(tmp_path_factory) -> list[dict]:
+    return fit_digits(str(tmp_path_factory.mktemp("none")), "none", epochs=EPOCHS)
+
+
+EPOCHS = 20  # 300 optimizer steps
+TRAIN_SETTINGS = {
+    "powersgd": PowerSGDCompression(rank=4, start_iter=10),
+    "topk": TopKCompression(ratio=0.1, warmup_steps=50, warmup_ratio=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAIN_SETTINGS))
+def test_compressed_training_reaches_uncompressed_loss(tmp_path, uncompressed, name):
+    records = fit_digits(str(tmp_path), TRAIN_SETTINGS[name], epochs=EPOCHS)
+    assert_replicas_equal(records)
+    assert len(records[0]["params"]) == len(uncompressed[0]["params"]) == 300
+    reference = full_loss(uncompressed[0]["params"][-1])
+    loss = full_loss(records[0]["params"][-1])
+    assert abs(loss - reference) <= 0.01 * reference, (name, loss, reference)
