@@ -109,12 +109,14 @@ def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_k
 
 
 def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epochs: int, seed: int = 0,
-                  shuffle_within: bool = False, equal_rank_weights: bool = False
+                  shuffle_within: bool = False, equal_rank_weights: bool = False, accumulate: int = 1
                   ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """One process trained on the same global batches; returns params after each step and the global batches.
 
     ``shuffle_within`` reorders samples inside each global batch: the run-to-run floor of summation order.
     ``equal_rank_weights`` averages the ranks' slice losses equally, as plain DDP would (the wrong answer).
+    ``accumulate`` steps the optimizer every that many global batches (and at the end of an epoch), with each
+    batch's loss divided by it, as Lightning's ``accumulate_grad_batches`` does.
     """
     dataset = IndexedDataset(model.hparams.n)
     g = model.hparams.batch_size * world
@@ -124,20 +126,22 @@ def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epo
     params, batches = [], []
     for epoch in range(epochs):
         order.set_epoch(epoch)
-        for k, batch in enumerate(sampler.global_batches()):
+        epoch_batches = sampler.global_batches()
+        for k, batch in enumerate(epoch_batches):
             batches.append(batch)
             idx = torch.tensor(batch)
             if shuffle_within:
                 idx = idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(len(batches)))]
-            optimizer.zero_grad()
             if equal_rank_weights:
                 slices = [torch.tensor(sampler.rank_slice(k, batch, r))
                           for r in range(world)]
                 loss = sum(model.loss((dataset.x[i], dataset.y[i], i)) for i in slices if len(i)) / world
             else:
                 loss = model.loss((dataset.x[idx], dataset.y[idx], idx))
-            loss.backward()
-            optimizer.step()
+            (loss / accumulate).backward()
+            if (k + 1) % accumulate == 0 or k + 1 == len(epoch_batches):
+                optimizer.step()
+                optimizer.zero_grad()
             params.append(flat_params(model))
     return params, batches
 

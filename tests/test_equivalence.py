@@ -57,3 +57,16 @@ def test_equal_weighting_would_fail_the_check():
     ref_params, _ = reference_run(model, 2, [3, 1], 3)
     wrong_params, _ = reference_run(wrong_model, 2, [3, 1], 3, equal_rank_weights=True)
     assert max_rel_diff(wrong_params[-1], ref_params[-1]) > 1e-3
+
+
+def test_gradient_accumulation_equals_one_process(tmp_path):
+    """Hooks fire once per optimizer step on the accumulated gradient; the window's weight keeps it exact."""
+    seed_everything(0)
+    model = TinyModel("sgd", n=64)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1]}, max_epochs=3, accumulate_grad_batches=2)
+    ref_params, _ = reference_run(reference_model, 2, [3, 1], 3, accumulate=2)
+    assert records[0]["steps"] == 12 and len(ref_params) == 24  # 8 micro-batches an epoch, 4 optimizer steps
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6
