@@ -1,0 +1,341 @@
+"""Measure every rank's training throughput (and, on CUDA, its memory per sample) on the user's own model.
+
+Before the first training step each rank times forward + backward of its LightningModule's ``training_step`` on
+real samples of its own training set, at two micro-batch sizes, in the precision it trains in. The samples are read
+straight from the dataset (the training loader's order and position are untouched), the backward pass uses
+``torch.autograd.grad`` on the bare LightningModule (no ``.grad`` is written, no DDP all-reduce fires), and
+parameters, buffers, gradients, module modes and every RNG are put back exactly as they were.
+
+From the two sizes each rank fits ``time(b) = a + c * b`` (a fixed cost per step plus a cost per sample); the shares
+are the split that makes every rank's predicted step time equal, and a rank's capacity is its predicted samples/s at
+that split. On CUDA the same two sizes give the peak memory per sample, and with the free memory (minus a headroom)
+a cap on the samples the rank can hold, which :func:`lightning_hetero.plan.split_batch` honours.
+
+Example::
+
+    result = profile_capacities(module, samples, sizes=(8, 16), global_batch_size=64,
+                                forward_context=precision_plugin.forward_context)
+    sampler.change_shares(result.capacities, first_batch=0, caps=result.caps)
+"""
+
+import math
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ContextFactory = Callable[[], AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """One rank's measurements: step seconds at each batch size, peak bytes above the model at each size."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    peak_bytes: tuple[int, ...] = ()
+    usable_bytes: Optional[int] = None  # memory this rank may fill (CUDA only)
+    cost_s: float = 0.0
+
+    def cost_model(self) -> tuple[float, float]:
+        """(seconds per step, seconds per sample) of ``time(b) = a + c * b``, both kept physical (a >= 0, c > 0)."""
+        (b1, b2), (t1, t2) = self.sizes[:1] + self.sizes[-1:], self.seconds[:1] + self.seconds[-1:]
+        average = t2 / b2
+        # A step that hardly grows with its batch (latency-bound, or noise) gives an ill-conditioned fit: then take
+        # time as proportional to samples, which under- rather than over-estimates what the rank could take.
+        if b2 <= b1 or (t2 - t1) < 0.25 * t2 * (b2 - b1) / b2:
+            return 0.0, average
+        per_sample = (t2 - t1) / (b2 - b1)
+        return max(0.0, t2 - per_sample * b2), per_sample
+
+    def memory_cap(self, max_batch: Optional[int] = None) -> Optional[int]:
+        """Most samples that fit in ``usable_bytes`` (``None``: not measured and no explicit limit)."""
+        cap = max_batch
+        if self.usable_bytes is not None and len(self.peak_bytes) == len(self.sizes) and self.peak_bytes:
+            (b1, b2), (m1, m2) = (self.sizes[0], self.sizes[-1]), (self.peak_bytes[0], self.peak_bytes[-1])
+            per_sample = max((m2 - m1) / (b2 - b1), 0.0) if b2 > b1 else m2 / b2
+            fixed = max(0.0, m2 - per_sample * b2)
+            if per_sample > 0:
+                fits = math.floor((self.usable_bytes - fixed) / per_sample)
+                cap = fits if cap is None else min(cap, fits)
+        return cap
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """All ranks' profiles and what follows from them (identical on every rank)."""
+
+    ranks: tuple[RankProfile, ...]
+    global_batch_size: int
+    capacities: tuple[float, ...] = ()
+    caps: Optional[tuple[int, ...]] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cost_s(self) -> float:
+        """Wall time of the slowest rank's profiling."""
+        return max(r.cost_s for r in self.ranks)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> "ProfileResult":
+        ranks = tuple(
+            RankProfile(
+                sizes=tuple(r["sizes"]),
+                seconds=tuple(r["seconds"]),
+                peak_bytes=tuple(r["peak_bytes"]),
+                usable_bytes=r["usable_bytes"],
+                cost_s=r["cost_s"],
+            )
+            for r in state["ranks"]
+        )
+        caps = tuple(state["caps"]) if state.get("caps") else None
+        return cls(ranks, int(state["global_batch_size"]), tuple(state["capacities"]), caps, dict(state.get("extra", {})))
+
+
+def balanced_capacities(profiles: Sequence[RankProfile], global_batch_size: int) -> list[float]:
+    """Samples/s of each rank at the split where every rank's predicted step time is the same.
+
+    With ``time_r(b) = a_r + c_r b`` and ``Σ b_r = G``, equal times T give ``b_r = (T - a_r) / c_r`` and
+    ``T = (G + Σ a_r / c_r) / Σ 1 / c_r``. A rank whose fixed cost alone exceeds T still gets one sample.
+    """
+    models = [p.cost_model() for p in profiles]
+    step = (global_batch_size + sum(a / c for a, c in models)) / sum(1.0 / c for _, c in models)
+    shares = [max((step - a) / c, 1.0) for a, c in models]
+    return [b / (a + c * b) for b, (a, c) in zip(shares, models)]
+
+
+def profile_sizes(global_batch_size: int, world_size: int) -> tuple[int, int]:
+    """Half and all of an equal share: the sizes plain DDP already trains at, so both fit where DDP fits."""
+    equal = max(1, global_batch_size // world_size)
+    return max(1, equal // 2), equal
+
+
+def time_rank(
+    module: nn.Module,
+    batches: Mapping[int, Any],
+    loss_fn: Callable[[Any], Optional[torch.Tensor]],
+    device: torch.device,
+    steps: int = 4,
+    warmup: int = 2,
+    forward_context: ContextFactory = nullcontext,
+    headroom: float = 0.1,
+    step_context: ContextFactory = nullcontext,
+) -> Optional[RankProfile]:
+    """Median seconds of forward + backward at each batch size (``batches``: size -> batch on ``device``).
+
+    ``None`` when ``loss_fn`` gives no loss (a ``training_step`` that returns ``None``). ``step_context`` wraps
+    forward and backward (e.g. an emulated device's capped stream), ``forward_context`` the forward (autocast).
+    Writes no ``.grad``; call it inside :func:`preserved` to also restore buffers and RNG.
+    """
+    start = time.perf_counter()
+    cuda = device.type == "cuda"
+    params = [p for p in module.parameters() if p.requires_grad]
+    sizes, seconds, peaks = [], [], []
+    for size in sorted(batches):
+        times = []
+        for i in range(warmup + steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+                if i == warmup + steps - 1:
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            with step_context():
+                with forward_context():
+                    loss = loss_fn(batches[size])
+                if loss is None:
+                    return None
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            del loss, grads
+        if cuda:
+            peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
+        sizes.append(size)
+        seconds.append(sorted(times[warmup:])[len(times[warmup:]) // 2])
+    usable = None
+    if cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        usable = int(free + cached - headroom * total)
+    return RankProfile(tuple(sizes), tuple(seconds), tuple(peaks), usable, time.perf_counter() - start)
+
+
+def optimizer_reserve_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Bytes optimizer state will take at the first step if it does not exist yet (two moments, as Adam keeps)."""
+    if any(len(opt.state) for opt in optimizers):
+        return 0
+    return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+@contextmanager
+def preserved(module: nn.Module) -> Iterator[None]:
+    """Put parameters, buffers, gradients, module train/eval modes and all RNG states back as they were."""
+    modes = [(m, m.training) for m in module.modules()]
+    # Kept in host memory: a forward that writes its weights (even through `.data`, which no version counter sees)
+    # is undone without doubling the model on the device.
+    params = [(p, p.detach().to("cpu", copy=True)) for p in module.parameters()]
+    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = _rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in params:
+                p.copy_(saved.to(p.device))
+            for p, grad, saved in grads:
+                p.grad = grad
+                if grad is not None:
+                    grad.copy_(saved)
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, mode in modes:
+            m.training = mode
+        _set_rng_state(rng)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def gather_profiles(local: Optional[RankProfile]) -> list[Optional[RankProfile]]:
+    """Every rank's profile (``None`` where a rank could not profile); a collective."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if local is None else asdict(local))
+    return [None if g is None else RankProfile(**{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()})
+            for g in gathered]
+
+
+def combine(
+    profiles: Sequence[RankProfile],
+    global_batch_size: int,
+    reserve_bytes: Sequence[int] = (),
+    max_batch_per_rank: Optional[int] = None,
+) -> ProfileResult:
+    """Capacities and per-rank caps from all ranks' profiles; ``ValueError`` if a rank cannot hold one sample."""
+    capacities = balanced_capacities(profiles, global_batch_size)
+    caps = []
+    for r, p in enumerate(profiles):
+        reserve = reserve_bytes[r] if r < len(reserve_bytes) else 0
+        usable = None if p.usable_bytes is None else p.usable_bytes - reserve
+        cap = RankProfile(p.sizes, p.seconds, p.peak_bytes, usable, p.cost_s).memory_cap(max_batch_per_rank)
+        if cap is not None and cap < 1:
+            raise ValueError(
+                f"rank {r} cannot hold one training sample: it measured {p.peak_bytes} bytes at batch sizes "
+                f"{p.sizes} and may use {usable} bytes (free memory minus `memory_headroom`). Use a smaller model, "
+                "lower `memory_headroom`, or leave this device out."
+            )
+        caps.append(cap)
+    if all(c is None for c in caps):
+        final_caps = None
+    else:
+        # A rank without a measured limit can take the whole batch.
+        final_caps = tuple(global_batch_size if c is None else int(c) for c in caps)
+    return ProfileResult(tuple(profiles), global_batch_size, tuple(capacities), final_caps)
+
+
+@contextmanager
+def _silenced_logging(module: nn.Module) -> Iterator[None]:
+    """``self.log`` inside a profiled ``training_step`` records nothing and syncs nothing."""
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def training_loss(module: nn.Module) -> Callable[[Any], Optional[torch.Tensor]]:
+    """The loss ``module.training_step`` returns (a tensor or ``{"loss": tensor}``), else ``None``."""
+
+    def loss_fn(batch: Any) -> Optional[torch.Tensor]:
+        out = module.training_step(batch, 0)
+        if isinstance(out, Mapping):
+            out = out.get("loss")
+        return out if isinstance(out, torch.Tensor) and out.requires_grad else None
+
+    return loss_fn
+
+
+def sample_batches(
+    dataset: Any, collate_fn: Callable, indices: Sequence[int], sizes: Sequence[int], transfer: Callable[[Any], Any]
+) -> dict[int, Any]:
+    """Batches of each size made of the first samples of ``indices``, read straight from ``dataset``."""
+    return {size: transfer(collate_fn([dataset[i] for i in indices[:size]])) for size in sizes}
+
+
+def profile_lightning_module(
+    module: Any,
+    dataset: Any,
+    collate_fn: Callable,
+    indices: Sequence[int],
+    global_batch_size: int,
+    device: torch.device,
+    forward_context: ContextFactory = nullcontext,
+    steps: int = 4,
+    headroom: float = 0.1,
+    max_batch_per_rank: Optional[int] = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    step_context: ContextFactory = nullcontext,
+) -> Optional[ProfileResult]:
+    """Profile ``module`` (a LightningModule, not its DDP wrapper) on this rank and combine all ranks' results.
+
+    A collective: every rank calls it. ``indices`` are the samples this rank reads (any order; at least the larger
+    profiling size). Returns ``None`` on every rank if any rank's ``training_step`` gave no loss to time.
+    """
+    world = dist.get_world_size()
+    sizes = profile_sizes(global_batch_size, world)
+    local: Optional[RankProfile] = None
+    with preserved(module), _silenced_logging(module), torch.enable_grad():
+        module.train()
+        batches = sample_batches(
+            dataset, collate_fn, list(indices), sizes,
+            lambda b: module._apply_batch_transfer_handler(b, device=device),
+        )
+        local = time_rank(module, batches, training_loss(module), device, steps=steps,
+                          forward_context=forward_context, headroom=headroom, step_context=step_context)
+        del batches
+    profiles = gather_profiles(local)
+    if any(p is None for p in profiles):
+        return None
+    reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
+    return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank)  # type: ignore[arg-type]
+
+
+def table_columns(result: ProfileResult) -> dict[str, list[str]]:
+    """Lab-table columns: measured samples/s at the balanced split and the memory cap (max samples)."""
+    caps = result.caps or (None,) * len(result.ranks)
+    return {
+        "samples/s": [f"{c:.4g}" for c in result.capacities],
+        "mem cap": ["-" if c is None else str(c) for c in caps],
+    }

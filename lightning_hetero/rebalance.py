@@ -1,0 +1,401 @@
+"""Shares that follow the measured speed of every rank: profiling at start, live rebalancing, exact resume.
+
+:class:`ShareController` is what :class:`~lightning_hetero.strategy.HeteroDDPStrategy` calls into:
+
+- when the training loader is built (before its first batch is drawn) it restores the shares of a resumed run and
+  where in the epoch it stopped, or profiles the model (:mod:`lightning_hetero.profiling`) and applies the measured
+  shares from batch 0;
+- with ``rebalance=True`` a :class:`StepTimer` measures each step's compute time (from ``training_step`` start to the
+  last parameter gradient, minus time blocked in collectives the strategy issues inside the step; data loading and the
+  gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
+  measurements in one ``all_gather``. Every rank then updates the same exponential moving average of per-rank
+  throughput and takes the same decision (:func:`propose`): new shares only when they move more than
+  ``rebalance_threshold`` of the global batch, keyed to a global-batch index past every rank's prefetched batches.
+
+Example::
+
+    controller = ShareController(rebalance=True, every=20, threshold=0.05, smoothing=0.5)
+    strategy.rank_state.register("shares", controller)
+"""
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hetero.plan import split_batch
+from lightning_hetero.profiling import ProfileResult, profile_lightning_module, table_columns
+from lightning_hetero.sampler import HeteroBatchSampler
+
+
+class StepTimer:
+    """Compute seconds of one training step on this rank, waits excluded.
+
+    The step's end is the last parameter's gradient accumulation (a post-accumulate-grad hook): DDP's all-reduce
+    wait comes after it. On CUDA the interval is taken with events on the stream the work runs on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._handles: list[Any] = []
+        self._active = False
+        self._start: Any = None
+        self._end: Any = None
+        self._excluded = 0.0
+        if self._cuda:  # re-recorded each step; the end event by every gradient hook, the last one wins
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._end_event = torch.cuda.Event(enable_timing=True)
+
+    def attach(self, module: torch.nn.Module) -> None:
+        self.detach()
+        for p in module.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._mark_end))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _mark_end(self, _param: torch.Tensor) -> None:
+        if self._active:
+            if self._cuda:
+                self._end_event.record()  # on the stream autograd runs this parameter's backward on
+                self._end = self._end_event
+            else:
+                self._end = time.perf_counter()
+
+    def start(self) -> None:
+        self._active = True
+        self._end, self._excluded = None, 0.0
+        if self._cuda:
+            self._start_event.record()
+            self._start = self._start_event
+        else:
+            self._start = time.perf_counter()
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time inside is not compute (a collective issued from within the step)."""
+        if not self._active:
+            yield
+            return
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            self._excluded += time.perf_counter() - t0
+
+    def stop(self) -> Optional[float]:
+        """Seconds of the step begun by :meth:`start` (``None`` if it had no backward). Call after the step."""
+        if not self._active:
+            return None
+        self._active = False
+        if self._end is None:
+            return None
+        if self._cuda:
+            self._end.synchronize()
+            seconds = self._start.elapsed_time(self._end) / 1000.0
+        else:
+            seconds = self._end - self._start
+        return max(seconds - self._excluded, 1e-9)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A share change every rank takes identically."""
+
+    first_batch: int
+    old_capacities: tuple[float, ...]
+    new_capacities: tuple[float, ...]
+    old_split: tuple[int, ...]
+    new_split: tuple[int, ...]
+    moved: float  # fraction of the global batch that changes rank
+
+    def message(self) -> str:
+        old = ", ".join(f"{s}" for s in self.old_split)
+        new = ", ".join(f"{s}" for s in self.new_split)
+        rates = ", ".join(f"{c:.4g}" for c in self.new_capacities)
+        return (
+            f"HeteroDDPStrategy rebalance from global batch {self.first_batch}: split [{old}] -> [{new}] "
+            f"({self.moved:.1%} of the batch moves; measured samples/s [{rates}])"
+        )
+
+
+def propose(
+    current: Sequence[float],
+    throughput: Sequence[float],
+    global_batch_size: int,
+    caps: Optional[Sequence[int]],
+    threshold: float,
+) -> Optional[tuple[list[int], list[int], float]]:
+    """(old split, new split, moved fraction) when splitting by ``throughput`` moves more than ``threshold`` of the
+    global batch away from the split by ``current`` capacities; else ``None`` (hysteresis: noise moves little)."""
+    old = split_batch(global_batch_size, current, caps)
+    new = split_batch(global_batch_size, throughput, caps)
+    moved = sum(max(0, n - o) for n, o in zip(new, old)) / global_batch_size
+    return (old, new, moved) if moved > threshold else None
+
+
+def gather_measurements(values: Sequence[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values`` (same length everywhere), in rank order: one ``all_gather``."""
+    local = torch.tensor(list(values), dtype=torch.float64, device=device)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [t.tolist() for t in out]
+
+
+class ShareController:
+    """Profiling, live rebalancing and the checkpointed share state of one training run.
+
+    ``state_dict`` holds the profile, the rebalancer's moving average and counters, and the train sampler's share
+    schedule; the sampler's position is Lightning's restored batch progress (checked against the saved one).
+    """
+
+    def __init__(
+        self,
+        profile: bool = False,
+        profile_steps: int = 4,
+        memory_headroom: float = 0.1,
+        max_batch_per_rank: Optional[int] = None,
+        rebalance: bool = False,
+        every: int = 20,
+        threshold: float = 0.05,
+        smoothing: float = 0.5,
+    ) -> None:
+        self.profile_enabled = profile
+        self.profile_steps = profile_steps
+        self.memory_headroom = memory_headroom
+        self.max_batch_per_rank = max_batch_per_rank
+        self.rebalance = rebalance
+        self.every = every
+        self.threshold = threshold
+        self.smoothing = smoothing
+        self.profile: Optional[ProfileResult] = None
+        self.caps: Optional[tuple[int, ...]] = None
+        self.sampler: Optional[HeteroBatchSampler] = None
+        self.timer: Optional[StepTimer] = None
+        self.ema: Optional[list[float]] = None
+        self.batches_seen = 0
+        self.position = 0  # batches of the current epoch whose step has run
+        self.decisions: list[Decision] = []
+        self._window = [0.0, 0.0]  # samples, compute seconds since the last exchange
+        self._last_samples = 0  # real samples of the step being timed
+        self._skip_next = True  # the first step after (re)start warms up allocators and caches
+        self._restored: Optional[dict[str, Any]] = None
+        self._expect_batch: Optional[int] = None
+
+    # -- checkpoint ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "profile": None if self.profile is None else self.profile.state_dict(),
+            "caps": None if self.caps is None else list(self.caps),
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "ema": self.ema,
+            "batches_seen": self.batches_seen,
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Applied when the training loader is built (Lightning restores callbacks before that).
+        self._restored = dict(state)
+
+    # -- start of training -----------------------------------------------------------------------------------------
+    def on_train_loader(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> None:
+        """Before the loader's first batch is drawn: restore a resumed run's shares, or profile (a collective)."""
+        self.sampler = sampler
+        trainer = strategy.lightning_module.trainer
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            self._restore(restored, sampler, trainer)
+        else:
+            if self.profile_enabled and self.profile is None:
+                self.profile = self._run_profile(strategy, sampler, dataloader)
+                if self.profile is not None:
+                    self.caps = self.profile.caps
+            elif self.caps is None and self.max_batch_per_rank is not None:
+                self.caps = (self.max_batch_per_rank,) * sampler.world_size
+            capacities = self.profile.capacities if self.profile is not None else strategy.lab.capacities
+            sampler.change_shares(capacities, first_batch=0, caps=self.caps)
+        source = "profile" if self.profile is not None else strategy.lab.capacity_source
+        strategy.update_capacities(sampler.capacities, source)
+        if self.profile is not None:
+            strategy.add_lab_columns(table_columns(self.profile))
+        elif self.caps is not None:
+            strategy.add_lab_columns({"mem cap": [str(c) for c in self.caps]})
+        if self.rebalance and self.timer is None:
+            self.timer = StepTimer(strategy.root_device)
+            self.timer.attach(strategy.lightning_module)
+        self._skip_next = True
+
+    def _run_profile(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> Optional[ProfileResult]:
+        module = strategy.lightning_module
+        if not module.automatic_optimization:
+            rank_zero_warn("HeteroDDPStrategy: manual optimization cannot be profiled; keeping "
+                           f"'{strategy.lab.capacity_source}' capacities.")
+            return None
+        order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
+        need = max(1, sampler.global_batch_size // sampler.world_size)
+        offset = sampler.rank * need
+        indices = [order[(offset + i) % len(order)] for i in range(need)]
+        emulator = getattr(strategy, "emulation", None)
+        result = profile_lightning_module(
+            module,
+            dataloader.dataset,
+            dataloader.collate_fn,
+            indices,
+            sampler.global_batch_size,
+            strategy.root_device,
+            forward_context=strategy.precision_plugin.forward_context,
+            steps=self.profile_steps,
+            headroom=self.memory_headroom,
+            max_batch_per_rank=self.max_batch_per_rank,
+            optimizers=strategy.optimizers,
+            step_context=emulator.work if emulator is not None else _nothing,
+        )
+        if result is None:
+            rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "
+                           f"'{strategy.lab.capacity_source}' capacities.")
+            return None
+        rates = ", ".join(f"{c:.4g}" for c in result.capacities)
+        rank_zero_info(f"HeteroDDPStrategy profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
+                       + (f", memory caps {list(result.caps)}" if result.caps else ""))
+        return result
+
+    def _restore(self, state: dict[str, Any], sampler: HeteroBatchSampler, trainer: Any) -> None:
+        self.profile = None if state.get("profile") is None else ProfileResult.from_state_dict(state["profile"])
+        self.caps = tuple(state["caps"]) if state.get("caps") else None
+        self.ema = state.get("ema")
+        self.batches_seen = int(state.get("batches_seen", 0))
+        fit_loop = trainer.fit_loop
+        # Lightning restarts a map-style loader from its first batch but continues batch_idx from its restored
+        # progress (`ready`); the sampler skips exactly those batches so index k is still global batch k.
+        start = fit_loop.epoch_loop.batch_progress.current.ready if fit_loop.restarting else 0
+        if state.get("sampler") is not None:
+            sampler.load_state_dict(state["sampler"], start_batch=start)
+        sampler.sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+        self.position = start
+        self._expect_batch = start if start else None
+
+    # -- every training batch --------------------------------------------------------------------------------------
+    def step_started(self) -> None:
+        if self.timer is not None:
+            self.timer.start()
+
+    def excluded(self) -> Any:
+        return self.timer.excluded() if self.timer is not None else _nothing()
+
+    def on_train_batch_start(self, strategy: Any, batch_idx: int, local_samples: int) -> None:
+        """Account the previous step; every ``every`` batches exchange measurements and maybe rebalance."""
+        if self._expect_batch is not None:
+            expected, self._expect_batch = self._expect_batch, None
+            if batch_idx != expected:
+                raise RuntimeError(
+                    f"HeteroDDPStrategy resumed its sampler at global batch {expected} but Lightning resumed at "
+                    f"batch_idx {batch_idx}; samples would be lost or repeated."
+                )
+        self.position = batch_idx + 1
+        if self.timer is None or self.sampler is None:
+            return
+        seconds = self.timer.stop()
+        if seconds is not None and self._last_samples > 0 and not self._skip_next:
+            self._window[0] += self._last_samples
+            self._window[1] += seconds
+        self._skip_next = False
+        self._last_samples = local_samples
+        self.batches_seen += 1
+        if self.batches_seen % self.every == 0:
+            decision = self.exchange(strategy, batch_idx)
+            if decision is not None:
+                self._apply(strategy, decision)
+
+    def exchange(self, strategy: Any, batch_idx: int) -> Optional[Decision]:
+        """The one collective of a rebalancing round and the decision every rank derives from it."""
+        assert self.sampler is not None
+        rows = gather_measurements([*self._window, float(self.sampler.batches_yielded)], strategy.root_device)
+        self._window = [0.0, 0.0]
+        if any(samples <= 0 or seconds <= 0 for samples, seconds, _ in rows):
+            return None  # some rank measured nothing this round (padding steps only)
+        rates = [samples / seconds for samples, seconds, _ in rows]
+        a = self.smoothing
+        self.ema = rates if self.ema is None else [a * r + (1 - a) * e for r, e in zip(rates, self.ema)]
+        self._log_rates(strategy)
+        current = self.sampler.capacities
+        proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold)
+        if proposal is None:
+            return None
+        old, new, moved = proposal
+        first = max(int(max(y for _, _, y in rows)), batch_idx + 1)
+        return Decision(first, tuple(current), tuple(self.ema), tuple(old), tuple(new), moved)
+
+    def _apply(self, strategy: Any, decision: Decision) -> None:
+        assert self.sampler is not None
+        self.sampler.change_shares(decision.new_capacities, first_batch=decision.first_batch, caps=self.caps)
+        strategy.update_capacities(decision.new_capacities, "rebalanced", decision.new_split)
+        self.decisions.append(decision)
+        self._skip_next = True
+        trainer = strategy.lightning_module.trainer
+        if strategy.global_rank == 0:
+            rank_zero_info(decision.message())
+            if trainer.logger is not None:
+                metrics = {f"hetero/share_rank{r}": b / sum(decision.new_split) for r, b in enumerate(decision.new_split)}
+                metrics["hetero/rebalance_moved"] = decision.moved
+                trainer.logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _log_rates(self, strategy: Any) -> None:
+        trainer = strategy.lightning_module.trainer
+        if strategy.global_rank == 0 and trainer.logger is not None and self.ema is not None:
+            trainer.logger.log_metrics(
+                {f"hetero/samples_per_s_rank{r}": v for r, v in enumerate(self.ema)}, step=trainer.global_step
+            )
+
+    def teardown(self) -> None:
+        if self.timer is not None:
+            self.timer.detach()
+            self.timer = None
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def validate_tuning(
+    profile_steps: int,
+    memory_headroom: float,
+    max_batch_per_rank: Optional[int],
+    rebalance_every: int,
+    rebalance_threshold: float,
+    rebalance_smoothing: float,
+) -> None:
+    """``ValueError`` naming the argument for out-of-range tuning values."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not is_int(profile_steps) or profile_steps < 1:
+        raise ValueError(f"`profile_steps`={profile_steps!r} must be a positive integer.")
+    if not is_num(memory_headroom) or not 0 <= memory_headroom < 1:
+        raise ValueError(f"`memory_headroom`={memory_headroom!r} must be a fraction of device memory in [0, 1).")
+    if max_batch_per_rank is not None and (not is_int(max_batch_per_rank) or max_batch_per_rank < 1):
+        raise ValueError(f"`max_batch_per_rank`={max_batch_per_rank!r} must be a positive integer or None.")
+    if not is_int(rebalance_every) or rebalance_every < 1:
+        raise ValueError(f"`rebalance_every`={rebalance_every!r} must be a positive number of batches.")
+    if not is_num(rebalance_threshold) or not 0 <= rebalance_threshold < 1:
+        raise ValueError(f"`rebalance_threshold`={rebalance_threshold!r} must be a fraction of the batch in [0, 1).")
+    if not is_num(rebalance_smoothing) or not 0 < rebalance_smoothing <= 1:
+        raise ValueError(f"`rebalance_smoothing`={rebalance_smoothing!r} must be in (0, 1] (1: no smoothing).")
