@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.devices import describe_device
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
@@ -62,6 +63,15 @@ class HeteroDDPStrategy(DDPStrategy):
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
         timeout: seconds a collective may wait before the job fails (instead of hanging).
         print_table: rank 0 prints the lab table once.
+        profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 2 warm-up
+            steps; at half and all of an equal share). See :mod:`lightning_hetero.profiling`.
+        memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
+            rank can hold (its "mem cap"); the split never gives a rank more.
+        max_batch_per_rank: an explicit cap on any rank's samples per step (CPU ranks have no measured cap).
+        rebalance: re-derive shares while training from each rank's measured compute time per sample.
+        rebalance_every: batches between measurement exchanges (one ``all_gather`` each).
+        rebalance_threshold: change shares only when the new split moves more than this fraction of the global batch.
+        rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
     """
 
@@ -76,6 +86,13 @@ class HeteroDDPStrategy(DDPStrategy):
         start_method: StartMethod = "popen",
         process_group_backend: Optional[str] = None,
         print_table: bool = True,
+        profile_steps: int = 4,
+        memory_headroom: float = 0.1,
+        max_batch_per_rank: Optional[int] = None,
+        rebalance: bool = False,
+        rebalance_every: int = 20,
+        rebalance_threshold: float = 0.05,
+        rebalance_smoothing: float = 0.5,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -121,6 +138,20 @@ class HeteroDDPStrategy(DDPStrategy):
         self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
         self._table_printed = False
         self._rank_state = RankStateCallback()
+        validate_tuning(profile_steps, memory_headroom, max_batch_per_rank, rebalance_every, rebalance_threshold,
+                        rebalance_smoothing)
+        if not isinstance(rebalance, bool):
+            raise ValueError(f"`rebalance`={rebalance!r} must be True or False.")
+        self._shares = ShareController(
+            profile=self._capacity_spec.source in ("profile", "auto"),  # the training loader exists only when fitting
+            profile_steps=profile_steps,
+            memory_headroom=float(memory_headroom),
+            max_batch_per_rank=max_batch_per_rank,
+            rebalance=rebalance,
+            every=rebalance_every,
+            threshold=float(rebalance_threshold),
+            smoothing=float(rebalance_smoothing),
+        )
 
     # -- public, read-only views ----------------------------------------------------------------------------------
     @property
@@ -169,9 +200,23 @@ class HeteroDDPStrategy(DDPStrategy):
             return torch.float16
         return torch.float32
 
-    def update_capacities(self, capacities: Sequence[float], source: str) -> None:
-        """Adopt new capacities (profiled or rebalanced) for the batches that follow."""
+    def update_capacities(
+        self, capacities: Sequence[float], source: str, split: Optional[Sequence[int]] = None
+    ) -> None:
+        """Adopt new capacities (profiled or rebalanced) for the batches that follow (and their full-batch split)."""
         self._lab = replace(self.lab, capacities=tuple(float(c) for c in capacities), capacity_source=source)
+        if split is not None:
+            self._lab = replace(self._lab, split=tuple(int(b) for b in split))
+
+    def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
+        for name, values in columns.items():
+            self._lab = self.lab.with_column(name, values)
+
+    @property
+    def share_controller(self) -> ShareController:
+        """Profiling results, rebalancing decisions and the share state saved in checkpoints."""
+        return self._shares
 
     # -- data -----------------------------------------------------------------------------------------------------
     @override
@@ -189,6 +234,9 @@ class HeteroDDPStrategy(DDPStrategy):
         new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
+            # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
+            self._rank_state.register("shares", self._shares)
+            self._shares.on_train_loader(self, batch_sampler, dataloader)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The table shows the training split; validate/test/predict-only runs show their own loader's.
         if stage == RunningStage.TRAINING or (not fitting and self.lab.global_batch_size is None):
@@ -263,6 +311,7 @@ class HeteroDDPStrategy(DDPStrategy):
         local, total = self._train_sampler.sizes_at(batch_idx)
         self._weighting.add_step(local, total)
         self._train_step_size = local
+        self._shares.on_train_batch_start(self, batch_idx, local)  # may key a share change to a later batch
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,6 +333,7 @@ class HeteroDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._shares.step_started()
         with self._weighted_logging(self._train_step_size):
             return super().training_step(*args, **kwargs)
 
@@ -298,6 +348,11 @@ class HeteroDDPStrategy(DDPStrategy):
             return super().test_step(*args, **kwargs)
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._shares.teardown()
+
+    @override
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean"
     ) -> Tensor:
@@ -308,7 +363,8 @@ class HeteroDDPStrategy(DDPStrategy):
         values = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32).reshape(-1)
         weight = torch.tensor([float(self._logging_batch_size)], dtype=values.dtype, device=values.device)
         packed = torch.cat([values * weight, weight])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        with self._shares.excluded():  # waiting for other ranks is not this rank's compute time
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
         mean = packed[:-1] / packed[-1].clamp_min(1e-12)
         return mean.reshape(tensor.shape).to(tensor.dtype)
 

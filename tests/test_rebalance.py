@@ -1,0 +1,103 @@
+"""Live rebalancing: hysteresis on noise, convergence after a rank slows down, every sample once per epoch."""
+
+import os
+import random
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero.rebalance import propose
+from tests.helpers import TinyModel, free_port
+
+
+def test_propose_has_hysteresis() -> None:
+    # 2 % measured difference: the split hardly moves -> no change
+    assert propose([1, 1], [1.0, 1.02], 32, None, threshold=0.05) is None
+    old, new, moved = propose([1, 1], [3.0, 1.0], 32, None, threshold=0.05)
+    assert (old, new) == ([16, 16], [24, 8]) and moved == pytest.approx(0.25)
+    # caps still bound the new split
+    assert propose([1, 1], [3.0, 1.0], 32, [20, 32], threshold=0.05)[1] == [20, 12]
+
+
+class TimedModel(TinyModel):
+    """Sleeps per sample in forward: rank 1 ``factor`` times longer, ``late_factor`` from ``change_at`` steps on;
+    ``jitter`` draws each step's sleep uniformly within ±jitter (its own RNG: training RNG untouched)."""
+
+    def __init__(self, per_sample: float = 0.002, factor: float = 1.0, late_factor: float = 1.0,
+                 change_at: int = 10**9, jitter: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self._jitter_rng = random.Random(1)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        h = self.hparams
+        scale = 1.0
+        if self.global_rank == 1:
+            scale = h.factor if self.trainer.global_step < h.change_at else h.late_factor
+        noise = 1.0 + h.jitter * (2 * self._jitter_rng.random() - 1)
+        time.sleep(h.per_sample * scale * noise * len(batch[0]))
+        return super().loss(batch)
+
+
+class _Splits(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.rows: list[tuple[int, int, int, list[int]]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        sampler = trainer.strategy.train_batch_sampler
+        self.rows.append((trainer.current_epoch, batch_idx, sampler.split_at(batch_idx)[1],
+                          [int(i) for i in batch[2]]))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        decisions = [(d.first_batch, d.new_split) for d in trainer.strategy.share_controller.decisions]
+        torch.save({"rows": self.rows, "decisions": decisions},
+                   os.path.join(self.out_dir, f"splits{trainer.global_rank}.pt"))
+
+
+def _fit(model: LightningModule, epochs: int, **strategy_kwargs: Any) -> list[dict]:
+    out = tempfile.mkdtemp()
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities="equal",
+                                 rebalance=True, **strategy_kwargs)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, callbacks=[_Splits(out)],
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model)
+    return [torch.load(os.path.join(out, f"splits{r}.pt")) for r in range(2)]
+
+
+def _each_index_once_per_epoch(records: list[dict], n: int, epochs: int) -> None:
+    for epoch in range(epochs):
+        seen = Counter(i for rec in records for e, _, _, idx in rec["rows"] if e == epoch for i in idx)
+        assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}, f"epoch {epoch}"
+
+
+def test_rebalance_converges_after_slowdown_and_keeps_every_sample() -> None:
+    n, epochs = 160, 3  # global batch 16 -> 10 steps per epoch
+    model = TimedModel(per_sample=0.002, factor=1.0, late_factor=3.0, change_at=6, batch_size=8, n=n)
+    records = _fit(model, epochs, rebalance_every=3, rebalance_threshold=0.05, rebalance_smoothing=0.7)
+    assert records[0]["decisions"] == records[1]["decisions"]
+    rank1 = [size for _, _, size, _ in records[0]["rows"]]
+    # Rank 1 became 3x slower at step 6: its share goes to 16 / 4 = 4 samples, within a bounded number of steps.
+    assert all(size == 8 for size in rank1[:6])
+    settled = rank1[6 + 12:]  # four rebalancing rounds later
+    assert settled and all(abs(size - 4) <= 1 for size in settled), rank1
+    assert len(records[0]["decisions"]) <= 4, records[0]["decisions"]
+    _each_index_once_per_epoch(records, n, epochs)
+
+
+def test_no_rebalance_on_noise() -> None:
+    n, epochs = 160, 2
+    model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
+    records = _fit(model, epochs, rebalance_every=4, rebalance_threshold=0.1, rebalance_smoothing=0.5)
+    assert records[0]["decisions"] == [] and records[1]["decisions"] == []
+    assert all(size == 8 for _, _, size, _ in records[0]["rows"])
+    _each_index_once_per_epoch(records, n, epochs)
