@@ -7,6 +7,7 @@ Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero.capacity import parse_capacities
+from lightning_hetero.compression import CastCompression, PowerSGDCompression, TopKCompression
 from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
 from lightning_hetero.lab import HeteroLab, LabGroups
 from lightning_hetero.plan import split_batch
@@ -19,6 +20,9 @@ HeteroDDPStrategy.register_strategies(StrategyRegistry)
 __version__ = "0.1.0"
 
 __all__ = [
+    "CastCompression",
+    "PowerSGDCompression",
+    "TopKCompression",
     "DeviceInfo",
     "GlobalOrder",
     "HeteroBatchSampler",

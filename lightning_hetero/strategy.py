@@ -38,6 +38,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
+from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import describe_device
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.rebalance import ShareController, validate_tuning
@@ -72,6 +73,10 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: batches between measurement exchanges (one ``all_gather`` each).
         rebalance_threshold: change shares only when the new split moves more than this fraction of the global batch.
         rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
+        compression: gradient compression on the wire: ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"``
+            or a :class:`~lightning_hetero.CastCompression` / ``PowerSGDCompression`` / ``TopKCompression``
+            (``hierarchical=True``: compress only between hosts or device classes). Bytes sent per optimizer step:
+            ``comm_bytes_last_step``, logged as ``comm/bytes``.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
     """
 
@@ -93,6 +98,7 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: int = 20,
         rebalance_threshold: float = 0.05,
         rebalance_smoothing: float = 0.5,
+        compression: CompressionArg = "none",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -103,6 +109,10 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_wrapper: Optional[Callable] = None,
     ) -> None:
         self._capacity_spec = parse_capacities(capacities)
+        self._compression_config = parse_compression(compression)
+        if self._compression_config is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
+            raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
+        self._compression: Optional[GradientCompression] = None
         if global_batch_size is not None and (
             isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
         ):
@@ -186,6 +196,11 @@ class HeteroDDPStrategy(DDPStrategy):
         weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
         self._lab = HeteroLab(devices=devices, capacities=tuple(weights), capacity_source=source)
         self._groups = build_groups(self._lab)
+        by_class = getattr(self._compression_config, "group_by", "") == "class"
+        by = self._lab.device_classes if by_class else self._lab.hosts
+        self._lab = self._lab.with_column(
+            "compression", describe_compression(self._compression_config, list(by.values()), self.world_size)
+        )
         trainer = getattr(self._lightning_module, "_trainer", None)
         # Callbacks are restored before `setup`: the state callback must be in place by then.
         if trainer is not None and self._rank_state not in trainer.callbacks:
@@ -298,7 +313,14 @@ class HeteroDDPStrategy(DDPStrategy):
         """The averaging hook that receives the weighted bucket: the user's, wrapped if asked; else a plain sum."""
         hook, state, wrapper = self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper
         if hook is None and wrapper is None:
-            return None, None
+            assert isinstance(self.model, DistributedDataParallel)
+            self._compression = GradientCompression(
+                self._compression_config, list(self.model.module.parameters()), self.world_size, self.root_device,
+                self.groups,
+            )
+            # Registered after Lightning restored callbacks: restored per-rank state is loaded right here.
+            self._rank_state.register("compression", self._compression)
+            return self._compression.hook, self._compression.state
         hook = hook or default_hooks.allreduce_hook
         return (wrapper(hook) if wrapper is not None else hook), state
 
@@ -316,10 +338,26 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().optimizer_step(*args, **kwargs)
+            out = super().optimizer_step(*args, **kwargs)
         finally:
             if self._weighting is not None:
                 self._weighting.reset()
+        self._log_comm_bytes()
+        return out
+
+    @property
+    def comm_bytes_last_step(self) -> Optional[int]:
+        """Bytes this rank handed to gradient collectives in the last optimizer step (None: a user comm hook)."""
+        return self._compression.bytes_last_step if self._compression is not None else None
+
+    def _log_comm_bytes(self) -> None:
+        if self._compression is None:
+            return
+        self._compression.end_step()
+        module = self._lightning_module
+        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+            module.log("comm/bytes", float(self._compression.bytes_last_step or 0), on_step=True, on_epoch=False,
+                       batch_size=1)
 
     # -- logging --------------------------------------------------------------------------------------------------
     @contextmanager

@@ -1,0 +1,112 @@
+"""Model definitions shared by the benchmarks (definitions only: no training code here)."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 16384
+    seq: int = 256
+    width: int = 768
+    layers: int = 12
+    heads: int = 12
+
+    @classmethod
+    def tiny(cls) -> "GPTConfig":
+        return cls(vocab=256, seq=32, width=64, layers=2, heads=4)
+
+    @classmethod
+    def gpt2_small(cls, seq: int = 1024) -> "GPTConfig":
+        """GPT-2 small: ≈ 124M parameters (vocabulary padded to a multiple of 64, as nanoGPT does)."""
+        return cls(vocab=50304, seq=seq, width=768, layers=12, heads=12)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer (GPT-2 layout, tied embeddings). The default config has ≈ 98M parameters."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.width))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.width)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.01)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck (stride on the 3x3 conv), as in torchvision."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        out = planes * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(inplanes, planes, 1, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+            nn.Conv2d(planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+            nn.Conv2d(planes, out, 1, bias=False), nn.BatchNorm2d(out),
+        )
+        self.down = None
+        if stride != 1 or inplanes != out:
+            self.down = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+
+def resnet(layers: tuple[int, ...] = (3, 4, 6, 3), width: int = 64, classes: int = 1000) -> nn.Sequential:
+    """ResNet with bottleneck blocks; the defaults are ResNet-50 (25.6M parameters, the layout of
+    ``torchvision.models.resnet50``, used when torchvision is not installed)."""
+    stem = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1)]
+    stages, inplanes = [], width
+    for i, blocks in enumerate(layers):
+        planes = width * 2**i
+        for j in range(blocks):
+            stages.append(Bottleneck(inplanes, planes, stride=2 if i > 0 and j == 0 else 1))
+            inplanes = planes * Bottleneck.expansion
+    return nn.Sequential(*stem, *stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, classes))
+
+
+def resnet50(classes: int = 1000) -> nn.Module:
+    """``torchvision.models.resnet50`` when torchvision is installed, else the same layout from :func:`resnet`."""
+    try:
+        from torchvision.models import resnet50 as tv_resnet50
+    except ImportError:
+        return resnet(classes=classes)
+    return tv_resnet50(num_classes=classes)
+
+
+def tiny_resnet(classes: int = 10) -> nn.Module:
+    """A two-block ResNet for CPU smoke runs."""
+    return resnet(layers=(1, 1), width=8, classes=classes)
