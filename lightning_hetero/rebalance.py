@@ -83,8 +83,8 @@ class StepTimer:
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
-        """Time inside is not compute (a collective issued from within the step)."""
-        if not self._active:
+        """Time inside is not compute (a collective issued from within the step, before its backward ends)."""
+        if not self._active or self._end is not None:
             yield
             return
         if self._cuda:
@@ -224,12 +224,12 @@ class ShareController:
                 self.profile = self._run_profile(strategy, sampler, dataloader)
                 if self.profile is not None:
                     self.caps = self.profile.caps
-            elif self.caps is None and self.max_batch_per_rank is not None:
+                    strategy.update_capacities(self.profile.capacities, "profile")
+            if self.caps is None and self.max_batch_per_rank is not None:
                 self.caps = (self.max_batch_per_rank,) * sampler.world_size
-            capacities = self.profile.capacities if self.profile is not None else strategy.lab.capacities
-            sampler.change_shares(capacities, first_batch=0, caps=self.caps)
-        source = "profile" if self.profile is not None else strategy.lab.capacity_source
-        strategy.update_capacities(sampler.capacities, source)
+            # The latest shares (profiled, or rebalanced before a loader reload) from the loader's first batch.
+            sampler.change_shares(strategy.lab.capacities, first_batch=0, caps=self.caps)
+        strategy.update_capacities(sampler.capacities, "restored" if restored is not None else strategy.lab.capacity_source)
         if self.profile is not None:
             strategy.add_lab_columns(table_columns(self.profile))
         elif self.caps is not None:
@@ -282,9 +282,17 @@ class ShareController:
         # Lightning restarts a map-style loader from its first batch but continues batch_idx from its restored
         # progress (`ready`); the sampler skips exactly those batches so index k is still global batch k.
         start = fit_loop.epoch_loop.batch_progress.current.ready if fit_loop.restarting else 0
+        epoch = fit_loop.epoch_progress.current.processed
+        limit = trainer.limit_train_batches
+        batches = len(sampler) if isinstance(limit, float) and limit == 1.0 else (
+            min(len(sampler), limit) if isinstance(limit, int) else int(len(sampler) * limit))
+        if start >= batches:
+            # Saved after the epoch's last batch: Lightning closes that epoch and draws the next one from the
+            # iterator it creates now, so that iterator must already be the next epoch's, from its first batch.
+            start, epoch = 0, epoch + 1
         if state.get("sampler") is not None:
             sampler.load_state_dict(state["sampler"], start_batch=start)
-        sampler.sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+        sampler.sampler.set_epoch(epoch)
         self.position = start
         self._expect_batch = start if start else None
 

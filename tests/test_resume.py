@@ -6,6 +6,7 @@ import tempfile
 from collections import Counter
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -15,7 +16,7 @@ import lightning_hetero.rebalance as rebalance
 from lightning_hetero import HeteroDDPStrategy
 from tests.helpers import Recorder, TinyModel, free_port, max_rel_diff
 
-N, G, EPOCHS, STOP_AT = 80, 8, 2, 7  # 10 steps per epoch; the first run stops mid-epoch 0, after a rebalance
+N, G, EPOCHS = 80, 8, 2  # 10 steps per epoch
 
 
 def _deterministic_gather(real: Any) -> Any:
@@ -31,6 +32,7 @@ def _deterministic_gather(real: Any) -> Any:
 
 def _fit(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
          max_steps: int = -1) -> list[dict]:
+    """Fit 2 forked CPU ranks; with ``ckpt_dir``, checkpoint at step ``max_steps`` (where the run stops)."""
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
     model = TinyModel("adam", batch_size=G // 2, n=N)
@@ -38,7 +40,7 @@ def _fit(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] 
                                  rebalance=True, rebalance_every=3, rebalance_threshold=0.05)
     callbacks: list[Any] = [Recorder(out_dir)]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP_AT, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, max_steps=max_steps,
                       callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_dir),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -46,9 +48,18 @@ def _fit(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] 
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
-def test_resume_mid_epoch_equals_uninterrupted(monkeypatch: Any) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted() -> list[dict]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(rebalance, "gather_measurements", _deterministic_gather(rebalance.gather_measurements))
+        return _fit(tempfile.mkdtemp())
+
+
+# 7: mid-epoch 0, after the rebalance; 10: after the epoch's last batch (Lightning goes on with epoch 1).
+@pytest.mark.parametrize("STOP_AT", [7, 10])
+def test_resume_equals_uninterrupted(uninterrupted: list[dict], STOP_AT: int, monkeypatch: Any) -> None:
     monkeypatch.setattr(rebalance, "gather_measurements", _deterministic_gather(rebalance.gather_measurements))
-    full = _fit(tempfile.mkdtemp())
+    full = uninterrupted
     ckpt_dir = tempfile.mkdtemp()
     first = _fit(tempfile.mkdtemp(), ckpt_dir=ckpt_dir, max_steps=STOP_AT)
     (ckpt,) = glob.glob(os.path.join(ckpt_dir, f"*step={STOP_AT}*.ckpt"))
