@@ -483,7 +483,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
             buffer.copy_(out)
     state.counter.add("intra", _nbytes(buffer))
     dist.broadcast(buffer, src=state.leader, group=state.group)
-    fut: torch.futures.Future[Tensor] = torch.futures.Future()
+    # A CUDA result needs a device-aware future (it records the stream the collectives ran on).
+    fut: torch.futures.Future[Tensor] = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
     fut.set_result(buffer)
     return fut
 

@@ -18,10 +18,12 @@ from lightning_hetero.compression import (
     CastState,
     CommCounter,
     HierarchicalState,
+    PowerSGDHookState,
     TopKState,
     cast_hook,
     hierarchical_hook,
     parse_compression,
+    powersgd_hook,
     topk_hook,
 )
 from tests.helpers import Recorder, free_port
@@ -95,7 +97,8 @@ class BytesRecorder(Recorder):
 
 
 def fit_digits(out_dir: str, compression: Any, epochs: int, model: Optional[DigitsMLP] = None,
-               ckpt_path: Optional[str] = None, save_every_epoch: bool = False, **trainer_kwargs: Any) -> list[dict]:
+               ckpt_path: Optional[str] = None, save_every_epoch: bool = False, accelerator: str = "cpu",
+               **trainer_kwargs: Any) -> list[dict]:
     """Fit the digits MLP on 2 forked CPU ranks; return each rank's record (params after every step, bytes)."""
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
@@ -106,7 +109,7 @@ def fit_digits(out_dir: str, compression: Any, epochs: int, model: Optional[Digi
     callbacks: list[Any] = [BytesRecorder(out_dir)]
     if save_every_epoch:
         callbacks.append(ModelCheckpoint(dirpath=out_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}"))
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, callbacks=callbacks,
+    trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, callbacks=callbacks,
                       logger=False, enable_checkpointing=save_every_epoch, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -168,6 +171,13 @@ class FakeBucket:
     def __init__(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> None:
         self._buffer, self._params = buffer, params
 
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
@@ -227,6 +237,40 @@ def test_topk_residual_plus_sent_is_weighted_gradient_and_nonfinite_keeps_residu
     for rank in range(2):
         assert torch.isfinite(got[rank][2][2]).all()
         assert not torch.isfinite(got[rank][2][3]).all()
+
+
+def _powersgd_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        params = [torch.zeros(20, 16), torch.zeros(16)]
+        state = PowerSGDHookState(PowerSGDCompression(rank=2, start_iter=2), None, params, torch.device("cpu"),
+                                  CommCounter(), "all")
+        g = torch.Generator().manual_seed(rank)
+        results = []
+        for step in range(5):
+            grad = torch.randn(336, generator=g)
+            if step == 3 and rank == 1:
+                grad[5] = float("inf")
+            out = powersgd_hook(state, FakeBucket(grad, params)).wait().clone()
+            ps = state.powersgd
+            results.append((out, ps.error_dict[0].clone() if 0 in ps.error_dict else None,
+                            ps.q_memory_dict[0].clone() if 0 in ps.q_memory_dict else None))
+        torch.save(results, os.path.join(out_dir, f"p{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_powersgd_nonfinite_step_leaves_error_and_warm_start_memory_finite(tmp_path):
+    mp.start_processes(_powersgd_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"p{r}.pt") for r in range(2)]
+    for rank in range(2):
+        out, error, q = got[rank][3]
+        assert not torch.isfinite(out).all()  # the inf of rank 1 reaches both ranks: the optimizer / scaler skips
+        assert torch.equal(error, got[rank][2][1])  # the error feedback is what it was before the step
+        assert torch.equal(q, got[rank][2][2])  # and so is the warm-start Q
+        assert all(torch.isfinite(t).all() for t in got[rank][4])  # the next step is clean again
+        assert torch.equal(got[rank][4][0], got[1 - rank][4][0])
 
 
 def _hierarchical_worker(rank: int, port: int, out_dir: str) -> None:
@@ -341,3 +385,55 @@ def test_cast_matches_uncompressed_within_dtype_tolerance(tmp_path, uncompressed
         diff = (records[0]["params"][step] - expected).abs().max() / expected.abs().max()
         assert diff <= tolerance, (step, float(diff))
     assert not torch.equal(records[0]["params"][29], uncompressed[0]["params"][29])  # the cast did happen
+
+
+def test_composes_with_gradient_accumulation(tmp_path):
+    """The hook fires once per optimizer step (on the synchronizing micro-step), so a step sends one top-k set."""
+    records = fit_digits(str(tmp_path), TopKCompression(ratio=0.01), epochs=1, accumulate_grad_batches=3)
+    assert records[0]["steps"] == 5  # 15 batches
+    assert_replicas_equal(records)
+    for record in records:
+        stepped = record["bytes"][2::3]  # read after batches 3, 6, ...: the batches that ran the optimizer
+        assert stepped == [(2410 // 100) * 8] * 5
+    params = records[0]["params"]
+    assert torch.equal(params[0], params[1]) and not torch.equal(params[1], params[2])  # they move on steps only
+    assert torch.equal(params[2], params[3])
+
+
+@pytest.mark.parametrize(
+    ("yaml_value", "expected"),
+    [
+        ("topk", TopKCompression()),
+        ("{class_path: lightning_hetero.PowerSGDCompression, init_args: {rank: 2, hierarchical: true}}",
+         PowerSGDCompression(rank=2, hierarchical=True)),
+        ("{class_path: lightning_hetero.TopKCompression, init_args: {ratio: 0.05, warmup_steps: 100}}",
+         TopKCompression(ratio=0.05, warmup_steps=100)),
+    ],
+)
+def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
+    pytest.importorskip("jsonargparse")
+    import sys
+
+    from lightning.pytorch.cli import LightningCLI
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    from train_digits import DigitsClassifier, DigitsDataModule
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: lightning_hetero.HeteroDDPStrategy\n"
+        f"    init_args:\n      compression: {yaml_value}\n"
+    )
+    cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False, args=["--config", str(config)])
+    assert cli.trainer.strategy._compression_config == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
+                                         TopKCompression(ratio=0.01)])
+def test_gpu_nccl_hooks_keep_replicas_identical(tmp_path, compression):
+    records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda")
+    assert_replicas_equal(records)
+    assert records[0]["steps"] == 30
