@@ -16,7 +16,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import describe_device
+from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
@@ -64,6 +65,10 @@ class HeteroDDPStrategy(DDPStrategy):
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
         timeout: seconds a collective may wait before the job fails (instead of hanging).
         print_table: rank 0 prints the lab table once.
+        emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
+            ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
+            "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
+            :mod:`lightning_hetero.emulation`.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 2 warm-up
             steps; at half and all of an equal share). See :mod:`lightning_hetero.profiling`.
         memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
@@ -91,6 +96,7 @@ class HeteroDDPStrategy(DDPStrategy):
         start_method: StartMethod = "popen",
         process_group_backend: Optional[str] = None,
         print_table: bool = True,
+        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         profile_steps: int = 4,
         memory_headroom: float = 0.1,
         max_batch_per_rank: Optional[int] = None,
@@ -109,6 +115,8 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_wrapper: Optional[Callable] = None,
     ) -> None:
         self._capacity_spec = parse_capacities(capacities)
+        self._emulate = parse_emulate(emulate)
+        self._emulator: Optional[Emulator] = None
         self._compression_config = parse_compression(compression)
         if self._compression_config is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
@@ -188,14 +196,30 @@ class HeteroDDPStrategy(DDPStrategy):
         return self._rank_state
 
     # -- setup ----------------------------------------------------------------------------------------------------
+    @property
+    def emulation(self) -> Optional[Emulator]:
+        """This rank's lab emulator (``None`` unless ``emulate`` gave it a profile); ``emulation.work()`` runs code
+        under its caps."""
+        return self._emulator
+
     @override
     def setup_environment(self) -> None:
+        if self._emulate is not None:
+            self.set_world_ranks()  # the rank is known from the cluster environment; NCCL env must precede the group
+            host = describe_device(self.root_device, self.global_rank)
+            self._emulator = start_emulation(self._emulate, self.global_rank, self.world_size, host, self.root_device)
         super().setup_environment()
+        if self._emulator is not None:
+            self._emulator.activate()
         local = describe_device(self.root_device, self.global_rank)
+        if self._emulator is not None:
+            local = self._emulator.describe(local)
         devices = gather_devices(local)
         weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
         self._lab = HeteroLab(devices=devices, capacities=tuple(weights), capacity_source=source)
         self._groups = build_groups(self._lab)
+        if self._emulate is not None:
+            self._show_emulation()
         by_class = getattr(self._compression_config, "group_by", "") == "class"
         by = self._lab.device_classes if by_class else self._lab.hosts
         self._lab = self._lab.with_column(
@@ -205,6 +229,17 @@ class HeteroDDPStrategy(DDPStrategy):
         # Callbacks are restored before `setup`: the state callback must be in place by then.
         if trainer is not None and self._rank_state not in trainer.callbacks:
             trainer.callbacks.append(self._rank_state)
+
+    def _show_emulation(self) -> None:
+        """An "emulated" table column and a rank-0 warning (a collective: every rank with ``emulate`` calls it)."""
+        summaries: list[Any] = [None] * self.world_size
+        dist.all_gather_object(summaries, self._emulator.summary() if self._emulator is not None else "real device")
+        self._lab = self.lab.with_column("emulated", summaries)
+        if self.global_rank == 0:
+            rank_zero_warn(lab_warning(summaries))
+
+    def _emulated_work(self) -> Any:
+        return self._emulator.work() if self._emulator is not None else nullcontext()
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype this rank's matmuls run in, for the published-rate table."""
@@ -338,7 +373,8 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            out = super().optimizer_step(*args, **kwargs)
+            with self._emulated_work():  # the closure runs forward and backward
+                out = super().optimizer_step(*args, **kwargs)
         finally:
             if self._weighting is not None:
                 self._weighting.reset()
@@ -372,18 +408,29 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._shares.step_started()
-        with self._weighted_logging(self._train_step_size):
+        with self._weighted_logging(self._train_step_size), self._emulated_work():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._weighted_logging(_batch_size_of(args, kwargs)):
+        with self._weighted_logging(_batch_size_of(args, kwargs)), self._emulated_work():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._weighted_logging(_batch_size_of(args, kwargs)):
+        with self._weighted_logging(_batch_size_of(args, kwargs)), self._emulated_work():
             return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._emulated_work():
+            return super().predict_step(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._emulator is not None:
+            self._emulator.restore()
 
     @override
     def teardown(self) -> None:

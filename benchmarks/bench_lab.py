@@ -1,0 +1,456 @@
+"""Throughput of an emulated mixed lab: solo devices (ideal = their sum), Lightning DDP, HeteroDDPStrategy.
+
+One command runs every scenario and model, prints a table last, and writes ``bench_lab.json`` and ``bench_lab.png``
+to ``--out`` (default ``$OUT`` or ./out)::
+
+    python benchmarks/bench_lab.py                          # mix2 + same2, ResNet-50 and GPT-124M, 2 GPUs
+    python benchmarks/bench_lab.py --scenarios mix4         # 4 GPUs
+    python benchmarks/bench_lab.py --quick                  # fewer steps
+    python benchmarks/bench_lab.py --tiny --accelerator cpu # smoke run on CPU (gloo, sleep-based slowdown)
+
+Per scenario one process per device is spawned once (NCCL's link settings must precede the process group); in it
+every configuration runs one after the other on the same process group:
+
+- ``solo``: a plain training loop on each emulated device alone (all devices at once; no communication). Ideal
+  throughput of the lab = the sum of the solo rates.
+- ``ddp``: Lightning's ``DDPStrategy``: equal batches, the job runs at the pace of the slowest device.
+- ``hetero-explicit``: ``HeteroDDPStrategy`` with the measured solo rates as capacities.
+- ``hetero-peak``: capacities from the published-rate table (emulated cards report their emulated name / SMs).
+- ``hetero-profile``: capacities measured on the model by the strategy before training (its time is ``setup s``).
+
+Every configuration trains ``--warmup`` steps, then times ``--steps`` steps between ``torch.cuda.synchronize``
+calls; samples/s = global batch × steps / seconds. Inputs are synthetic and made on the device inside the step
+(the loader yields indices only), so the numbers are compute and communication, not data loading.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+# The device machine needs these before any NCCL communicator exists (NVLink SHARP / multicast are not available).
+for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_key, _value)
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import GPT, GPTConfig, resnet50, tiny_resnet  # noqa: E402
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # one GPU at a quarter of the SMs with 24 GiB, on a PCIe-class link
+    "mix2": {"shares": [1.0, 0.25], "memory_gib": [None, 24], "link": "pcie"},
+    "mix4": {"shares": [1.0, 1.0, 0.5, 0.25], "memory_gib": [None, None, 48, 24], "link": "pcie"},
+    # two identical GPUs on NVLink: the strategy's overhead over DDP
+    "same2": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "nvlink"},
+}
+CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
+
+
+def emulate_specs(scenario: str, accelerator: str) -> Optional[list[Optional[dict[str, Any]]]]:
+    """The ``emulate`` argument of a scenario: SM shares on GPUs, the equivalent slowdown on CPU."""
+    cfg = SCENARIOS[scenario]
+    specs: list[Optional[dict[str, Any]]] = []
+    for share, memory in zip(cfg["shares"], cfg["memory_gib"]):
+        if share >= 1.0 and memory is None:
+            specs.append(None)
+        elif accelerator == "cpu":
+            specs.append({"slowdown": 1.0 / share, "name": f"CPU at {share:.0%}"})
+        else:
+            spec: dict[str, Any] = {"link": cfg["link"], "sm_share": share} if share < 1.0 else {"link": cfg["link"]}
+            if memory is not None:
+                spec["memory_gib"] = memory
+            specs.append(spec)
+    if all(s is None for s in specs) and cfg["link"] == "nvlink":
+        return None
+    if accelerator != "cpu" and specs[0] is None and cfg["link"] != "nvlink":
+        specs[0] = {"link": cfg["link"]}
+    return specs
+
+
+# -- workloads --------------------------------------------------------------------------------------------------------
+class Indices(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _lightning_module_class() -> type:
+    from lightning.pytorch import LightningModule
+
+    class Workload(LightningModule):
+        """Synthetic-input training of ``kind`` ("resnet50" / "gpt", tiny variants for CPU)."""
+
+        def __init__(self, kind: str, tiny: bool, seq: int) -> None:
+            super().__init__()
+            self.kind, self.tiny, self.seq = kind, tiny, seq
+            if kind == "resnet50":
+                self.net = tiny_resnet() if tiny else resnet50()
+                self.classes, self.pixels = (10, 32) if tiny else (1000, 224)
+            else:
+                cfg = GPTConfig.tiny() if tiny else GPTConfig.gpt2_small(seq)
+                self.net, self.classes = GPT(cfg), cfg.vocab
+            self._inputs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # not buffers: DDP would broadcast them
+
+        def prepare(self, cuda: bool) -> None:
+            if self.kind == "resnet50" and cuda:
+                self.net.to(memory_format=torch.channels_last)
+
+        def inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._inputs is None or self._inputs[0].shape[0] < n or self._inputs[0].device != self.device:
+                g = torch.Generator(device=self.device).manual_seed(0)
+                if self.kind == "resnet50":
+                    x = torch.randn(n, 3, self.pixels, self.pixels, device=self.device, generator=g)
+                    if self.device.type == "cuda":
+                        x = x.contiguous(memory_format=torch.channels_last)
+                    y = torch.randint(0, self.classes, (n,), device=self.device, generator=g)
+                else:
+                    seq = self.net.cfg.seq
+                    x = torch.randint(0, self.classes, (n, seq + 1), device=self.device, generator=g)
+                    y = x
+                self._inputs = (x, y)
+            x, y = self._inputs
+            return x[:n], y[:n]
+
+        def loss(self, batch: torch.Tensor) -> torch.Tensor:
+            x, y = self.inputs(len(batch))
+            if self.kind == "resnet50":
+                return F.cross_entropy(self.net(x), y)
+            logits = self.net(x[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y[:, 1:].reshape(-1))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.loss(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if self.kind == "resnet50":
+                return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Workload
+
+
+# -- one process per device -------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def solo_rate(module: Any, batch: int, steps: int, warmup: int, device: torch.device, emulator: Any,
+              precision: str) -> float:
+    """Samples/s of a plain loop on this device alone (under its emulation)."""
+    from contextlib import nullcontext
+
+    module.to(device)
+    module.prepare(device.type == "cuda")
+    optimizer = module.configure_optimizers()
+    indices = torch.arange(batch)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        with emulator.work() if emulator is not None else nullcontext():
+            with autocast:
+                loss = module.loss(indices)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def _timer_class() -> type:
+    from lightning.pytorch import Callback
+
+    class StepTimer(Callback):
+        """Wall time of the timed steps (synchronized), and of fit start → first step (start-up profiling)."""
+
+        def __init__(self, warmup: int, steps: int) -> None:
+            self.warmup, self.steps = warmup, steps
+            self.fit_start = self.first_step = self.t0 = self.t1 = 0.0
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            self.fit_start = time.perf_counter()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self.first_step = time.perf_counter()
+            if batch_idx == self.warmup:
+                _sync(pl_module.device)
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == self.warmup + self.steps - 1:
+                _sync(pl_module.device)
+                self.t1 = time.perf_counter()
+
+    return StepTimer
+
+
+def _emulated_ddp_class() -> type:
+    """Lightning's DDPStrategy with each step under the bench process's emulation (the baseline on the same lab)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class EmulatedDDP(DDPStrategy):
+        emulator: Any = None
+
+        def _work(self) -> Any:
+            from contextlib import nullcontext
+
+            return self.emulator.work() if self.emulator is not None else nullcontext()
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self._work():
+                return super().training_step(*args, **kwargs)
+
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self._work():  # the closure runs forward and backward
+                return super().optimizer_step(*args, **kwargs)
+
+    return EmulatedDDP
+
+
+def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, specs: Any, emulator: Any,
+            solos: list[float]) -> dict[str, Any]:
+    from lightning.pytorch import Trainer
+
+    from lightning_hetero import HeteroDDPStrategy
+
+    if config == "ddp":
+        strategy = _emulated_ddp_class()(timeout=timedelta(seconds=600))
+        strategy.emulator = emulator
+    else:
+        capacities: Any = {"hetero-explicit": solos, "hetero-peak": "peak", "hetero-profile": "profile"}[config]
+        strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs, print_table=False, timeout=600)
+    timer = _timer_class()(args.warmup, args.steps)
+    batch = args.batch[module.kind]
+    trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,
+                      max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=[timer])
+    module.prepare(args.accelerator == "gpu")
+    n = batch * world * (args.warmup + args.steps + 1)
+    trainer.fit(module, train_dataloaders=DataLoader(Indices(n), batch_size=batch, shuffle=False))
+    row: dict[str, Any] = {
+        "samples_per_s": batch * world * args.steps / (timer.t1 - timer.t0),
+        "step_s": (timer.t1 - timer.t0) / args.steps,
+        "setup_s": timer.first_step - timer.fit_start,
+    }
+    if config != "ddp":
+        lab = strategy.lab
+        row.update(capacity_source=lab.capacity_source, capacities=[round(c, 4) for c in lab.capacities],
+                   split=list(lab.split), devices=[d.name for d in lab.devices],
+                   emulated=dict(lab.columns).get("emulated"))
+    else:
+        row.update(split=[batch] * world)
+    return row
+
+
+def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, out_file: str) -> None:
+    from lightning.pytorch import seed_everything
+
+    from lightning_hetero.devices import describe_device
+    from lightning_hetero.emulation import parse_emulate, start_emulation
+
+    world = len(SCENARIOS[scenario]["shares"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), NODE_RANK="0")
+    cuda = args.accelerator != "cpu"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    specs = emulate_specs(scenario, args.accelerator)
+    emulator = None
+    if specs is not None:  # this process's own emulation, for the solo loop and the DDP baseline
+        parsed = parse_emulate(specs)
+        emulator = start_emulation(parsed, local_rank, world, describe_device(device, local_rank), device)
+        if emulator is not None:
+            emulator.activate()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=world,
+                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    Workload = _lightning_module_class()
+    rows = []
+    for kind in args.models:
+        solos: list[float] = []
+        for config in args.configs:
+            seed_everything(0, workers=False, verbose=False)
+            module = Workload(kind, args.tiny, args.seq)
+            if config == "solo":
+                rate = solo_rate(module, args.batch[kind], args.steps, args.warmup, device, emulator, args.precision)
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, rate)
+                solos = [float(r) for r in gathered]
+                row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos}
+            else:
+                row = run_fit(config, module, args, world, specs, emulator, solos)
+            row.update(scenario=scenario, model=kind, config=config)
+            rows.append(row)
+            del module
+            if cuda:
+                torch.cuda.empty_cache()
+            dist.barrier()
+    if local_rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+# -- driver -----------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(rows: list[dict[str, Any]]) -> None:
+    """Ratio to ideal (Σ solo) and to DDP for every configuration."""
+    for row in rows:
+        same = [r for r in rows if r["scenario"] == row["scenario"] and r["model"] == row["model"]]
+        ideal = next((r["samples_per_s"] for r in same if r["config"] == "solo"), None)
+        ddp = next((r["samples_per_s"] for r in same if r["config"] == "ddp"), None)
+        row["ratio_to_ideal"] = row["samples_per_s"] / ideal if ideal else None
+        row["ratio_to_ddp"] = row["samples_per_s"] / ddp if ddp else None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    headers = ["scenario", "model", "config", "samples/s", "/ideal", "/ddp", "step ms", "setup s", "split / solo"]
+    lines = []
+    for r in rows:
+        detail = r.get("solo_per_rank") or r.get("split") or ""
+        if isinstance(detail, list):
+            detail = "[" + ", ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in detail) + "]"
+        lines.append([
+            r["scenario"], r["model"], r["config"], f"{r['samples_per_s']:.1f}",
+            f"{r['ratio_to_ideal']:.2f}" if r.get("ratio_to_ideal") else "-",
+            f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-",
+            f"{1000 * r['step_s']:.1f}" if "step_s" in r else "-",
+            f"{r['setup_s']:.1f}" if "setup_s" in r else "-",
+            str(detail),
+        ])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = sorted({(r["scenario"], r["model"]) for r in rows}, key=lambda g: [r["scenario"] for r in rows].index(g[0]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (scenario, model) in zip(axes[0], groups):
+        same = [r for r in rows if r["scenario"] == scenario and r["model"] == model]
+        names = [r["config"] for r in same]
+        values = [r["samples_per_s"] for r in same]
+        ax.bar(names, values, color=["#999999" if n == "solo" else "#1f77b4" if n == "ddp" else "#2ca02c"
+                                     for n in names])
+        ax.set_title(f"{scenario} / {model}")
+        ax.set_ylabel("samples/s (solo = ideal sum)")
+        ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenarios", default="mix2,same2", help=f"comma-separated, of {list(SCENARIOS)}")
+    p.add_argument("--models", default="resnet50,gpt", help="comma-separated, of resnet50, gpt")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--accelerator", default="gpu", choices=["gpu", "cuda", "cpu"])
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration (default 10, quick 5)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 20, quick 10)")
+    p.add_argument("--quick", action="store_true", help="5 warm-up + 10 timed steps")
+    p.add_argument("--tiny", action="store_true", help="tiny models and batches (CPU smoke run)")
+    p.add_argument("--resnet-batch", type=int, default=None, help="per-device batch (DDP meaning); default 128")
+    p.add_argument("--gpt-batch", type=int, default=None, help="per-device batch of sequences; default 8")
+    p.add_argument("--seq", type=int, default=1024, help="GPT sequence length (512-1024)")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    args.models = [m for m in args.models.split(",") if m]
+    args.configs = [c for c in args.configs.split(",") if c]
+    for name, values, known in (("--scenarios", args.scenarios, SCENARIOS), ("--models", args.models,
+                                ("resnet50", "gpt")), ("--configs", args.configs, CONFIGS)):
+        bad = [v for v in values if v not in known]
+        if bad or not values:
+            p.error(f"{name}: {bad or 'empty'} not in {list(known)}")
+    if "solo" not in args.configs and "hetero-explicit" in args.configs:
+        args.configs.insert(0, "solo")  # explicit capacities are the solo rates
+    args.accelerator = "cpu" if args.accelerator == "cpu" else "gpu"
+    if args.accelerator == "cpu" and "hetero-peak" in args.configs:
+        args.configs.remove("hetero-peak")  # CPUs have no published rate
+        print("[bench_lab] cpu: hetero-peak skipped (no published rate for CPUs)")
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5 if args.quick else 10)
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 10 if args.quick else 20)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    args.batch = {"resnet50": args.resnet_batch or (4 if args.tiny else 128),
+                  "gpt": args.gpt_batch or (4 if args.tiny else 8)}
+    args.precision = "bf16-mixed" if args.accelerator == "gpu" else "32-true"
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.accelerator == "gpu":
+        need = max(len(SCENARIOS[s]["shares"]) for s in args.scenarios)
+        if torch.cuda.device_count() < need:
+            raise SystemExit(f"{args.scenarios} need {need} CUDA devices; found {torch.cuda.device_count()}.")
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for scenario in args.scenarios:
+        t = time.perf_counter()
+        part = os.path.join(args.out, f".bench_{scenario}.json")
+        world = len(SCENARIOS[scenario]["shares"])
+        mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
+        with open(part) as f:
+            rows += json.load(f)
+        os.remove(part)
+        print(f"[bench_lab] {scenario}: {time.perf_counter() - t:.0f} s", flush=True)
+    finish(rows)
+    result = {
+        "scenarios": {s: {**SCENARIOS[s], "emulate": emulate_specs(s, args.accelerator)} for s in args.scenarios},
+        "warmup": args.warmup, "steps": args.steps, "batch_per_device": args.batch, "seq": args.seq,
+        "precision": args.precision, "tiny": args.tiny, "wall_s": time.perf_counter() - started,
+        "device": torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu",
+        "torch": torch.__version__, "rows": rows,
+    }
+    with open(os.path.join(args.out, "bench_lab.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    png = plot(rows, os.path.join(args.out, "bench_lab.png"))
+    print(f"[bench_lab] wrote {os.path.join(args.out, 'bench_lab.json')}" + (f" and {png}" if png else
+          " (no matplotlib: no plot)") + f"; total {result['wall_s']:.0f} s on {result['device']}")
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""Emulate a mixed lab on identical GPUs (or on CPU), to develop and benchmark without owning the cards.
+
+Every rank gets a profile: a preset name (``"RTX3090"``, ``"A100-40GB"``, ...), a dict, or ``None`` (the real
+device, unchanged). On CUDA a profile applies:
+
+- **compute**: a CUDA green context with a share of the host's SMs. Only kernels launched on the green context's
+  stream are capped, so the strategy runs every training/validation/test/predict step and every optimizer step
+  (whose closure runs forward and backward) with that stream as the current stream; autograd runs each backward op
+  on its forward op's stream, so backward is capped too. NCCL launches its kernels on its own streams: collectives
+  are *not* capped (a real slow card's NCCL kernels would also be slower, but they are memory-bound, not SM-bound).
+  Work outside the steps (the batch copy, logging reductions, callbacks) is not capped either.
+- **memory**: ``torch.cuda.set_per_process_memory_fraction`` caps PyTorch's caching allocator (the CUDA context and
+  NCCL's buffers are outside it).
+- **name and compute capability**: the ``LIGHTNING_HETERO_DEVICE_NAME`` / ``LIGHTNING_HETERO_CAPABILITY`` overrides
+  that :mod:`lightning_hetero.devices` reads, so the lab table, ``capacities="peak"`` and the precision policy see
+  the emulated card (a ``(7, 0)`` capability makes the policy take the fp16 path on bf16 hardware).
+- **link**: the slowest link class of the job, through NCCL's environment before the process group exists
+  (``"pcie"``: no peer-to-peer, ≈ 25 GB/s on an H200 host; ``"ethernet"``: no P2P and no shared memory, ≈ 2.6 GB/s).
+
+SM shares are calibrated from published dense rates (:data:`lightning_hetero.devices.PEAK_TFLOPS`): share = the
+preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
+granularity (multiples of 8 SMs on compute capability 9.x). A card slower than one granule is clamped up to it, and a
+card as fast as the host (or faster) runs uncapped; the summary says so.
+
+On CPU there are no SMs: a profile's ``slowdown`` makes the rank sleep ``(slowdown - 1) ×`` the CPU time its
+training thread spent in each step (Lightning's launchers give each CPU rank cores / ranks intra-op threads; with
+more than one, work on the other threads is not counted), and presets calibrate to
+``slowdown = fastest preset's rate / this preset's rate``. CPU time, not wall time: a rank blocked waiting for a
+slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other.
+
+Example::
+
+    from lightning.pytorch import Trainer
+    from lightning_hetero import HeteroDDPStrategy
+
+    # two H200s pretending to be an A100 and an RTX 3090 on a PCIe link
+    strategy = HeteroDDPStrategy(capacities="peak", emulate=["A100-40GB", "RTX3090"])
+    Trainer(accelerator="gpu", devices=2, strategy=strategy).fit(model)
+
+    # a custom profile: a quarter of the SMs, 24 GiB, PCIe-class link
+    HeteroDDPStrategy(emulate=[None, {"sm_share": 0.25, "memory_gib": 24, "link": "pcie"}])
+"""
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from lightning_hetero.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, DeviceInfo, peak_tflops
+
+LinkClass = Literal["nvlink", "pcie", "ethernet"]
+LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
+EmulateArg = Optional[Sequence[Union[str, Mapping[str, Any], None]]]
+
+EMULATED_SUFFIX = " (emulated)"
+
+# NCCL settings per link class (measured between two H200s of one host: NVLink ≈ 275 GB/s, P2P off ≈ 25 GB/s,
+# P2P and SHM off ≈ 2.6 GB/s). IB off too, so "ethernet" means TCP sockets on any host.
+_LINK_ENV: dict[str, dict[str, str]] = {
+    "nvlink": {},
+    "pcie": {"NCCL_P2P_DISABLE": "1"},
+    "ethernet": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+}
+# NVLink SHARP (NVLS) exists only on Hopper NVSwitch systems: an emulated lab of other cards must not use it.
+_ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A card to emulate: its reported name (a key of ``PEAK_TFLOPS`` must be part of it), memory and capability."""
+
+    name: str
+    memory_gib: float
+    capability: tuple[int, int]
+    link: LinkClass
+
+
+PRESETS: dict[str, Preset] = {
+    "H100": Preset("NVIDIA H100 80GB HBM3", 80, (9, 0), "nvlink"),
+    "A100-80GB": Preset("NVIDIA A100-SXM4-80GB", 80, (8, 0), "nvlink"),
+    "A100-40GB": Preset("NVIDIA A100-SXM4-40GB", 40, (8, 0), "nvlink"),
+    "L40S": Preset("NVIDIA L40S", 48, (8, 9), "pcie"),
+    "A6000": Preset("NVIDIA RTX A6000", 48, (8, 6), "pcie"),
+    "RTX4090": Preset("NVIDIA GeForce RTX 4090", 24, (8, 9), "pcie"),
+    "RTX3090": Preset("NVIDIA GeForce RTX 3090", 24, (8, 6), "pcie"),
+    "A10": Preset("NVIDIA A10", 24, (8, 6), "pcie"),
+    "V100": Preset("Tesla V100-SXM2-32GB", 32, (7, 0), "nvlink"),
+    "T4": Preset("Tesla T4", 16, (7, 5), "pcie"),
+}
+
+_PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown")
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """One rank's validated profile, before it meets the host device."""
+
+    preset: Optional[str] = None
+    name: Optional[str] = None
+    sm_share: Optional[float] = None  # fraction of the host's SMs; None: from the preset, else all
+    memory_gib: Optional[float] = None
+    memory_fraction: Optional[float] = None
+    capability: Optional[tuple[int, int]] = None
+    link: Optional[LinkClass] = None
+    slowdown: Optional[float] = None  # CPU analogue of the SM share
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON-able dict this spec was parsed from (unset keys left out)."""
+        out = {k: getattr(self, k) for k in _PROFILE_KEYS if getattr(self, k) is not None}
+        if "capability" in out:
+            out["capability"] = f"{out['capability'][0]}.{out['capability'][1]}"
+        return out
+
+
+@dataclass(frozen=True)
+class EmulatedDevice:
+    """One rank's profile resolved against its host device: what the emulator will actually do."""
+
+    name: str  # reported name, ending in " (emulated)"
+    host_name: str
+    host_sms: int
+    num_sms: Optional[int]  # green-context SM count; None: all SMs (no cap)
+    wanted_sms: Optional[float]  # what the calibration asked for, before rounding to the granularity
+    memory_bytes: Optional[int]  # allocator cap; None: no cap
+    capability: Optional[tuple[int, int]]
+    link: LinkClass
+    slowdown: float  # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none
+    clamped: bool = False  # the calibrated SM count was out of the green context's range
+
+    @property
+    def sm_share(self) -> float:
+        return 1.0 if self.num_sms is None else self.num_sms / self.host_sms
+
+    def summary(self) -> str:
+        """A short description for the lab table."""
+        parts = []
+        if self.num_sms is not None:
+            parts.append(f"{self.num_sms}/{self.host_sms} SMs")
+        elif self.host_sms:
+            parts.append("all SMs")
+        if self.clamped and self.wanted_sms is not None:
+            parts[-1] += f" (calibration wants {self.wanted_sms:.1f}: clamped)"
+        if self.memory_bytes is not None:
+            parts.append(f"{self.memory_bytes / 2**30:.0f} GiB cap")
+        if self.slowdown > 1.0:
+            parts.append(f"slowdown {self.slowdown:.2f}x")
+        parts.append(self.link)
+        return ", ".join(parts)
+
+
+def parse_emulate(value: EmulateArg) -> Optional[tuple[Optional[EmulationSpec], ...]]:
+    """Validate the strategy's ``emulate`` argument at construction; ``ValueError`` naming it otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(
+            f"`emulate`={value!r} must be a list with one entry per rank (a preset name, a dict or None), "
+            f"e.g. ['A100-40GB', 'RTX3090']. Presets: {sorted(PRESETS)}."
+        )
+    if not value:
+        raise ValueError("`emulate` is empty: give one entry per rank, or leave it None.")
+    return tuple(_parse_one(entry, f"emulate[{i}]") for i, entry in enumerate(value))
+
+
+def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Optional[EmulationSpec]:
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        if entry not in PRESETS:
+            raise ValueError(f"`{where}`={entry!r} is not a preset; known presets: {sorted(PRESETS)}.")
+        return EmulationSpec(preset=entry)
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"`{where}`={entry!r} must be a preset name, a dict or None.")
+    unknown = sorted(set(entry) - set(_PROFILE_KEYS))
+    if unknown:
+        raise ValueError(f"`{where}` has unknown keys {unknown}; allowed: {list(_PROFILE_KEYS)}.")
+    preset = entry.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"`{where}.preset`={preset!r} is not a preset; known presets: {sorted(PRESETS)}.")
+    name = entry.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"`{where}.name`={name!r} must be a non-empty string.")
+    link = entry.get("link")
+    if link is not None and link not in LINK_CLASSES:
+        raise ValueError(f"`{where}.link`={link!r} must be one of {LINK_CLASSES}.")
+    if entry.get("memory_gib") is not None and entry.get("memory_fraction") is not None:
+        raise ValueError(f"`{where}` sets both `memory_gib` and `memory_fraction`; give one.")
+    return EmulationSpec(
+        preset=preset,
+        name=name,
+        sm_share=_number(entry.get("sm_share"), f"{where}.sm_share", low=0.0, high=1.0),
+        memory_gib=_number(entry.get("memory_gib"), f"{where}.memory_gib", low=0.0),
+        memory_fraction=_number(entry.get("memory_fraction"), f"{where}.memory_fraction", low=0.0, high=1.0),
+        capability=_capability(entry.get("capability"), f"{where}.capability"),
+        link=link,
+        slowdown=_number(entry.get("slowdown"), f"{where}.slowdown", low=1.0, inclusive_low=True),
+    )
+
+
+def _number(
+    value: Any, where: str, low: float, high: Optional[float] = None, inclusive_low: bool = False
+) -> Optional[float]:
+    if value is None:
+        return None
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if not bad:
+        bad = value < low if inclusive_low else value <= low
+        bad = bad or (high is not None and value > high)
+    if bad:
+        bound = f"{'>=' if inclusive_low else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+        raise ValueError(f"`{where}`={value!r} must be a number {bound}.")
+    return float(value)
+
+
+def _capability(value: Any, where: str) -> Optional[tuple[int, int]]:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, float)) and not isinstance(value, bool):  # a YAML loader may make 7.5 a float
+            major, _, minor = str(value).replace(",", ".").partition(".")
+            parsed = (int(major), int(minor or 0))
+        else:
+            major, minor = value
+            parsed = (int(major), int(minor))
+    except (TypeError, ValueError):
+        raise ValueError(f"`{where}`={value!r} must be a compute capability such as '7.0' or [7, 0].") from None
+    if parsed < (1, 0):
+        raise ValueError(f"`{where}`={value!r} must be a compute capability such as '7.0' or [7, 0].")
+    return parsed
+
+
+def sm_granularity(capability: tuple[int, int]) -> tuple[int, int]:
+    """(minimum, step) of a green context's SM count: CUDA splits SMs in groups of 8 on 9.x and newer, of 2 before."""
+    return (8, 8) if capability >= (9, 0) else (4, 2) if capability >= (8, 0) else (2, 2)
+
+
+def round_sms(wanted: float, total: int, capability: tuple[int, int]) -> Optional[int]:
+    """The green-context SM count closest to ``wanted``; ``None`` when that is the whole device."""
+    minimum, step = sm_granularity(capability)
+    count = max(minimum, int(math.floor(wanted / step + 0.5)) * step)
+    return None if count >= total else count
+
+
+def preset_tflops(preset: Preset) -> float:
+    """The rate a preset is calibrated by: its dense bf16 rate, its fp16 rate on cards without bf16."""
+    info = DeviceInfo(rank=0, host="", type="cuda", name=preset.name, capability=preset.capability,
+                      memory_bytes=int(preset.memory_gib * 2**30), multiprocessors=0)
+    rate = peak_tflops(info, torch.bfloat16)
+    assert rate is not None and rate > 0, preset
+    return rate
+
+
+def resolve(
+    spec: EmulationSpec, host: DeviceInfo, lab_specs: Sequence[Optional[EmulationSpec]] = ()
+) -> EmulatedDevice:
+    """What ``spec`` means on ``host``: SM count, memory cap, name, link, CPU slowdown.
+
+    ``lab_specs`` (every rank's spec) calibrates CPU slowdowns of presets against the lab's fastest preset.
+    """
+    preset = PRESETS[spec.preset] if spec.preset else None
+    name = spec.name or (preset.name if preset else _default_name(spec, host))
+    if not name.endswith(EMULATED_SUFFIX):
+        name += EMULATED_SUFFIX
+    capability = spec.capability or (preset.capability if preset else None)
+    link: LinkClass = spec.link or (preset.link if preset else "nvlink")  # type: ignore[assignment]
+
+    memory: Optional[int] = None
+    if spec.memory_fraction is not None:
+        memory = int(spec.memory_fraction * host.memory_bytes)
+    elif spec.memory_gib is not None or preset is not None:
+        gib = spec.memory_gib if spec.memory_gib is not None else preset.memory_gib  # type: ignore[union-attr]
+        memory = int(gib * 2**30)
+    if memory is not None and host.memory_bytes and memory >= host.memory_bytes:
+        memory = None  # the card has more memory than the host: nothing to cap
+
+    num_sms: Optional[int] = None
+    wanted: Optional[float] = None
+    clamped = False
+    slowdown = spec.slowdown or 1.0
+    if host.type == "cuda":
+        share = spec.sm_share
+        if share is None and preset is not None:
+            host_rate = peak_tflops(host, torch.bfloat16)
+            share = preset_tflops(preset) / host_rate if host_rate else None
+        if share is not None:
+            wanted = share * host.multiprocessors
+            num_sms = round_sms(wanted, host.multiprocessors, host.capability)
+            granted = num_sms if num_sms is not None else host.multiprocessors
+            clamped = abs(granted - wanted) > 0.15 * wanted  # the granularity cannot express this card
+    elif spec.slowdown is None and preset is not None:
+        rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
+        slowdown = max(rates + [preset_tflops(preset)]) / preset_tflops(preset)
+    return EmulatedDevice(
+        name=name,
+        host_name=host.name,
+        host_sms=host.multiprocessors if host.type == "cuda" else 0,
+        num_sms=num_sms,
+        wanted_sms=wanted,
+        memory_bytes=memory,
+        capability=capability,
+        link=link,
+        slowdown=slowdown,
+        clamped=clamped,
+    )
+
+
+def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
+    # Not the host's name: `capacities="peak"` would then read the host's rate. An unknown name makes the peak
+    # table estimate from capability × the emulated SM count.
+    if host.type == "cuda" and spec.sm_share is not None:
+        return f"GPU slice {spec.sm_share:.0%} SMs"
+    return "slowed device" if spec.slowdown else "device"
+
+
+def job_link(devices: Sequence[Optional[EmulatedDevice]]) -> LinkClass:
+    """The link of the whole job: the slowest of any rank's (NCCL settings must agree on every rank)."""
+    links = [d.link for d in devices if d is not None] or ["nvlink"]
+    return max(links, key=LINK_CLASSES.index)  # type: ignore[return-value]
+
+
+def link_env(link: LinkClass) -> dict[str, str]:
+    """NCCL environment for a link class (set before the process group is created)."""
+    if link not in LINK_CLASSES:
+        raise ValueError(f"`link`={link!r} must be one of {LINK_CLASSES}.")
+    return {**_ALWAYS_ENV, **_LINK_ENV[link]}
+
+
+def link_class_of_spec(spec: Optional[EmulationSpec]) -> LinkClass:
+    """A spec's link without a host (links must be known on every rank before devices are compared)."""
+    if spec is None:
+        return "nvlink"
+    if spec.link is not None:
+        return spec.link
+    return PRESETS[spec.preset].link if spec.preset else "nvlink"
+
+
+class Emulator:
+    """Applies one rank's :class:`EmulatedDevice` and runs its steps under it.
+
+    Order of use: :meth:`apply_env` (before the process group exists), :meth:`activate` (after the CUDA device is
+    set), :meth:`work` around every step, :meth:`restore` at teardown.
+    """
+
+    def __init__(self, device: EmulatedDevice, root_device: torch.device, job_link_class: LinkClass) -> None:
+        self.device = device
+        self.root_device = root_device
+        self.link: LinkClass = job_link_class
+        self._saved_env: dict[str, Optional[str]] = {}
+        self._green: Any = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._depth = 0
+        self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
+        self.slept_seconds = 0.0
+        self._owed = 0.0  # sleep owed (negative: overslept)
+
+    def apply_env(self) -> None:
+        env = {NAME_OVERRIDE_ENV: self.device.name}
+        if self.device.capability is not None:
+            env[CAPABILITY_OVERRIDE_ENV] = f"{self.device.capability[0]}.{self.device.capability[1]}"
+        if self.root_device.type == "cuda":
+            env.update(link_env(self.link))
+        for key, value in env.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+
+    def activate(self) -> None:
+        """Cap memory and create the green context (the CUDA device must be the current one)."""
+        if self.root_device.type != "cuda":
+            return
+        index = self.root_device.index if self.root_device.index is not None else torch.cuda.current_device()
+        if self.device.memory_bytes is not None:
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.device.memory_bytes / total), index)
+        if self.device.num_sms is not None:
+            from torch.cuda.green_contexts import GreenContext
+
+            self._green = GreenContext.create(num_sms=self.device.num_sms, device_id=index)
+            self._stream = self._green.Stream()
+
+    @property
+    def stream(self) -> Optional["torch.cuda.Stream"]:
+        """The green context's stream (``None`` without an SM cap)."""
+        return self._stream
+
+    @contextmanager
+    def work(self) -> Iterator[None]:
+        """Run the enclosed step on the capped stream, then sleep off the CPU slowdown. Re-entrant: a nested step
+        (the training step inside the optimizer step's closure) is counted once, by the outermost."""
+        if self._depth:
+            yield
+            return
+        self._depth += 1
+        stream = self._stream
+        outer = torch.cuda.current_stream(self.root_device) if stream is not None else None
+        try:
+            if stream is not None:
+                stream.wait_stream(outer)  # the batch was copied on the outer stream
+            start = self._clock()
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    yield
+            else:
+                yield
+            if self.device.slowdown > 1.0:
+                elapsed = self._clock() - start
+                self.compute_seconds += elapsed
+                # Sleep off what is owed; an oversleep (the OS wakes late, ~ms under load) is credited to later
+                # steps, so the slowdown is right on average even for millisecond steps.
+                self._owed += (self.device.slowdown - 1.0) * elapsed
+                if self._owed > 0:
+                    begin = time.perf_counter()
+                    time.sleep(self._owed)
+                    slept = time.perf_counter() - begin
+                    self._owed -= slept
+                    self.slept_seconds += slept
+        finally:
+            if stream is not None:
+                outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
+            self._depth -= 1
+
+    def reset_stats(self) -> None:
+        """Start counting ``compute_seconds`` / ``slept_seconds`` afresh (and forget an oversleep credit)."""
+        self.compute_seconds = self.slept_seconds = self._owed = 0.0
+
+    def _clock(self) -> float:
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
+            return time.perf_counter()
+        # CPU time of the training thread: a blocking wait for a slower rank's all-reduce is not compute, so slowed
+        # ranks do not inflate each other.
+        return time.thread_time()
+
+    def describe(self, info: DeviceInfo) -> DeviceInfo:
+        """The rank's device as the lab table should show it: emulated memory and SM count."""
+        memory = self.device.memory_bytes if self.device.memory_bytes is not None else info.memory_bytes
+        sms = self.device.num_sms if self.device.num_sms is not None else info.multiprocessors
+        return replace(info, memory_bytes=int(memory), multiprocessors=int(sms))
+
+    def summary(self) -> str:
+        link = self.link if self.root_device.type == "cuda" else "gloo (link not emulated)"
+        return replace(self.device, link=link).summary()  # type: ignore[arg-type]
+
+    def restore(self) -> None:
+        """Undo :meth:`apply_env` (the memory cap and green context end with the process)."""
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
+
+
+def start_emulation(
+    specs: Sequence[Optional[EmulationSpec]], rank: int, world_size: int, host: DeviceInfo, root_device: torch.device
+) -> Optional[Emulator]:
+    """This rank's emulator with its environment applied, or ``None`` when its entry is ``None``.
+
+    Every rank must call it with the same ``specs`` (the NCCL link settings are derived from all of them).
+    """
+    if len(specs) != world_size:
+        raise ValueError(f"`emulate` has {len(specs)} entries but the job has {world_size} ranks: give one per rank.")
+    link = max((link_class_of_spec(s) for s in specs), key=LINK_CLASSES.index)
+    spec = specs[rank]
+    if spec is None:
+        if root_device.type != "cuda" or link == "nvlink":
+            return None
+        spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link
+    emulator = Emulator(resolve(spec, host, specs), root_device, link)  # type: ignore[arg-type]
+    emulator.apply_env()
+    return emulator
+
+
+def lab_warning(summaries: Sequence[str]) -> str:
+    """The rank-0 warning that the numbers come from an emulation."""
+    lines = [f"  rank {r}: {s}" for r, s in enumerate(summaries)]
+    return (
+        "HeteroDDPStrategy is EMULATING a mixed lab: device names, memory and speed below are imposed on the host "
+        "device (green-context SM caps / CPU sleeps), NCCL kernels are not capped. Timings are not those of real "
+        "cards.\n" + "\n".join(lines)
+    )
