@@ -384,9 +384,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="resnet50,gpt", help="comma-separated, of resnet50, gpt")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--accelerator", default="gpu", choices=["gpu", "cuda", "cpu"])
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration (default 10, quick 5)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 20, quick 10)")
-    p.add_argument("--quick", action="store_true", help="5 warm-up + 10 timed steps")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration (default 6, quick 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 15, quick 8)")
+    p.add_argument("--quick", action="store_true", help="3 warm-up + 8 timed steps")
     p.add_argument("--tiny", action="store_true", help="tiny models and batches (CPU smoke run)")
     p.add_argument("--resnet-batch", type=int, default=None, help="per-device batch (DDP meaning); default 128")
     p.add_argument("--gpt-batch", type=int, default=None, help="per-device batch of sequences; default 8")
@@ -407,8 +407,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.accelerator == "cpu" and "hetero-peak" in args.configs:
         args.configs.remove("hetero-peak")  # CPUs have no published rate
         print("[bench_lab] cpu: hetero-peak skipped (no published rate for CPUs)")
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5 if args.quick else 10)
-    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 10 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3 if args.quick else 6)
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 8 if args.quick else 15)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")
     args.batch = {"resnet50": args.resnet_batch or (4 if args.tiny else 128),

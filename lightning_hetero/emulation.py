@@ -314,7 +314,9 @@ def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
     # table estimate from capability × the emulated SM count.
     if host.type == "cuda" and spec.sm_share is not None:
         return f"GPU slice {spec.sm_share:.0%} SMs"
-    return "slowed device" if spec.slowdown else "device"
+    if spec.slowdown:
+        return f"{host.name} at 1/{spec.slowdown:g} speed"
+    return host.name  # full compute (only memory, capability or link emulated): the host's rate is right
 
 
 def job_link(devices: Sequence[Optional[EmulatedDevice]]) -> LinkClass:

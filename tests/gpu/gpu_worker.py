@@ -1,0 +1,160 @@
+"""GPU checks run as a standalone script (Lightning's launchers re-execute or pickle ``__main__``; pytest must not be
+that ``__main__``). Writes ``result.json`` to ``--out``; tests/gpu/test_gpu_lab.py asserts on it.
+
+    python tests/gpu/gpu_worker.py equivalence --out DIR [--emulate]   # 2 GPUs, capacities [3, 1], fp32, NCCL
+    python tests/gpu/gpu_worker.py cap --out DIR                       # 1 GPU: green-context cap on training steps
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from typing import Any
+
+for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_key, _value)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_hetero import HeteroDDPStrategy  # noqa: E402
+from tests.helpers import Recorder, TinyModel, max_rel_diff, reference_run  # noqa: E402
+
+# Exact fp32 for the equivalence check (module level: the spawned ranks import this file too).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+torch.set_float32_matmul_precision("highest")
+
+
+def equivalence(out: str, emulate: bool, accelerator: str = "gpu") -> dict[str, Any]:
+    """2 ranks with batches split [3, 1] vs one process on the global batch (on the CPU, in fp32)."""
+    capacities, epochs = [3.0, 1.0], 3
+    seed_everything(0)
+    model = TinyModel("sgd", batch_size=8, n=96)
+    reference = copy.deepcopy(model)
+    # Emulated: rank 1 at a quarter of the SMs on a PCIe-class link; its steps run on the green context's stream,
+    # so this also checks the stream hand-offs (a missing wait would corrupt or race the results).
+    profile = {"sm_share": 0.25, "link": "pcie"} if accelerator == "gpu" else {"slowdown": 2.0}
+    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", timeout=300,
+                                 emulate=[None, profile] if emulate else None)
+    trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, precision="32-true",
+                      callbacks=[Recorder(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model)
+    records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(2)]
+    ref_params, ref_batches = reference_run(reference, 2, capacities, epochs)
+    steps = min(len(records[0]["params"]), len(records[1]["params"]))
+    identical = [bool(torch.equal(records[0]["params"][i], records[1]["params"][i])) for i in range(steps)]
+    diffs = [max_rel_diff(records[0]["params"][i], ref_params[i]) for i in range(min(steps, len(ref_params)))]
+    sizes = [[len(records[r]["indices"][i]) for r in range(2)] for i in range(steps)]
+    same_batches = [sorted(records[0]["indices"][i] + records[1]["indices"][i]) == sorted(ref_batches[i])
+                    for i in range(min(steps, len(ref_batches)))]
+    return {
+        "emulate": emulate, "steps": [len(r["params"]) for r in records], "reference_steps": len(ref_params),
+        "replicas_identical_every_step": all(identical), "max_rel_diff": max(diffs), "per_step_rel_diff": diffs,
+        "batch_sizes": sizes[:4], "same_global_batches": all(same_batches),
+    }
+
+
+class _Indices(Dataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class MatmulNet(LightningModule):
+    """Matmul-bound training step: SM count decides its speed."""
+
+    def __init__(self, width: int = 4096, depth: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(depth)))
+        self.width = width
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = torch.randn(len(batch), self.width, device=self.device)
+        return self.net(x).float().square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+
+class _StepTimer(Callback):
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.t0, self.t1, self.steps = warmup, 0.0, 0.0, 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx >= self.warmup:
+            torch.cuda.synchronize()
+            self.t1 = time.perf_counter()
+            self.steps = batch_idx + 1 - self.warmup
+
+
+def _step_seconds(emulate: Any, warmup: int = 3, steps: int = 8) -> tuple[float, str]:
+    seed_everything(0)
+    strategy = HeteroDDPStrategy(capacities="equal", emulate=emulate, timeout=300)
+    timer = _StepTimer(warmup)
+    trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
+                      max_steps=warmup + steps, callbacks=[timer], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(MatmulNet(), train_dataloaders=DataLoader(_Indices(), batch_size=2048))
+    summary = dict(strategy.lab.columns).get("emulated", ["-"])[0]
+    return (timer.t1 - timer.t0) / timer.steps, summary
+
+
+def cap(out: str) -> dict[str, Any]:
+    """Training-step time (forward + backward + optimizer, through Lightning) with all SMs vs a green context."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    full, _ = _step_seconds(None)
+    quarter, summary = _step_seconds([{"sm_share": 0.25}])
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "sms": sms, "full_step_s": full,
+                              "quarter_step_s": quarter, "slowdown": quarter / full, "summary": summary}
+    # memory cap: a 4 GiB profile cannot hold 6 GiB (last: the cap stays for the rest of the process)
+    from lightning_hetero.devices import describe_device
+    from lightning_hetero.emulation import parse_emulate, start_emulation
+
+    device = torch.device("cuda", 0)
+    emulator = start_emulation(parse_emulate([{"memory_gib": 4}]), 0, 1, describe_device(device, 0), device)
+    emulator.activate()
+    try:
+        torch.empty(6 * 2**30, dtype=torch.uint8, device=device)
+        result["memory_cap_holds"] = False
+    except torch.OutOfMemoryError:
+        result["memory_cap_holds"] = True
+    small = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)  # below the cap: fine
+    result["below_cap_ok"] = small.numel() == 2 * 2**30
+    emulator.restore()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=["equivalence", "cap"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--emulate", action="store_true")
+    parser.add_argument("--accelerator", default="gpu", help="cpu: dry run of the equivalence case's own logic")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    result = equivalence(args.out, args.emulate, args.accelerator) if args.case == "equivalence" else cap(args.out)
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_step_rel_diff"}))
+
+
+if __name__ == "__main__":
+    main()
