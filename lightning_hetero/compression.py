@@ -424,22 +424,21 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     all_values = values.new_empty(world * k)
     all_indices = indices.new_empty(world * k)
     # Both collectives are issued here, in the caller's thread, so every rank issues them in the same order.
-    futs = [
-        dist.all_gather_into_tensor(all_values, values, group=group, async_op=True).get_future(),
-        dist.all_gather_into_tensor(all_indices, indices, group=group, async_op=True).get_future(),
-    ]
+    values_fut = dist.all_gather_into_tensor(all_values, values, group=group, async_op=True).get_future()
+    indices_fut = dist.all_gather_into_tensor(all_indices, indices, group=group, async_op=True).get_future()
     state.counter.add(state.hop, _nbytes(values) + _nbytes(indices))
     if bucket.is_last():
         state.steps += 1
 
     def decompress(_: Any) -> Tensor:
+        values_fut.wait()  # chained on a collective's own future, so a CUDA result keeps its stream semantics
         buffer.zero_()
         # One rank at a time: a rank's indices are distinct, so each index_add_ is free of races (deterministic).
         for v, i in zip(all_values.view(world, k), all_indices.view(world, k)):
             buffer.index_add_(0, i.long(), v)
         return buffer.div_(world)
 
-    return torch.futures.collect_all(futs).then(decompress)
+    return indices_fut.then(decompress)
 
 
 class HierarchicalState:
