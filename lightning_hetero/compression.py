@@ -190,6 +190,9 @@ class CommCounter:
 
 # -- per-parameter view of per-bucket state -------------------------------------------------------------------------
 Segments = Callable[[Sequence[torch.Size]], list[tuple[int, int]]]  # bucket param shapes -> (position, length)
+# A kind of per-bucket state: the getter of its {bucket index: flat tensor} dict, its segments, and whether a
+# parameter missing from restored state may start at zero (error feedback: yes; PowerSGD's P / Q: no).
+StateKind = tuple[Callable[[], dict], Segments, bool]
 
 
 def _elementwise(shapes: Sequence[torch.Size]) -> list[tuple[int, int]]:
@@ -204,13 +207,11 @@ class BucketStates:
     saved per parameter and rebuilt for whatever layout a bucket has when the hook next sees it.
     """
 
-    def __init__(
-        self, params: Sequence[Tensor], device: torch.device, kinds: dict[str, tuple[Callable[[], dict], Segments]]
-    ) -> None:
+    def __init__(self, params: Sequence[Tensor], device: torch.device, kinds: dict[str, StateKind]) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._shapes = [p.shape for p in params]
         self._device = device
-        self._kinds = kinds  # name -> (getter of the {bucket index: flat tensor} dict, segments of a layout)
+        self._kinds = kinds
         self._layouts: dict[int, tuple[int, ...]] = {}
         self._pending: dict[str, dict[int, Tensor]] = {name: {} for name in kinds}
 
@@ -223,17 +224,25 @@ class BucketStates:
             self._split(idx, old)
         self._layouts[idx] = layout
         shapes = [self._shapes[i] for i in layout]
-        for name, (get, segments) in self._kinds.items():
+        for name, (get, segments, zero_fill) in self._kinds.items():
             pending = self._pending[name]
             if idx in get() or not pending:
                 continue
             parts = [(layout[pos], n) for pos, n in segments(shapes)]
-            if parts and all(p in pending for p, _ in parts):
-                get()[idx] = torch.cat([pending.pop(p).reshape(-1) for p, _ in parts]).to(self._device)
+            present = [pending[p] for p, _ in parts if p in pending]
+            if not present:
+                continue
+            if zero_fill or len(present) == len(parts):
+                # Bucket boundaries can differ too (the first bucket is smaller until DDP rebuilds them).
+                flat = [pending.pop(p).reshape(-1) if p in pending else present[0].new_zeros(n) for p, n in parts]
+                get()[idx] = torch.cat(flat).to(self._device)
+            else:  # a partial P / Q is of no use: torch draws a fresh one for this bucket
+                for p, _ in parts:
+                    pending.pop(p, None)
 
     def _split(self, idx: int, layout: tuple[int, ...]) -> None:
         shapes = [self._shapes[i] for i in layout]
-        for name, (get, segments) in self._kinds.items():
+        for name, (get, segments, _) in self._kinds.items():
             flat = get().pop(idx, None)
             if flat is None:
                 continue
@@ -246,7 +255,7 @@ class BucketStates:
         out = {name: {p: t.cpu() for p, t in pending.items()} for name, pending in self._pending.items()}
         for idx, layout in self._layouts.items():
             shapes = [self._shapes[i] for i in layout]
-            for name, (get, segments) in self._kinds.items():
+            for name, (get, segments, _) in self._kinds.items():
                 flat = get().get(idx)
                 if flat is None:
                     continue
@@ -257,7 +266,7 @@ class BucketStates:
         return out
 
     def load_state_dict(self, state: dict[str, dict[int, Tensor]]) -> None:
-        for name, (get, _) in self._kinds.items():
+        for name, (get, _, _) in self._kinds.items():
             get().clear()
             self._pending[name] = {int(p): t for p, t in state.get(name, {}).items()}
         self._layouts.clear()
@@ -312,9 +321,9 @@ class PowerSGDHookState:
         )
         ps = self.powersgd
         self.buckets = BucketStates(params, device, {
-            "error": (lambda: ps.error_dict, _elementwise),
-            "p": (lambda: ps.p_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "p")),
-            "q": (lambda: ps.q_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "q")),
+            "error": (lambda: ps.error_dict, _elementwise, True),
+            "p": (lambda: ps.p_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "p"), False),
+            "q": (lambda: ps.q_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "q"), False),
         })
         self.counter = counter
         self.hop = hop
@@ -377,7 +386,7 @@ class TopKState:
         self.config = config
         self.process_group = process_group
         self.residuals: dict[int, Tensor] = {}
-        self.buckets = BucketStates(params, device, {"residual": (lambda: self.residuals, _elementwise)})
+        self.buckets = BucketStates(params, device, {"residual": (lambda: self.residuals, _elementwise, True)})
         self.steps = 0
         self.counter = counter
         self.hop = hop

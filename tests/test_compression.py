@@ -437,3 +437,33 @@ def test_gpu_nccl_hooks_keep_replicas_identical(tmp_path, compression):
     records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda")
     assert_replicas_equal(records)
     assert records[0]["steps"] == 30
+
+
+class _Bucket(FakeBucket):
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
+        super().__init__(torch.zeros(sum(p.numel() for p in params)), params)
+        self._index = index
+
+    def index(self) -> int:
+        return self._index
+
+
+def test_bucket_state_follows_parameters_across_layouts():
+    """Saved in DDP's rebuilt layout (two buckets), restored into the initial one (one bucket, other order)."""
+    from lightning_hetero.compression import BucketStates, _elementwise
+
+    params = [torch.zeros(3, 2), torch.zeros(3), torch.zeros(4)]
+    saved: dict[int, torch.Tensor] = {}
+    states = BucketStates(params, torch.device("cpu"), {"residual": (lambda: saved, _elementwise, True)})
+    states.observe(_Bucket(0, [params[2], params[1]]))
+    states.observe(_Bucket(1, [params[0]]))
+    saved[0] = torch.arange(7.0)  # params[2] -> 0..3, params[1] -> 4..6
+    saved[1] = torch.arange(10.0, 16.0)  # params[0]
+    checkpoint = states.state_dict()
+
+    restored: dict[int, torch.Tensor] = {}
+    again = BucketStates(params, torch.device("cpu"), {"residual": (lambda: restored, _elementwise, True)})
+    again.load_state_dict(checkpoint)
+    again.observe(_Bucket(0, [params[0], params[1], params[2]]))
+    expected = torch.cat([torch.arange(10.0, 16.0), torch.arange(4.0, 7.0), torch.arange(4.0)])
+    assert torch.equal(restored[0], expected)
