@@ -262,3 +262,25 @@ def test_emulate_round_trips_through_constructor_and_config():
     built = parser.instantiate_classes(cfg).strategy
     assert built._emulate == specs
     assert "emulate" in parser.dump(cfg)
+
+
+# -- the lab benchmark runs end to end on CPU -------------------------------------------------------------------------
+def test_bench_lab_tiny_cpu_run(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_lab
+
+    rows = bench_lab.main(["--tiny", "--accelerator", "cpu", "--scenarios", "mix2", "--models", "gpt",
+                           "--configs", "solo,ddp,hetero-explicit", "--warmup", "1", "--steps", "2",
+                           "--out", str(tmp_path)])
+    by_config = {r["config"]: r for r in rows}
+    assert set(by_config) == {"solo", "ddp", "hetero-explicit"}
+    fast, slow = by_config["solo"]["solo_per_rank"]
+    assert fast > 1.5 * slow  # rank 1 is emulated at a quarter of the speed
+    hetero = by_config["hetero-explicit"]
+    assert hetero["split"][0] > hetero["split"][1] and sum(hetero["split"]) == 8
+    assert hetero["devices"][1].endswith("(emulated)")
+    assert by_config["ddp"]["ratio_to_ideal"] > 0
+    saved = json.loads((tmp_path / "bench_lab.json").read_text())
+    assert [r["config"] for r in saved["rows"]] == ["solo", "ddp", "hetero-explicit"]
