@@ -434,6 +434,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
                                          TopKCompression(ratio=0.01)])
 def test_gpu_nccl_hooks_keep_replicas_identical(tmp_path, compression):
+    pytest.importorskip("sklearn")
     records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda")
     assert_replicas_equal(records)
     assert records[0]["steps"] == 30
