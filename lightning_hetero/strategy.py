@@ -39,10 +39,20 @@ from typing_extensions import override
 
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
-from lightning_hetero.devices import describe_device
+from lightning_hetero.devices import DeviceInfo, describe_device
 from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.rebalance import ShareController, validate_tuning
+from lightning_hetero.precision import (
+    PrecisionPolicyArg,
+    apply_tf32,
+    build_precision_plugin,
+    check_no_conflict,
+    job_compute_dtype,
+    parse_precision_policy,
+    precision_column,
+    resolve_precisions,
+)
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
@@ -69,6 +79,10 @@ class HeteroDDPStrategy(DDPStrategy):
             ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
             "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
             :mod:`lightning_hetero.emulation`.
+        precision_policy: per-rank mixed precision with one loss scale for the job: ``"auto"`` (bf16 on compute
+            capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
+            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
+            ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 2 warm-up
             steps; at half and all of an equal share). See :mod:`lightning_hetero.profiling`.
         memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
@@ -97,6 +111,7 @@ class HeteroDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         print_table: bool = True,
         emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
+        precision_policy: Optional[PrecisionPolicyArg] = None,
         profile_steps: int = 4,
         memory_headroom: float = 0.1,
         max_batch_per_rank: Optional[int] = None,
@@ -115,6 +130,10 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_wrapper: Optional[Callable] = None,
     ) -> None:
         self._capacity_spec = parse_capacities(capacities)
+        self._precision_policy = parse_precision_policy(precision_policy)
+        if self._precision_policy is not None and precision_plugin is not None:
+            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
+        self._precision_modes: Optional[tuple[str, ...]] = None
         self._emulate = parse_emulate(emulate)
         self._emulator: Optional[Emulator] = None
         self._compression_config = parse_compression(compression)
@@ -215,8 +234,13 @@ class HeteroDDPStrategy(DDPStrategy):
         if self._emulator is not None:
             local = self._emulator.describe(local)
         devices = gather_devices(local)
+        self._install_precision(devices)
         weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
         self._lab = HeteroLab(devices=devices, capacities=tuple(weights), capacity_source=source)
+        if self._precision_policy is not None and self._precision_modes is not None:
+            self._lab = self._lab.with_column(
+                "precision", precision_column(self._precision_policy, devices, self._precision_modes)
+            )
         self._groups = build_groups(self._lab)
         if self._emulate is not None:
             self._show_emulation()
@@ -241,8 +265,22 @@ class HeteroDDPStrategy(DDPStrategy):
     def _emulated_work(self) -> Any:
         return self._emulator.work() if self._emulator is not None else nullcontext()
 
+    def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
+        """With a ``precision_policy``: this rank's autocast mode, the job's one loss scaler (see precision.py)."""
+        if self._precision_policy is None:
+            return
+        check_no_conflict(self._precision_policy, self.precision_plugin)
+        # Derived from the gathered devices, hence identical on every rank without another collective.
+        self._precision_modes = resolve_precisions(self._precision_policy, devices)
+        apply_tf32(self._precision_policy, devices[self.global_rank])
+        self.precision_plugin = build_precision_plugin(
+            self._precision_policy, self._precision_modes, self.global_rank, self.root_device.type
+        )
+
     def _compute_dtype(self) -> torch.dtype:
         """The dtype this rank's matmuls run in, for the published-rate table."""
+        if self._precision_modes is not None:
+            return job_compute_dtype(self._precision_modes)  # one dtype for all ranks: capacities must agree
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if "bf16" in precision:
             return torch.bfloat16

@@ -257,3 +257,34 @@ def test_trainer_precision_conflicts_with_policy(tmp_path: Any) -> None:
     with pytest.raises(Exception, match="precision_policy"):
         fit_distributed(TinyModel(), str(tmp_path), 2, {"precision_policy": "auto"}, max_epochs=1,
                         precision="bf16-mixed")
+
+
+class RankLocalGradModel(ScaleModel):
+    """Also trains a tensor DDP does not know, so its gradient is rank-local: the inf check alone could disagree."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.local_bias = torch.zeros(1, requires_grad=True)  # not a Parameter: outside DDP's all-reduce
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = TinyModel.training_step(self, batch, batch_idx) + self.local_bias.sum()
+        if self.global_rank == self.inf_rank and self.global_step == self.inf_step:
+            loss = loss + math.inf * self.local_bias.sum()  # non-finite gradient on one rank only, never reduced
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.parameters(), self.local_bias], lr=self.hparams.lr)
+
+
+def test_found_inf_is_reduced_over_ranks(tmp_path: Any) -> None:
+    seed_everything(0)
+    k = 3
+    model = RankLocalGradModel(out_dir=str(tmp_path), inf_rank=1, inf_step=k)
+    recs = fit_distributed(model, str(tmp_path), 2, {"precision_policy": {"rank:0": "bf16-mixed", "*": "16-mixed"}},
+                           max_epochs=1)
+    scales = [i["scales"] for i in _load_scales(str(tmp_path))]
+    assert scales[0] == scales[1] and scales[0][k] == scales[0][k - 1] / 2
+    for r in range(2):
+        assert torch.equal(recs[r]["params"][k], recs[r]["params"][k - 1]), f"rank {r} stepped"
+    for step in range(len(recs[0]["params"])):
+        assert torch.equal(recs[0]["params"][step], recs[1]["params"][step])
