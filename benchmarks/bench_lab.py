@@ -57,6 +57,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "same2": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "nvlink"},
 }
 CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
+_TIMEOUT_S = 180  # a collective stuck this long fails the scenario instead of eating the device time
 
 
 def emulate_specs(scenario: str, accelerator: str) -> Optional[list[Optional[dict[str, Any]]]]:
@@ -236,11 +237,11 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
     from lightning_hetero import HeteroDDPStrategy
 
     if config == "ddp":
-        strategy = _emulated_ddp_class()(timeout=timedelta(seconds=600))
+        strategy = _emulated_ddp_class()(timeout=timedelta(seconds=_TIMEOUT_S))
         strategy.emulator = emulator
     else:
         capacities: Any = {"hetero-explicit": solos, "hetero-peak": "peak", "hetero-profile": "profile"}[config]
-        strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs, print_table=False, timeout=600)
+        strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs, print_table=False, timeout=_TIMEOUT_S)
     timer = _timer_class()(args.warmup, args.steps)
     batch = args.batch[module.kind]
     trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,
@@ -289,7 +290,7 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
         if emulator is not None:
             emulator.activate()
     dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=world,
-                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+                            timeout=timedelta(seconds=_TIMEOUT_S), device_id=device if cuda else None)
     Workload = _lightning_module_class()
     rows = []
     for kind in args.models:
@@ -297,23 +298,30 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
         for config in args.configs:
             seed_everything(0, workers=False, verbose=False)
             module = Workload(kind, args.tiny, args.seq)
-            if config == "solo":
-                rate = solo_rate(module, args.batch[kind], args.steps, args.warmup, device, emulator, args.precision)
-                gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, rate)
-                solos = [float(r) for r in gathered]
-                row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos}
-            else:
-                row = run_fit(config, module, args, world, specs, emulator, solos)
+            try:
+                if config == "solo":
+                    rate = solo_rate(module, args.batch[kind], args.steps, args.warmup, device, emulator,
+                                     args.precision)
+                    gathered: list[Any] = [None] * world
+                    dist.all_gather_object(gathered, rate)
+                    solos = [float(r) for r in gathered]
+                    row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos}
+                elif config == "hetero-explicit" and not solos:
+                    row = {"error": "needs the solo rates"}
+                else:
+                    row = run_fit(config, module, args, world, specs, emulator, solos)
+            except Exception as err:  # an error on every rank (e.g. out of memory): report it, go on
+                row = {"error": f"{type(err).__name__}: {err}"[:300]}
+                print(f"[bench_lab] rank {local_rank} {scenario}/{kind}/{config}: {row['error']}", flush=True)
             row.update(scenario=scenario, model=kind, config=config)
             rows.append(row)
             del module
             if cuda:
                 torch.cuda.empty_cache()
             dist.barrier()
-    if local_rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(rows, f)
+            if local_rank == 0:  # after every configuration: a later crash keeps what was measured
+                with open(out_file, "w") as f:
+                    json.dump(rows, f)
     dist.destroy_process_group()
 
 
@@ -328,21 +336,22 @@ def finish(rows: list[dict[str, Any]]) -> None:
     """Ratio to ideal (Σ solo) and to DDP for every configuration."""
     for row in rows:
         same = [r for r in rows if r["scenario"] == row["scenario"] and r["model"] == row["model"]]
-        ideal = next((r["samples_per_s"] for r in same if r["config"] == "solo"), None)
-        ddp = next((r["samples_per_s"] for r in same if r["config"] == "ddp"), None)
-        row["ratio_to_ideal"] = row["samples_per_s"] / ideal if ideal else None
-        row["ratio_to_ddp"] = row["samples_per_s"] / ddp if ddp else None
+        ideal = next((r.get("samples_per_s") for r in same if r["config"] == "solo"), None)
+        ddp = next((r.get("samples_per_s") for r in same if r["config"] == "ddp"), None)
+        value = row.get("samples_per_s")
+        row["ratio_to_ideal"] = value / ideal if ideal and value else None
+        row["ratio_to_ddp"] = value / ddp if ddp and value else None
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     headers = ["scenario", "model", "config", "samples/s", "/ideal", "/ddp", "step ms", "setup s", "split / solo"]
     lines = []
     for r in rows:
-        detail = r.get("solo_per_rank") or r.get("split") or ""
+        detail = r.get("error") or r.get("solo_per_rank") or r.get("split") or ""
         if isinstance(detail, list):
             detail = "[" + ", ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in detail) + "]"
         lines.append([
-            r["scenario"], r["model"], r["config"], f"{r['samples_per_s']:.1f}",
+            r["scenario"], r["model"], r["config"], f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-",
             f"{r['ratio_to_ideal']:.2f}" if r.get("ratio_to_ideal") else "-",
             f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-",
             f"{1000 * r['step_s']:.1f}" if "step_s" in r else "-",
@@ -367,7 +376,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
     for ax, (scenario, model) in zip(axes[0], groups):
         same = [r for r in rows if r["scenario"] == scenario and r["model"] == model]
         names = [r["config"] for r in same]
-        values = [r["samples_per_s"] for r in same]
+        values = [r.get("samples_per_s", 0.0) for r in same]
         ax.bar(names, values, color=["#999999" if n == "solo" else "#1f77b4" if n == "ddp" else "#2ca02c"
                                      for n in names])
         ax.set_title(f"{scenario} / {model}")
@@ -430,10 +439,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         t = time.perf_counter()
         part = os.path.join(args.out, f".bench_{scenario}.json")
         world = len(SCENARIOS[scenario]["shares"])
-        mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
-        with open(part) as f:
-            rows += json.load(f)
-        os.remove(part)
+        try:
+            mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
+        except Exception as err:  # keep the configurations that finished before the failure
+            print(f"[bench_lab] {scenario} failed: {str(err)[-2000:]}", flush=True)
+        if os.path.exists(part):
+            with open(part) as f:
+                rows += json.load(f)
+            os.remove(part)
         print(f"[bench_lab] {scenario}: {time.perf_counter() - t:.0f} s", flush=True)
     finish(rows)
     result = {
