@@ -288,3 +288,20 @@ def test_found_inf_is_reduced_over_ranks(tmp_path: Any) -> None:
         assert torch.equal(recs[r]["params"][k], recs[r]["params"][k - 1]), f"rank {r} stepped"
     for step in range(len(recs[0]["params"])):
         assert torch.equal(recs[0]["params"][step], recs[1]["params"][step])
+
+
+@pytest.mark.parametrize(("yaml", "expected"), [
+    ("precision_policy: auto", PrecisionPolicy()),
+    ('precision_policy: {V100: 16-mixed, "rank:0": 32-true, "*": bf16-mixed}',
+     PrecisionPolicy(rules={"V100": "16-mixed", "rank:0": "32-true", "*": "bf16-mixed"})),
+    ('precision_policy: {rules: {"*": auto}, tf32: false, init_scale: 1024.0}',
+     PrecisionPolicy(tf32=False, init_scale=1024.0)),
+])
+def test_policy_parses_from_yaml(yaml: str, expected: PrecisionPolicy) -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(HeteroDDPStrategy, "strategy")
+    strategy = parser.instantiate_classes(parser.parse_string("strategy:\n  " + yaml)).strategy
+    assert strategy._precision_policy == expected
+    with pytest.raises(SystemExit):  # not a precision mode: refused by the parser, not silently accepted
+        parser.parse_string("strategy:\n  precision_policy: bf16")
