@@ -305,3 +305,20 @@ def test_policy_parses_from_yaml(yaml: str, expected: PrecisionPolicy) -> None:
     assert strategy._precision_policy == expected
     with pytest.raises(SystemExit):  # not a precision mode: refused by the parser, not silently accepted
         parser.parse_string("strategy:\n  precision_policy: bf16")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_shared_scale_composes_with_compression(tmp_path: Any, compression: str) -> None:
+    """Scaled gradients through a compressing hook: replicas stay identical and an overflow is skipped everywhere."""
+    seed_everything(0)
+    k = 3
+    model = ScaleModel(out_dir=str(tmp_path), inf_rank=0, inf_step=k)
+    recs = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "compression": compression,
+                                                     "precision_policy": {"rank:0": "bf16-mixed", "*": "16-mixed"}},
+                           max_epochs=1)
+    scales = [i["scales"] for i in _load_scales(str(tmp_path))]
+    assert scales[0] == scales[1] and scales[0][k] == scales[0][k - 1] / 2
+    assert torch.equal(recs[0]["params"][k], recs[0]["params"][k - 1])
+    assert not torch.equal(recs[0]["params"][k + 1], recs[0]["params"][k])
+    for step in range(len(recs[0]["params"])):
+        assert torch.equal(recs[0]["params"][step], recs[1]["params"][step]), f"replicas differ after step {step}"
