@@ -42,7 +42,6 @@ from lightning_hetero.compression import CompressionArg, GradientCompression, de
 from lightning_hetero.devices import DeviceInfo, describe_device
 from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
-from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.precision import (
     PrecisionPolicyArg,
     apply_tf32,
@@ -53,6 +52,7 @@ from lightning_hetero.precision import (
     precision_column,
     resolve_precisions,
 )
+from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
@@ -75,14 +75,6 @@ class HeteroDDPStrategy(DDPStrategy):
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
         timeout: seconds a collective may wait before the job fails (instead of hanging).
         print_table: rank 0 prints the lab table once.
-        emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
-            ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
-            "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
-            :mod:`lightning_hetero.emulation`.
-        precision_policy: per-rank mixed precision with one loss scale for the job: ``"auto"`` (bf16 on compute
-            capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
-            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
-            ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 2 warm-up
             steps; at half and all of an equal share). See :mod:`lightning_hetero.profiling`.
         memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
@@ -92,10 +84,18 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: batches between measurement exchanges (one ``all_gather`` each).
         rebalance_threshold: change shares only when the new split moves more than this fraction of the global batch.
         rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
+        emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
+            ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
+            "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
+            :mod:`lightning_hetero.emulation`.
         compression: gradient compression on the wire: ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"``
             or a :class:`~lightning_hetero.CastCompression` / ``PowerSGDCompression`` / ``TopKCompression``
             (``hierarchical=True``: compress only between hosts or device classes). Bytes sent per optimizer step:
             ``comm_bytes_last_step``, logged as ``comm/bytes``.
+        precision_policy: per-rank mixed precision with one loss scale for the job: ``"auto"`` (bf16 on compute
+            capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
+            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
+            ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
     """
 
@@ -110,8 +110,6 @@ class HeteroDDPStrategy(DDPStrategy):
         start_method: StartMethod = "popen",
         process_group_backend: Optional[str] = None,
         print_table: bool = True,
-        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
-        precision_policy: Optional[PrecisionPolicyArg] = None,
         profile_steps: int = 4,
         memory_headroom: float = 0.1,
         max_batch_per_rank: Optional[int] = None,
@@ -119,7 +117,9 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: int = 20,
         rebalance_threshold: float = 0.05,
         rebalance_smoothing: float = 0.5,
+        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         compression: CompressionArg = "none",
+        precision_policy: Optional[PrecisionPolicyArg] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -130,16 +130,16 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_wrapper: Optional[Callable] = None,
     ) -> None:
         self._capacity_spec = parse_capacities(capacities)
-        self._precision_policy = parse_precision_policy(precision_policy)
-        if self._precision_policy is not None and precision_plugin is not None:
-            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
-        self._precision_modes: Optional[tuple[str, ...]] = None
         self._emulate = parse_emulate(emulate)
         self._emulator: Optional[Emulator] = None
         self._compression_config = parse_compression(compression)
         if self._compression_config is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
         self._compression: Optional[GradientCompression] = None
+        self._precision_policy = parse_precision_policy(precision_policy)
+        if self._precision_policy is not None and precision_plugin is not None:
+            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
+        self._precision_modes: Optional[tuple[str, ...]] = None
         if global_batch_size is not None and (
             isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
         ):
@@ -254,17 +254,6 @@ class HeteroDDPStrategy(DDPStrategy):
         if trainer is not None and self._rank_state not in trainer.callbacks:
             trainer.callbacks.append(self._rank_state)
 
-    def _show_emulation(self) -> None:
-        """An "emulated" table column and a rank-0 warning (a collective: every rank with ``emulate`` calls it)."""
-        summaries: list[Any] = [None] * self.world_size
-        dist.all_gather_object(summaries, self._emulator.summary() if self._emulator is not None else "real device")
-        self._lab = self.lab.with_column("emulated", summaries)
-        if self.global_rank == 0:
-            rank_zero_warn(lab_warning(summaries))
-
-    def _emulated_work(self) -> Any:
-        return self._emulator.work() if self._emulator is not None else nullcontext()
-
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
         """With a ``precision_policy``: this rank's autocast mode, the job's one loss scaler (see precision.py)."""
         if self._precision_policy is None:
@@ -276,6 +265,17 @@ class HeteroDDPStrategy(DDPStrategy):
         self.precision_plugin = build_precision_plugin(
             self._precision_policy, self._precision_modes, self.global_rank, self.root_device.type
         )
+
+    def _show_emulation(self) -> None:
+        """An "emulated" table column and a rank-0 warning (a collective: every rank with ``emulate`` calls it)."""
+        summaries: list[Any] = [None] * self.world_size
+        dist.all_gather_object(summaries, self._emulator.summary() if self._emulator is not None else "real device")
+        self._lab = self.lab.with_column("emulated", summaries)
+        if self.global_rank == 0:
+            rank_zero_warn(lab_warning(summaries))
+
+    def _emulated_work(self) -> Any:
+        return self._emulator.work() if self._emulator is not None else nullcontext()
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype this rank's matmuls run in, for the published-rate table."""
@@ -467,13 +467,9 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
+        self._shares.teardown()
         if self._emulator is not None:
             self._emulator.restore()
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._shares.teardown()
 
     @override
     def reduce(
