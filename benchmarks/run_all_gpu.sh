@@ -30,9 +30,9 @@ case "${1:-checks}" in
         if [ "$pair2" = "2,3" ]; then
             step compression 430 2,3 python3 benchmarks/compression_bench.py --out "$OUT/compression" >"$OUT/lane2.txt" 2>&1 &
         fi
-        step gpu_tests 300 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_compression.py
-        step profile_check 150 0,1 python3 benchmarks/profile_check.py --out "$OUT/profile"
-        step demo 120 0,1 python3 examples/train_digits.py
+        step gpu_tests 240 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_compression.py
+        step profile_check 120 0,1 python3 benchmarks/profile_check.py --out "$OUT/profile"
+        step demo 90 0,1 python3 examples/train_digits.py
         wait
         [ -f "$OUT/lane2.txt" ] && cat "$OUT/lane2.txt"
         if [ "$pair2" = "0,1" ]; then
