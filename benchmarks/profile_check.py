@@ -1,12 +1,14 @@
 """Does ``capacities="profile"`` measure the real speed ratio of two GPUs? (2 GPUs; rank 1 capped to 32 SMs.)
 
-1. solo: one process times forward + backward of the model alone on GPU 0 (whole device) and on GPU 1 under a CUDA
-   green context of ``--sms`` SMs (work on the green context's stream; autograd runs backward on the same stream);
-2. fit: a 2-GPU ``HeteroDDPStrategy(capacities="profile", emulate=[None, {"sm_share": sms / total}])`` run profiles
-   the model before its first step (the emulation caps rank 1 with the same green-context mechanism).
+1. fit: a 2-GPU ``HeteroDDPStrategy(capacities="profile", emulate=[None, {"sm_share": sms / total}])`` run profiles
+   the model before its first step (the emulation caps rank 1 with a CUDA green context) and picks a split b0 + b1;
+2. solo: one process then times forward + backward of the model alone on GPU 0 (whole device) at b0 samples and on
+   GPU 1 under a green context of ``--sms`` SMs at b1 samples (work on the green context's stream; autograd runs
+   backward on the same stream), and at an equal split for reference.
 
-Prints both ratios and whether they agree within 10 %; writes ``profile_check.json`` under ``--out``
-(default ``$OUT`` or ./out).
+The profiled share is right when the solo throughput ratio at the chosen split, (b0 / t0) / (b1 / t1), equals the
+profiled ratio, i.e. when both devices need the same time for their shares. Prints both ratios and whether they
+agree within 10 %; writes ``profile_check.json`` under ``--out`` (default ``$OUT`` or ./out).
 
     python benchmarks/profile_check.py --out "$OUT"
 """
@@ -25,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-WIDTH, DEPTH, BATCH = 4096, 6, 512  # per-rank batch of the equal split; global batch 2 * BATCH
+WIDTH, DEPTH, BATCH = 8192, 6, 512  # per-rank batch of the equal split; global batch 2 * BATCH (compute-bound)
 
 
 def make_net() -> nn.Module:
@@ -36,13 +38,13 @@ def make_net() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def solo_throughput(device: int, sms: int, steps: int = 20) -> float:
-    """Samples/s of forward + backward at the profiled batch size, alone on ``device``."""
+def solo_throughput(device: int, sms: int, batch: int = BATCH, steps: int = 20) -> float:
+    """Samples/s of forward + backward at ``batch`` samples, alone on ``device`` (``sms``: green-context cap)."""
     torch.cuda.set_device(device)
     torch.manual_seed(0)
     net = make_net().cuda(device)
-    x = torch.randn(BATCH, 1024, device=device)
-    y = torch.randint(0, 10, (BATCH,), device=device)
+    x = torch.randn(batch, 1024, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     stream_ctx: Any = nullcontext()
     if sms:
         from torch.cuda.green_contexts import GreenContext
@@ -63,7 +65,7 @@ def solo_throughput(device: int, sms: int, steps: int = 20) -> float:
             torch.cuda.synchronize(device)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
-    return BATCH / sorted(times)[len(times) // 2]
+    return batch / sorted(times)[len(times) // 2]
 
 
 def fit_phase(sms: int, out: str) -> None:
@@ -114,24 +116,33 @@ def main() -> None:
         return
     if torch.cuda.device_count() < 2:
         sys.exit("profile_check needs 2 GPUs")
-    solo = [solo_throughput(0, 0), solo_throughput(1, args.sms)]
     # The Lightning run re-executes this script per rank (popen launcher): run it as its own command.
     subprocess.run([sys.executable, os.path.abspath(__file__), "--phase", "fit", "--out", args.out, "--sms",
                     str(args.sms)], check=True)
     with open(os.path.join(args.out, "profile_fit.json")) as f:
         fit = json.load(f)
+    b0, b1 = fit["split"]
+    equal = [solo_throughput(0, 0), solo_throughput(1, args.sms)]
+    solo = [solo_throughput(0, 0, b0), solo_throughput(1, args.sms, b1)]
     solo_ratio = solo[0] / solo[1]
     profiled_ratio = fit["capacities"][0] / fit["capacities"][1]
+    step_ms = [1e3 * b0 / solo[0], 1e3 * b1 / solo[1]]
     agree = abs(profiled_ratio / solo_ratio - 1) <= 0.10
-    result = {"solo_samples_per_s": solo, "solo_ratio": solo_ratio, "profiled_samples_per_s": fit["capacities"],
-              "profiled_ratio": profiled_ratio, "agree_within_10pct": agree, "profile_cost_s": fit["cost_s"],
-              "split": fit["split"], "mem_caps": fit["caps"], "sms_rank1": args.sms}
+    result = {"solo_samples_per_s_at_split": solo, "solo_ratio_at_split": solo_ratio,
+              "solo_step_ms_at_split": step_ms, "solo_samples_per_s_equal_batch": equal,
+              "profiled_samples_per_s": fit["capacities"], "profiled_ratio": profiled_ratio,
+              "agree_within_10pct": agree, "profile_cost_s": fit["cost_s"], "split": fit["split"],
+              "mem_caps": fit["caps"], "sms_rank1": args.sms, "device": torch.cuda.get_device_name(0),
+              "emulated": True}
     with open(os.path.join(args.out, "profile_check.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(fit["table"])
-    print(f"{'':22}{'rank 0':>12}{'rank 1':>12}{'ratio':>8}")
-    print(f"{'solo samples/s':22}{solo[0]:>12.0f}{solo[1]:>12.0f}{solo_ratio:>8.2f}")
-    print(f"{'profiled samples/s':22}{fit['capacities'][0]:>12.0f}{fit['capacities'][1]:>12.0f}{profiled_ratio:>8.2f}")
+    print(f"{'':34}{'rank 0':>12}{'rank 1':>12}{'ratio':>8}")
+    print(f"{'solo samples/s, equal batch ' + str(BATCH):34}{equal[0]:>12.0f}{equal[1]:>12.0f}"
+          f"{equal[0] / equal[1]:>8.2f}")
+    print(f"{'solo samples/s at split':34}{solo[0]:>12.0f}{solo[1]:>12.0f}{solo_ratio:>8.2f}")
+    print(f"{'solo step ms at split':34}{step_ms[0]:>12.2f}{step_ms[1]:>12.2f}{step_ms[0] / step_ms[1]:>8.2f}")
+    print(f"{'profiled samples/s':34}{fit['capacities'][0]:>12.0f}{fit['capacities'][1]:>12.0f}{profiled_ratio:>8.2f}")
     print(f"split {fit['split']}, mem caps {fit['caps']}, profiling {fit['cost_s']:.2f} s; "
           f"agree within 10%: {'YES' if agree else 'NO'}")
 

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -130,7 +130,7 @@ def time_rank(
     headroom: float = 0.1,
     step_context: ContextFactory = nullcontext,
 ) -> Optional[RankProfile]:
-    """Median seconds of forward + backward at each batch size (``batches``: size -> batch on ``device``).
+    """Fastest seconds of forward + backward at each batch size (``batches``: size -> batch on ``device``).
 
     ``None`` when ``loss_fn`` gives no loss (a ``training_step`` that returns ``None``). ``step_context`` wraps
     forward and backward (e.g. an emulated device's capped stream), ``forward_context`` the forward (autocast).
@@ -162,7 +162,8 @@ def time_rank(
         if cuda:
             peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
         sizes.append(size)
-        seconds.append(sorted(times[warmup:])[len(times[warmup:]) // 2])
+        # The fastest timed step: noise (launch jitter, other processes) only ever adds time to a fixed workload.
+        seconds.append(min(times[warmup:]))
     usable = None
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
@@ -237,14 +238,38 @@ def gather_profiles(local: Optional[RankProfile]) -> list[Optional[RankProfile]]
             for g in gathered]
 
 
+def pool_by_class(profiles: Sequence[RankProfile], classes: Sequence[str], tolerance: float = 1.25) -> list[RankProfile]:
+    """Ranks of one device class that measured alike (within ``tolerance``) get the class's mean step times.
+
+    Identical cards then get identical shares instead of splitting on timing noise; a card of the class that is
+    really slower (a co-tenant, throttling: beyond ``tolerance``) keeps its own measurement.
+    """
+    if not classes:
+        return list(profiles)
+    pooled = list(profiles)
+    for name in set(classes):
+        members = [r for r, c in enumerate(classes) if c == name]
+        longest = [profiles[r].seconds[-1] for r in members]
+        if len(members) < 2 or max(longest) > tolerance * min(longest):
+            continue
+        mean = tuple(sum(column) / len(members) for column in zip(*(profiles[r].seconds for r in members)))
+        for r in members:
+            pooled[r] = replace(profiles[r], seconds=mean)
+    return pooled
+
+
 def combine(
     profiles: Sequence[RankProfile],
     global_batch_size: int,
     reserve_bytes: Sequence[int] = (),
     max_batch_per_rank: Optional[int] = None,
+    classes: Sequence[str] = (),
 ) -> ProfileResult:
-    """Capacities and per-rank caps from all ranks' profiles; ``ValueError`` if a rank cannot hold one sample."""
-    capacities = balanced_capacities(profiles, global_batch_size)
+    """Capacities and per-rank caps from all ranks' profiles; ``ValueError`` if a rank cannot hold one sample.
+
+    ``classes`` (each rank's device class) pools the timing of interchangeable ranks, see :func:`pool_by_class`.
+    """
+    capacities = balanced_capacities(pool_by_class(profiles, classes), global_batch_size)
     caps = []
     for r, p in enumerate(profiles):
         reserve = reserve_bytes[r] if r < len(reserve_bytes) else 0
@@ -307,6 +332,7 @@ def profile_lightning_module(
     max_batch_per_rank: Optional[int] = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     step_context: ContextFactory = nullcontext,
+    classes: Sequence[str] = (),
 ) -> Optional[ProfileResult]:
     """Profile ``module`` (a LightningModule, not its DDP wrapper) on this rank and combine all ranks' results.
 
@@ -329,7 +355,7 @@ def profile_lightning_module(
     if any(p is None for p in profiles):
         return None
     reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
-    return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank)  # type: ignore[arg-type]
+    return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
 
 
 def table_columns(result: ProfileResult) -> dict[str, list[str]]:

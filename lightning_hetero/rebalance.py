@@ -263,6 +263,7 @@ class ShareController:
             max_batch_per_rank=self.max_batch_per_rank,
             optimizers=strategy.optimizers,
             step_context=emulator.work if emulator is not None else _nothing,
+            classes=[d.device_class for d in strategy.lab.devices],
         )
         if result is None:
             rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "

@@ -63,7 +63,8 @@ class TinyModel(LightningModule):
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+    # Host copies: the test process that loads them must not initialise CUDA (later fork launches would fail).
+    return torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
 
 
 class Recorder(Callback):

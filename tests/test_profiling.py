@@ -186,3 +186,17 @@ def test_profiling_cost_on_digits_example() -> None:
     assert 0 < cost <= 3.0
     assert all(p["same_params"] for p in probes)
     assert "48" in probes[0]["table"]  # the explicit cap shows in the "mem cap" column
+
+
+def test_identical_cards_pool_their_timing():
+    """Ranks of one class that measured within 25% share their mean; a really slower one keeps its own timing."""
+    from lightning_hetero.profiling import RankProfile, combine
+
+    fast, noisy = RankProfile((8, 16), (0.0010, 0.0020)), RankProfile((8, 16), (0.0012, 0.0024))
+    slow = RankProfile((8, 16), (0.004, 0.008))
+    pooled = combine([fast, noisy, slow], 64, classes=["H200", "H200", "T4"])
+    assert pooled.capacities[0] == pooled.capacities[1]
+    assert abs(pooled.capacities[0] / pooled.capacities[2] - (0.008 / 0.0022)) < 1e-6
+    assert combine([fast, noisy, slow], 64).capacities[0] > combine([fast, noisy, slow], 64).capacities[1]
+    co_tenant = combine([fast, slow], 64, classes=["H200", "H200"])  # 4x apart: not noise
+    assert abs(co_tenant.capacities[0] / co_tenant.capacities[1] - 4.0) < 1e-6

@@ -37,6 +37,8 @@ def test_unequal_batches_equal_one_process_on_the_global_batch(tmp_path, emulate
     assert result["batch_sizes"][0] == [12, 4]  # G = 16 split 3 : 1
     assert result["same_global_batches"]
     assert result["replicas_identical_every_step"]
+    print(f"\nGPU equivalence ({'green-context' if emulate else 'plain'}): {result['reference_steps']} steps, "
+          f"max rel diff {result['max_rel_diff']:.2e}, replicas identical {result['replicas_identical_every_step']}")
     assert result["max_rel_diff"] < 1e-4, result["per_step_rel_diff"]  # GPU vs CPU fp32 summation order
 
 
@@ -44,6 +46,7 @@ def test_green_context_caps_the_whole_training_step(tmp_path):
     """A quarter of the SMs slows a matmul-bound Lightning training step ~4x. Were only the forward capped (the
     backward running on the full device), the step could slow at most ~2x."""
     result = _run(tmp_path, "cap")
+    print(f"\ngreen-context cap ({result['summary']}): training step {result['slowdown']:.2f}x slower")
     assert "SMs" in result["summary"] and "all SMs" not in result["summary"]
     assert result["slowdown"] > 2.5, result
     assert result["memory_cap_holds"] and result["below_cap_ok"]
