@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hetero.plan import split_batch
+
 ContextFactory = Callable[[], AbstractContextManager]
 
 
@@ -336,25 +338,53 @@ def profile_lightning_module(
 ) -> Optional[ProfileResult]:
     """Profile ``module`` (a LightningModule, not its DDP wrapper) on this rank and combine all ranks' results.
 
-    A collective: every rank calls it. ``indices`` are the samples this rank reads (any order; at least the larger
-    profiling size). Returns ``None`` on every rank if any rank's ``training_step`` gave no loss to time.
+    A collective: every rank calls it. ``indices`` are the samples this rank reads (any order; up to the global
+    batch size are used). Returns ``None`` on every rank if any rank's ``training_step`` gave no loss to time.
+
+    Step time is not quite linear in the batch size (a fast card gets more efficient at large batches), so when the
+    first split puts a rank far from both sizes it was timed at, every such rank is timed once more at its share and
+    refitted on that point and the nearer of the first two.
     """
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     sizes = profile_sizes(global_batch_size, world)
-    local: Optional[RankProfile] = None
-    with preserved(module), _silenced_logging(module), torch.enable_grad():
-        module.train()
-        batches = sample_batches(
-            dataset, collate_fn, list(indices), sizes,
-            lambda b: module._apply_batch_transfer_handler(b, device=device),
-        )
-        local = time_rank(module, batches, training_loss(module), device, steps=steps,
-                          forward_context=forward_context, headroom=headroom, step_context=step_context)
-        del batches
+    reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
+
+    def timed(batch_sizes: Sequence[int]) -> Optional[RankProfile]:
+        with preserved(module), _silenced_logging(module), torch.enable_grad():
+            module.train()
+            batches = sample_batches(
+                dataset, collate_fn, list(indices), batch_sizes,
+                lambda b: module._apply_batch_transfer_handler(b, device=device),
+            )
+            return time_rank(module, batches, training_loss(module), device, steps=steps,
+                             forward_context=forward_context, headroom=headroom, step_context=step_context)
+
+    local = timed(sizes)
     profiles = gather_profiles(local)
     if any(p is None for p in profiles):
         return None
-    reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
+    result = combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
+    split = split_batch(global_batch_size, result.capacities, result.caps)
+    far = [min(abs(b - s) for s in sizes) > 0.1 * b for b in split]
+    if not any(far):  # identical on every rank: the decision needs no collective
+        return result
+    assert local is not None
+    refined = local
+    if far[rank]:
+        target = min(split[rank], len(indices))
+        extra = timed([target])
+        if extra is not None:
+            near = min(range(len(local.sizes)), key=lambda i: abs(local.sizes[i] - target))
+            points = sorted([(local.sizes[near], local.seconds[near], local.peak_bytes[near] if local.peak_bytes else 0),
+                             (target, extra.seconds[0], extra.peak_bytes[0] if extra.peak_bytes else 0)])
+            refined = RankProfile(
+                sizes=tuple(p[0] for p in points),
+                seconds=tuple(p[1] for p in points),
+                peak_bytes=tuple(p[2] for p in points) if local.peak_bytes else (),
+                usable_bytes=local.usable_bytes,
+                cost_s=local.cost_s + extra.cost_s,
+            )
+    profiles = gather_profiles(refined)
     return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
 
 

@@ -246,8 +246,9 @@ class ShareController:
                            f"'{strategy.lab.capacity_source}' capacities.")
             return None
         order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
-        need = max(1, sampler.global_batch_size // sampler.world_size)
-        offset = sampler.rank * need
+        # Up to a whole global batch: a refinement pass may time this rank at its (possibly large) share.
+        need = sampler.global_batch_size
+        offset = sampler.rank * max(1, need // sampler.world_size)
         indices = [order[(offset + i) % len(order)] for i in range(need)]
         emulator = getattr(strategy, "emulation", None)
         result = profile_lightning_module(

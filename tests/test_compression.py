@@ -356,7 +356,7 @@ def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_p
 def test_bytes_on_the_wire(tmp_path):
     """top-k 1%: values (fp32) + indices (int32) <= 1/50 of the fp32 gradient; PowerSGD rank r: (n + m) r per matrix
     (full size for the biases) after ``start_iter`` plain steps; logged as ``comm/bytes``."""
-    topk = fit_digits(str(tmp_path / "topk"), TopKCompression(ratio=0.01), epochs=1)
+    topk = fit_digits(str(tmp_path / "topk"), TopKCompression(ratio=0.01), epochs=1, log_every_n_steps=1)
     for record in topk:
         assert set(record["bytes"]) == {(2410 // 100) * 8}
         assert max(record["bytes"]) <= FP32_BYTES / 50
