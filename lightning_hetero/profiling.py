@@ -127,7 +127,7 @@ def time_rank(
     loss_fn: Callable[[Any], Optional[torch.Tensor]],
     device: torch.device,
     steps: int = 4,
-    warmup: int = 2,
+    warmup: int = 5,
     forward_context: ContextFactory = nullcontext,
     headroom: float = 0.1,
     step_context: ContextFactory = nullcontext,
@@ -142,12 +142,16 @@ def time_rank(
     cuda = device.type == "cuda"
     params = [p for p in module.parameters() if p.requires_grad]
     sizes, seconds, peaks = [], [], []
+    # The device warms up (clocks, allocator, kernel selection) on the largest batch before anything is timed;
+    # then each size gets one untimed step of its own.
+    if not _untimed_steps(module, batches[max(batches)], loss_fn, params, warmup, forward_context, step_context):
+        return None
     for size in sorted(batches):
         times = []
-        for i in range(warmup + steps):
+        for i in range(1 + steps):
             if cuda:
                 torch.cuda.synchronize(device)
-                if i == warmup + steps - 1:
+                if i == steps:
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
@@ -165,13 +169,26 @@ def time_rank(
             peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
         sizes.append(size)
         # The fastest timed step: noise (launch jitter, other processes) only ever adds time to a fixed workload.
-        seconds.append(min(times[warmup:]))
+        seconds.append(min(times[1:]))
     usable = None
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         usable = int(free + cached - headroom * total)
     return RankProfile(tuple(sizes), tuple(seconds), tuple(peaks), usable, time.perf_counter() - start)
+
+
+def _untimed_steps(module: nn.Module, batch: Any, loss_fn: Callable[[Any], Optional[torch.Tensor]], params: list,
+                   count: int, forward_context: ContextFactory, step_context: ContextFactory) -> bool:
+    """``count`` forward + backward steps, untimed; False when ``loss_fn`` gives no loss."""
+    for _ in range(count):
+        with step_context():
+            with forward_context():
+                loss = loss_fn(batch)
+            if loss is None:
+                return False
+            torch.autograd.grad(loss, params, allow_unused=True)
+    return True
 
 
 def optimizer_reserve_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
