@@ -75,8 +75,9 @@ class HeteroDDPStrategy(DDPStrategy):
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
         timeout: seconds a collective may wait before the job fails (instead of hanging).
         print_table: rank 0 prints the lab table once.
-        profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 2 warm-up
-            steps; at half and all of an equal share). See :mod:`lightning_hetero.profiling`.
+        profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 5 warm-up
+            steps; at half and all of an equal share, then at a rank's own share if that is far from both). See
+            :mod:`lightning_hetero.profiling`.
         memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
             rank can hold (its "mem cap"); the split never gives a rank more.
         max_batch_per_rank: an explicit cap on any rank's samples per step (CPU ranks have no measured cap).
