@@ -258,22 +258,31 @@ def gather_profiles(local: Optional[RankProfile]) -> list[Optional[RankProfile]]
 
 
 def pool_by_class(profiles: Sequence[RankProfile], classes: Sequence[str], tolerance: float = 1.25) -> list[RankProfile]:
-    """Ranks of one device class that measured alike (within ``tolerance``) get the class's mean step times.
+    """Ranks of one device class that measured alike (within ``tolerance``) share the class's mean cost model.
 
     Identical cards then get identical shares instead of splitting on timing noise; a card of the class that is
-    really slower (a co-tenant, throttling: beyond ``tolerance``) keeps its own measurement.
+    really slower (a co-tenant, throttling: beyond ``tolerance``) keeps its own measurement. Members may have been
+    timed at different sizes (after refinement): their fitted models are compared and averaged at the first
+    member's sizes.
     """
     if not classes:
         return list(profiles)
     pooled = list(profiles)
     for name in set(classes):
         members = [r for r, c in enumerate(classes) if c == name]
-        longest = [profiles[r].seconds[-1] for r in members]
-        if len(members) < 2 or max(longest) > tolerance * min(longest):
+        if len(members) < 2:
             continue
-        mean = tuple(sum(column) / len(members) for column in zip(*(profiles[r].seconds for r in members)))
+        sizes = profiles[members[0]].sizes
+        predicted = []
         for r in members:
-            pooled[r] = replace(profiles[r], seconds=mean)
+            fixed, per_sample = profiles[r].cost_model()
+            predicted.append([fixed + per_sample * b for b in sizes])
+        longest = [times[-1] for times in predicted]
+        if max(longest) > tolerance * min(longest):
+            continue
+        mean = tuple(sum(column) / len(members) for column in zip(*predicted))
+        for r in members:
+            pooled[r] = replace(profiles[r], sizes=sizes, seconds=mean)
     return pooled
 
 

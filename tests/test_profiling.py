@@ -200,3 +200,13 @@ def test_identical_cards_pool_their_timing():
     assert combine([fast, noisy, slow], 64).capacities[0] > combine([fast, noisy, slow], 64).capacities[1]
     co_tenant = combine([fast, slow], 64, classes=["H200", "H200"])  # 4x apart: not noise
     assert abs(co_tenant.capacities[0] / co_tenant.capacities[1] - 4.0) < 1e-6
+
+
+def test_pooling_compares_ranks_timed_at_different_sizes():
+    """After refinement two ranks of one class were timed at 12 and 11 samples: pooled on their fitted models."""
+    from lightning_hetero.profiling import RankProfile, combine
+
+    a = RankProfile((8, 12), (0.008, 0.012))  # 1 ms per sample
+    b = RankProfile((8, 11), (0.0082, 0.0113))  # 1.03 ms per sample: noise
+    pooled = combine([a, b], 23, classes=["H200", "H200"])
+    assert pooled.capacities[0] == pooled.capacities[1]
