@@ -184,6 +184,7 @@ class ShareController:
         self.smoothing = smoothing
         self.profile: Optional[ProfileResult] = None
         self.caps: Optional[tuple[int, ...]] = None
+        self._slept_mark = 0.0  # the emulator's cumulative sleep at the last step boundary
         self.sampler: Optional[HeteroBatchSampler] = None
         self.timer: Optional[StepTimer] = None
         self.ema: Optional[list[float]] = None
@@ -319,6 +320,11 @@ class ShareController:
         if self.timer is None or self.sampler is None:
             return
         seconds = self.timer.stop()
+        emulator = getattr(strategy, "emulation", None)
+        if emulator is not None:
+            # The CPU emulator's slowdown sleeps after the step, outside the timed window; it stands for compute.
+            slept, self._slept_mark = emulator.slept_seconds - self._slept_mark, emulator.slept_seconds
+            seconds = None if seconds is None else seconds + slept
         if seconds is not None and self._last_samples > 0 and not self._skip_next:
             self._window[0] += self._last_samples
             self._window[1] += seconds

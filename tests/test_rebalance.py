@@ -101,3 +101,24 @@ def test_no_rebalance_on_noise() -> None:
     assert records[0]["decisions"] == [] and records[1]["decisions"] == []
     assert all(size == 8 for _, _, size, _ in records[0]["rows"])
     _each_index_once_per_epoch(records, n, epochs)
+
+
+class BusyModel(TinyModel):
+    """Real CPU work per sample (the CPU emulator's slowdown is proportional to CPU time, not to sleeps)."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        a = torch.full((192, 192), 0.01)
+        for _ in range(2 * len(batch[0])):
+            a = torch.tanh(a @ a)
+        return super().loss(batch) + 0.0 * a.sum()
+
+
+def test_rebalance_sees_the_cpu_emulator_slowdown() -> None:
+    """Rank 1 emulated 3x slower (it sleeps after each step): rebalancing moves its share from 8 towards 4."""
+    n, epochs = 192, 2  # global batch 16 -> 12 steps per epoch
+    records = _fit(BusyModel(batch_size=8, n=n), epochs, rebalance_every=3, rebalance_threshold=0.05,
+                   rebalance_smoothing=0.7, emulate=[None, {"slowdown": 3.0}])
+    assert records[0]["decisions"] == records[1]["decisions"]
+    rank1 = [size for _, _, size, _ in records[0]["rows"]]
+    assert rank1[0] == 8 and max(rank1[-6:]) <= 5, rank1
+    _each_index_once_per_epoch(records, n, epochs)
