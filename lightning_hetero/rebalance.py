@@ -345,8 +345,11 @@ class ShareController:
             return None  # some rank measured nothing this round (padding steps only)
         rates = [samples / seconds for samples, seconds, _ in rows]
         a = self.smoothing
-        self.ema = rates if self.ema is None else [a * r + (1 - a) * e for r, e in zip(rates, self.ema)]
+        first_round = self.ema is None
+        self.ema = rates if first_round else [a * r + (1 - a) * e for r, e in zip(rates, self.ema)]
         self._log_rates(strategy)
+        if first_round:
+            return None  # the first window carries start-up costs (allocator, kernel selection): never act on it alone
         current = self.sampler.capacities
         proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold)
         if proposal is None:
