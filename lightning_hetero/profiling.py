@@ -144,7 +144,10 @@ def time_rank(
     sizes, seconds, peaks = [], [], []
     # The device warms up (clocks, allocator, kernel selection) on the largest batch before anything is timed;
     # then each size gets one untimed step of its own.
-    if not _untimed_steps(module, batches[max(batches)], loss_fn, params, warmup, forward_context, step_context):
+    # On CUDA the warm-up also lasts at least half a second: clocks ramp up from idle over that time scale.
+    min_warm_s = 0.5 if cuda else 0.0
+    if not _untimed_steps(module, batches[max(batches)], loss_fn, params, warmup, min_warm_s, forward_context,
+                          step_context, device):
         return None
     for size in sorted(batches):
         times = []
@@ -179,15 +182,20 @@ def time_rank(
 
 
 def _untimed_steps(module: nn.Module, batch: Any, loss_fn: Callable[[Any], Optional[torch.Tensor]], params: list,
-                   count: int, forward_context: ContextFactory, step_context: ContextFactory) -> bool:
-    """``count`` forward + backward steps, untimed; False when ``loss_fn`` gives no loss."""
-    for _ in range(count):
+                   count: int, min_seconds: float, forward_context: ContextFactory, step_context: ContextFactory,
+                   device: torch.device) -> bool:
+    """At least ``count`` untimed forward + backward steps lasting ``min_seconds``; False when there is no loss."""
+    start, done = time.perf_counter(), 0
+    while done < count or time.perf_counter() - start < min_seconds:
         with step_context():
             with forward_context():
                 loss = loss_fn(batch)
             if loss is None:
                 return False
             torch.autograd.grad(loss, params, allow_unused=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        done += 1
     return True
 
 
