@@ -15,6 +15,7 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 import logging
 import math
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -172,6 +173,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._groups: Optional[LabGroups] = None
         self._weighting: Optional[WeightingState] = None
         self._train_sampler: Optional[HeteroBatchSampler] = None
+        self._eval_samplers: "weakref.WeakSet[HeteroBatchSampler]" = weakref.WeakSet()
         self._train_step_size: Optional[int] = None  # this rank's real samples in the current training batch
         self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
         self._table_printed = False
@@ -296,6 +298,10 @@ class HeteroDDPStrategy(DDPStrategy):
         self._lab = replace(self.lab, capacities=tuple(float(c) for c in capacities), capacity_source=source)
         if split is not None:
             self._lab = replace(self._lab, split=tuple(int(b) for b in split))
+        # Evaluation loaders built earlier (the sanity check runs before profiling) follow from their next pass on.
+        # They are idle here: profiling and rebalancing happen between training batches.
+        for sampler in self._eval_samplers:
+            sampler.change_shares(capacities, first_batch=0)
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
         """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
@@ -321,6 +327,8 @@ class HeteroDDPStrategy(DDPStrategy):
         else:
             wrapped = batch_sampler
         new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
+        if stage != RunningStage.TRAINING:
+            self._eval_samplers.add(batch_sampler)
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.

@@ -22,7 +22,7 @@ from lightning_hetero.profiling import (
     time_rank,
     training_loss,
 )
-from tests.helpers import TinyModel, free_port
+from tests.helpers import IndexedDataset, TinyModel, free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
 
@@ -210,3 +210,26 @@ def test_pooling_compares_ranks_timed_at_different_sizes():
     b = RankProfile((8, 11), (0.0082, 0.0113))  # 1.03 ms per sample: noise
     pooled = combine([a, b], 23, classes=["H200", "H200"])
     assert pooled.capacities[0] == pooled.capacities[1]
+
+
+class _SlowWithValidation(SlowModel):
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(IndexedDataset(48, seed=1), batch_size=12)
+
+    def on_validation_epoch_end(self) -> None:
+        sampler = self.trainer.val_dataloaders.batch_sampler
+        torch.save(sampler.split_at(0), os.path.join(self.out_dir, f"val_split{self.global_rank}.pt"))
+
+
+def test_validation_loader_follows_profiled_shares() -> None:
+    """The sanity check builds the validation loader before profiling; its next pass uses the profiled split."""
+    out = tempfile.mkdtemp()
+    model = _SlowWithValidation(per_sample=0.003, factor=3.0, batch_size=12, n=48)
+    model.out_dir = out
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities="profile")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=1,
+                      num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(model)
+    assert torch.load(os.path.join(out, "val_split0.pt")) == [18, 6]
