@@ -15,7 +15,6 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 import logging
 import math
 import os
-import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -173,7 +172,9 @@ class HeteroDDPStrategy(DDPStrategy):
         self._groups: Optional[LabGroups] = None
         self._weighting: Optional[WeightingState] = None
         self._train_sampler: Optional[HeteroBatchSampler] = None
-        self._eval_samplers: "weakref.WeakSet[HeteroBatchSampler]" = weakref.WeakSet()
+        # Evaluation samplers by (stage, dataset): a reloaded loader replaces its predecessor. Plain containers only:
+        # the spawn launcher pickles the strategy.
+        self._eval_samplers: dict[tuple[str, int], HeteroBatchSampler] = {}
         self._train_step_size: Optional[int] = None  # this rank's real samples in the current training batch
         self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
         self._table_printed = False
@@ -300,7 +301,7 @@ class HeteroDDPStrategy(DDPStrategy):
             self._lab = replace(self._lab, split=tuple(int(b) for b in split))
         # Evaluation loaders built earlier (the sanity check runs before profiling) follow from their next pass on.
         # They are idle here: profiling and rebalancing happen between training batches.
-        for sampler in self._eval_samplers:
+        for sampler in self._eval_samplers.values():
             sampler.change_shares(capacities, first_batch=0)
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
@@ -328,7 +329,7 @@ class HeteroDDPStrategy(DDPStrategy):
             wrapped = batch_sampler
         new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         if stage != RunningStage.TRAINING:
-            self._eval_samplers.add(batch_sampler)
+            self._eval_samplers[(str(stage), id(dataloader.dataset))] = batch_sampler  # type: ignore[attr-defined]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.

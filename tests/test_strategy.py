@@ -142,3 +142,33 @@ def test_global_batch_size_override(tmp_path):
                               max_epochs=1)
     assert [len(b) for b in records[0]["indices"]] == [15, 15]
     assert [len(b) for b in records[1]["indices"]] == [5, 5]
+
+
+def test_strategy_pickles_for_the_spawn_launcher():
+    """`start_method="spawn"` pickles the strategy with every option set."""
+    import pickle
+
+    from lightning_hetero import PowerSGDCompression
+
+    strategy = HeteroDDPStrategy(capacities={"A100": 3, "*": 1}, rebalance=True, emulate=[None, {"slowdown": 2}],
+                                 compression=PowerSGDCompression(rank=2), precision_policy="auto",
+                                 start_method="spawn")
+    clone = pickle.loads(pickle.dumps(strategy))
+    assert clone._capacity_spec == strategy._capacity_spec
+
+
+class _SpawnModel(TinyModel):
+    def val_dataloader(self):
+        return DataLoader(IndexedDataset(20, seed=1), batch_size=4)
+
+
+def test_spawn_launcher_fits(tmp_path):
+    seed_everything(0)
+    os.environ["MASTER_PORT"] = str(free_port())
+    trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                      strategy=HeteroDDPStrategy(capacities="profile", start_method="spawn", print_table=False,
+                                                 timeout=120))
+    trainer.fit(_SpawnModel(n=32))
+    # The spawn launcher hands the main process the state and metrics (not the step counter).
+    assert trainer.state.finished and "val_loss" in trainer.callback_metrics
