@@ -366,12 +366,7 @@ class HeteroDDPStrategy(DDPStrategy):
             )
         order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
         global_batch = self._global_batch_size or inner.batch_size * self.world_size
-        if global_batch < self.world_size:
-            raise ValueError(
-                f"`global_batch_size`={global_batch} is smaller than the world size {self.world_size}: every rank "
-                "needs at least one sample per step."
-            )
-        return HeteroBatchSampler(
+        return HeteroBatchSampler(  # refuses a global batch smaller than the world size, naming the argument
             order,
             global_batch_size=global_batch,
             capacities=self.lab.capacities,
