@@ -6,8 +6,9 @@ Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hetero.autocompress import AutoCompression
 from lightning_hetero.capacity import parse_capacities
-from lightning_hetero.compression import CastCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
 from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
 from lightning_hetero.emulation import PRESETS, EmulationSpec, Emulator
 from lightning_hetero.lab import HeteroLab, LabGroups
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PEAK_TFLOPS",
     "PRESETS",
+    "AutoCompression",
     "CastCompression",
     "DeviceInfo",
     "EmulationSpec",
@@ -37,6 +39,7 @@ __all__ = [
     "HeteroLab",
     "HeteroMixedPrecision",
     "LabGroups",
+    "NoCompression",
     "PowerSGDCompression",
     "PrecisionPolicy",
     "ProfileResult",

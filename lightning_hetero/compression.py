@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk"]
+CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk", "auto"]
 GroupBy = Literal["host", "class"]
 
 
@@ -46,6 +46,21 @@ def _is_int(value: Any) -> bool:
 def _check_hop(cls: str, hierarchical: Any, group_by: Any) -> None:
     _check(cls, "hierarchical", hierarchical, isinstance(hierarchical, bool), "True or False")
     _check(cls, "group_by", group_by, group_by in ("host", "class"), '"host" or "class"')
+
+
+@dataclass(frozen=True)
+class NoCompression:
+    """Full-precision all-reduce. ``hierarchical=True``: reduce inside each ``group_by`` group first, exchange one sum
+    per group among the leaders, broadcast back (the two-level sync without compression)."""
+
+    hierarchical: bool = True
+    group_by: GroupBy = "host"
+
+    def __post_init__(self) -> None:
+        _check_hop("NoCompression", self.hierarchical, self.group_by)
+
+    def describe(self) -> str:
+        return "fp32"
 
 
 @dataclass(frozen=True)
@@ -133,14 +148,21 @@ class TopKCompression:
         return f"topk({self.ratio:g})"
 
 
-CompressionConfig = Union[CastCompression, PowerSGDCompression, TopKCompression]
-CompressionArg = Union[CompressionName, CastCompression, PowerSGDCompression, TopKCompression]
+CompressionConfig = Union[NoCompression, CastCompression, PowerSGDCompression, TopKCompression]
+CompressionArg = Union[CompressionName, NoCompression, CastCompression, PowerSGDCompression, TopKCompression]
 
 
-def parse_compression(compression: Any) -> Optional[CompressionConfig]:
-    """The typed config for ``compression`` (``None`` for ``"none"``); a ValueError for anything else."""
-    if isinstance(compression, (CastCompression, PowerSGDCompression, TopKCompression)):
+def parse_compression(compression: Any) -> Any:
+    """The typed config for ``compression`` (``None`` for ``"none"``; an
+    :class:`~lightning_hetero.autocompress.AutoCompression` for ``"auto"``, resolved once the links are measured);
+    a ValueError for anything else."""
+    from lightning_hetero.autocompress import AutoCompression  # it builds the configs of this module
+
+    if isinstance(compression, (NoCompression, CastCompression, PowerSGDCompression, TopKCompression,
+                                AutoCompression)):
         return compression
+    if compression == "auto":
+        return AutoCompression()
     if compression is None or compression == "none":
         return None
     if compression in ("fp16", "bf16"):
@@ -150,8 +172,8 @@ def parse_compression(compression: Any) -> Optional[CompressionConfig]:
     if compression == "topk":
         return TopKCompression()
     raise ValueError(
-        f"`compression`={compression!r} must be one of 'none', 'fp16', 'bf16', 'powersgd', 'topk', or a "
-        "CastCompression / PowerSGDCompression / TopKCompression."
+        f"`compression`={compression!r} must be one of 'none', 'fp16', 'bf16', 'powersgd', 'topk', 'auto', or a "
+        "NoCompression / CastCompression / PowerSGDCompression / TopKCompression / AutoCompression."
     )
 
 
@@ -279,6 +301,12 @@ class CastState:
         self.process_group = process_group
         self.counter = counter
         self.hop = hop
+
+
+def allreduce_hook(state: CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's averaging all-reduce hook, counted (``state.dtype`` unused)."""
+    state.counter.add(state.hop, _nbytes(bucket.buffer()))
+    return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
 def cast_hook(state: CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -463,6 +491,7 @@ class HierarchicalState:
         inner_hook: Callable,
         inner_state: Any,
         counter: CommCounter,
+        pacer: Any = None,
     ) -> None:
         self.group = group
         self.leader = leader
@@ -472,6 +501,7 @@ class HierarchicalState:
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.counter = counter
+        self.pacer = pacer  # an emulated inter-host link (emulation.LinkPacer) on the leaders' hop, or None
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -486,9 +516,14 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     dist.all_reduce(buffer, group=state.group)
     if state.leaders is not None:
         buffer.mul_(state.num_leaders / state.world_size)
+        sent = state.counter.pending.get("inter", 0)
         out = state.inner_hook(state.inner_state, bucket).wait()
         if out.data_ptr() != buffer.data_ptr():
             buffer.copy_(out)
+        if state.pacer is not None:
+            state.pacer.transfer(state.counter.pending.get("inter", 0) - sent)
+            if bucket.is_last():
+                state.pacer.settle()  # before the broadcast: the group waits for what crossed the slow link
     state.counter.add("intra", _nbytes(buffer))
     dist.broadcast(buffer, src=state.leader, group=state.group)
     # A CUDA result needs a device-aware future (it records the stream the collectives ran on).
@@ -505,7 +540,7 @@ class GradientCompression:
     """
 
     def __init__(self, config: Optional[CompressionConfig], params: Sequence[Tensor], world_size: int,
-                 device: torch.device, groups: Any = None) -> None:
+                 device: torch.device, groups: Any = None, pacer: Any = None) -> None:
         self.config = config
         self.counter = CommCounter()
         self.bytes_last_step: Optional[int] = None
@@ -519,7 +554,9 @@ class GradientCompression:
         hierarchical = config.hierarchical and groups is not None
         process_group = groups.leaders[config.group_by] if hierarchical else None
         hop = "inter" if hierarchical else "all"
-        if isinstance(config, CastCompression):
+        if isinstance(config, NoCompression):
+            hook, state = allreduce_hook, CastState("fp16", process_group, self.counter, hop)
+        elif isinstance(config, CastCompression):
             hook, state = cast_hook, CastState(config.dtype, process_group, self.counter, hop)
         elif isinstance(config, PowerSGDCompression):
             hook, state = powersgd_hook, PowerSGDHookState(config, process_group, params, device, self.counter, hop)
@@ -538,6 +575,7 @@ class GradientCompression:
                 inner_hook=hook,
                 inner_state=state,
                 counter=self.counter,
+                pacer=pacer,
             )
             hook = hierarchical_hook
         self.hook, self.state = hook, state

@@ -17,6 +17,9 @@ import torch
 CAPABILITY_OVERRIDE_ENV = "LIGHTNING_HETERO_CAPABILITY"
 # Environment override for the device name (the emulator names an emulated card, e.g. "RTX 3090 (emulated)").
 NAME_OVERRIDE_ENV = "LIGHTNING_HETERO_DEVICE_NAME"
+# Environment override for the host name (the emulator puts ranks of one machine on emulated hosts: groups, leaders
+# and the lab table follow it).
+HOST_OVERRIDE_ENV = "LIGHTNING_HETERO_HOST"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ def _capability_override() -> Optional[tuple[int, int]]:
 
 def describe_device(device: torch.device, rank: int) -> DeviceInfo:
     """Describe the device this process trains on."""
-    host = socket.gethostname()
+    host = os.environ.get(HOST_OVERRIDE_ENV) or socket.gethostname()
     name_override = os.environ.get(NAME_OVERRIDE_ENV)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

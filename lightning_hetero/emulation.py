@@ -16,6 +16,16 @@ device, unchanged). On CUDA a profile applies:
   the emulated card (a ``(7, 0)`` capability makes the policy take the fp16 path on bf16 hardware).
 - **link**: the slowest link class of the job, through NCCL's environment before the process group exists
   (``"pcie"``: no peer-to-peer, ≈ 25 GB/s on an H200 host; ``"ethernet"``: no P2P and no shared memory, ≈ 2.6 GB/s).
+- **host** (``{"host": "ws1"}``): the rank reports that host name (``LIGHTNING_HETERO_HOST``: host groups, leaders and
+  the lab table follow it) and NCCL gets ``NCCL_HOSTID`` before the process group exists, so NCCL treats the emulated
+  hosts as separate machines: peer-to-peer / shared memory inside a host, its network transport (TCP sockets:
+  ``NCCL_IB_DISABLE=1``) between hosts. With emulated hosts, ``link: "ethernet"`` names the link *between* hosts and
+  leaves the transport inside each host alone.
+- **inter-host bandwidth** (``{"inter_host_gbit": 10}``): the hop between hosts is *paced*, not throttled: the
+  gradient exchange between hosts still runs at the machine's speed, then the hook holds the step until a link of
+  that many Gbit/s would have delivered the same bytes (see :class:`LinkPacer`; the job uses the lowest value of any
+  rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
+  would add is not modelled. Works on CPU (gloo) too.
 
 SM shares are calibrated from published dense rates (:data:`lightning_hetero.devices.PEAK_TFLOPS`): share = the
 preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
@@ -43,6 +53,7 @@ Example::
 
 import math
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -50,8 +61,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 
-from lightning_hetero.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, DeviceInfo, peak_tflops
+from lightning_hetero.devices import (
+    CAPABILITY_OVERRIDE_ENV,
+    HOST_OVERRIDE_ENV,
+    NAME_OVERRIDE_ENV,
+    DeviceInfo,
+    peak_tflops,
+)
 
 LinkClass = Literal["nvlink", "pcie", "ethernet"]
 LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
@@ -93,7 +111,8 @@ PRESETS: dict[str, Preset] = {
     "T4": Preset("Tesla T4", 16, (7, 5), "pcie"),
 }
 
-_PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown")
+_PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown",
+                 "host", "inter_host_gbit")
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,8 @@ class EmulationSpec:
     capability: Optional[tuple[int, int]] = None
     link: Optional[LinkClass] = None
     slowdown: Optional[float] = None  # CPU analogue of the SM share
+    host: Optional[str] = None  # emulated host name
+    inter_host_gbit: Optional[float] = None  # paced bandwidth between emulated hosts, Gbit/s
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able dict this spec was parsed from (unset keys left out)."""
@@ -131,6 +152,8 @@ class EmulatedDevice:
     link: LinkClass
     slowdown: float  # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none
     clamped: bool = False  # the calibrated SM count was out of the green context's range
+    host: Optional[str] = None  # emulated host name (None: the real one)
+    inter_host_gbit: Optional[float] = None
 
     @property
     def sm_share(self) -> float:
@@ -149,7 +172,11 @@ class EmulatedDevice:
             parts.append(f"{self.memory_bytes / 2**30:.0f} GiB cap")
         if self.slowdown > 1.0:
             parts.append(f"slowdown {self.slowdown:.2f}x")
+        if self.host is not None:
+            parts.append(f"host {self.host}")
         parts.append(self.link)
+        if self.inter_host_gbit is not None:
+            parts[-1] += f" at {self.inter_host_gbit:g} Gbit/s (paced)"
         return ", ".join(parts)
 
 
@@ -190,6 +217,9 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
         raise ValueError(f"`{where}.link`={link!r} must be one of {LINK_CLASSES}.")
     if entry.get("memory_gib") is not None and entry.get("memory_fraction") is not None:
         raise ValueError(f"`{where}` sets both `memory_gib` and `memory_fraction`; give one.")
+    host = entry.get("host")
+    if host is not None and (not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host)):
+        raise ValueError(f"`{where}.host`={host!r} must be a non-empty host name without spaces.")
     return EmulationSpec(
         preset=preset,
         name=name,
@@ -199,6 +229,8 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
         capability=_capability(entry.get("capability"), f"{where}.capability"),
         link=link,
         slowdown=_number(entry.get("slowdown"), f"{where}.slowdown", low=1.0, inclusive_low=True),
+        host=host,
+        inter_host_gbit=_number(entry.get("inter_host_gbit"), f"{where}.inter_host_gbit", low=0.0),
     )
 
 
@@ -306,6 +338,8 @@ def resolve(
         link=link,
         slowdown=slowdown,
         clamped=clamped,
+        host=spec.host,
+        inter_host_gbit=spec.inter_host_gbit,
     )
 
 
@@ -316,6 +350,8 @@ def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
         return f"GPU slice {spec.sm_share:.0%} SMs"
     if spec.slowdown:
         return f"{host.name} at 1/{spec.slowdown:g} speed"
+    if spec.host is not None and host.type == "cpu":
+        return host.name  # only the host is emulated: the rank keeps its device class
     return host.name  # full compute (only memory, capability or link emulated): the host's rate is right
 
 
@@ -341,6 +377,30 @@ def link_class_of_spec(spec: Optional[EmulationSpec]) -> LinkClass:
     return PRESETS[spec.preset].link if spec.preset else "nvlink"
 
 
+def emulates_hosts(specs: Sequence[Optional[EmulationSpec]]) -> bool:
+    return any(s is not None and s.host is not None for s in specs)
+
+
+def job_link_class(specs: Sequence[Optional[EmulationSpec]]) -> LinkClass:
+    """The NCCL link class of the job. With emulated hosts, "ethernet" is the hop between hosts (NCCL_HOSTID makes
+    NCCL use its network transport there): inside hosts only the other classes count."""
+    links = [link_class_of_spec(s) for s in specs]
+    if emulates_hosts(specs):
+        links = [link for link in links if link != "ethernet"]
+    return max(links or ["nvlink"], key=LINK_CLASSES.index)  # type: ignore[return-value]
+
+
+def job_inter_host_gbit(specs: Sequence[Optional[EmulationSpec]]) -> Optional[float]:
+    """The paced bandwidth between emulated hosts: the lowest any rank asks for (``None``: not paced)."""
+    values = [s.inter_host_gbit for s in specs if s is not None and s.inter_host_gbit is not None]
+    return min(values) if values else None
+
+
+def nccl_host_id(host: str) -> str:
+    """``NCCL_HOSTID`` of an emulated host: unique per real machine and emulated name (NCCL hashes it)."""
+    return f"{socket.gethostname()}/{host}"
+
+
 class Emulator:
     """Applies one rank's :class:`EmulatedDevice` and runs its steps under it.
 
@@ -348,10 +408,13 @@ class Emulator:
     set), :meth:`work` around every step, :meth:`restore` at teardown.
     """
 
-    def __init__(self, device: EmulatedDevice, root_device: torch.device, job_link_class: LinkClass) -> None:
+    def __init__(self, device: EmulatedDevice, root_device: torch.device, job_link_class: LinkClass,
+                 hosts: bool = False, inter_host_gbit: Optional[float] = None) -> None:
         self.device = device
         self.root_device = root_device
         self.link: LinkClass = job_link_class
+        self.hosts = hosts  # the job emulates hosts (NCCL's network transport between them)
+        self.inter_host_gbit = inter_host_gbit  # the job's paced inter-host bandwidth
         self._saved_env: dict[str, Optional[str]] = {}
         self._green: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
@@ -366,6 +429,10 @@ class Emulator:
             env[CAPABILITY_OVERRIDE_ENV] = f"{self.device.capability[0]}.{self.device.capability[1]}"
         if self.root_device.type == "cuda":
             env.update(link_env(self.link))
+        if self.hosts:
+            env[HOST_OVERRIDE_ENV] = self.device.host or socket.gethostname()
+            env["NCCL_HOSTID"] = nccl_host_id(env[HOST_OVERRIDE_ENV])
+            env["NCCL_IB_DISABLE"] = "1"  # between emulated hosts: TCP sockets, as on an Ethernet lab
         for key, value in env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
@@ -446,7 +513,9 @@ class Emulator:
 
     def summary(self) -> str:
         link = self.link if self.root_device.type == "cuda" else "gloo (link not emulated)"
-        return replace(self.device, link=link).summary()  # type: ignore[arg-type]
+        if self.hosts:
+            link += ", NET between hosts" if self.root_device.type == "cuda" else ", hosts emulated"
+        return replace(self.device, link=link, inter_host_gbit=self.inter_host_gbit).summary()  # type: ignore[arg-type]
 
     def restore(self) -> None:
         """Undo :meth:`apply_env` (the memory cap and green context end with the process)."""
@@ -467,13 +536,15 @@ def start_emulation(
     """
     if len(specs) != world_size:
         raise ValueError(f"`emulate` has {len(specs)} entries but the job has {world_size} ranks: give one per rank.")
-    link = max((link_class_of_spec(s) for s in specs), key=LINK_CLASSES.index)
+    link = job_link_class(specs)
+    hosts = emulates_hosts(specs)
     spec = specs[rank]
     if spec is None:
-        if root_device.type != "cuda" or link == "nvlink":
+        if not hosts and (root_device.type != "cuda" or link == "nvlink"):
             return None
-        spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link
-    emulator = Emulator(resolve(spec, host, specs), root_device, link)  # type: ignore[arg-type]
+        spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link / hosts
+    emulator = Emulator(resolve(spec, host, specs), root_device, link, hosts=hosts,
+                        inter_host_gbit=job_inter_host_gbit(specs))
     emulator.apply_env()
     return emulator
 
@@ -486,3 +557,100 @@ def lab_warning(summaries: Sequence[str]) -> str:
         "device (green-context SM caps / CPU sleeps), NCCL kernels are not capped. Timings are not those of real "
         "cards.\n" + "\n".join(lines)
     )
+
+
+# -- the emulated link between hosts --------------------------------------------------------------------------------
+class LinkPacer:
+    """Paces one rank's traffic over the emulated link between hosts to ``gbit`` Gbit/s.
+
+    Each transfer is recorded when it is issued (on CUDA as an event on the current stream, so its time is when the
+    data was ready on the device, not when the CPU got there); :meth:`settle` (at the step's last bucket) replays
+    the transfers on a link that carries one at a time, each starting when its data is ready and the link is free,
+    and sleeps until the last one would have arrived. Transfers thus overlap the backward pass as on a real link, and
+    what is left over is the exposed communication time. A ring collective among ``participants`` puts
+    2 (P - 1) / P times the bytes a rank hands it on each link (exact for all-gather too when P = 2).
+
+    Example::
+        >>> pacer = LinkPacer(gbit=10, participants=2, device=torch.device("cuda", 0))
+        >>> pacer.transfer(nbytes)  # after issuing each inter-host exchange
+        >>> pacer.settle()          # after the step's last one
+    """
+
+    def __init__(self, gbit: float, participants: int, device: torch.device) -> None:
+        if not gbit > 0:
+            raise ValueError(f"`gbit`={gbit!r} must be positive.")
+        self.bytes_per_s = gbit * 1e9 / 8
+        self.factor = 2 * (participants - 1) / participants if participants > 1 else 0.0
+        self.device = device
+        self._pending: list[tuple[Any, int]] = []
+        self._link_free = 0.0
+        self.slept_s = 0.0  # total time the pacing held steps (the exposed link time beyond the real exchange)
+        self.wire_bytes = 0.0
+
+    def transfer(self, nbytes: int) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending.append((event, nbytes))
+        else:
+            self._pending.append((time.perf_counter(), nbytes))
+
+    def settle(self) -> float:
+        """Hold this rank until the recorded transfers would have crossed the link; returns the seconds slept."""
+        if not self._pending:
+            return 0.0
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            now = time.perf_counter()
+            ready = [now - event.elapsed_time(end) / 1e3 for event, _ in self._pending]
+        else:
+            now = time.perf_counter()
+            ready = [t for t, _ in self._pending]
+        free = self._link_free
+        for t, (_, nbytes) in zip(ready, self._pending):
+            wire = nbytes * self.factor
+            self.wire_bytes += wire
+            free = max(t, free) + wire / self.bytes_per_s
+        self._pending.clear()
+        self._link_free = free
+        delay = free - now
+        if delay <= 0:
+            return 0.0
+        time.sleep(delay)
+        self.slept_s += delay
+        return delay
+
+
+class PacedState:
+    """An averaging comm hook whose traffic crosses the paced link (a flat exchange over all ranks).
+
+    ``counter``: a :class:`~lightning_hetero.compression.CommCounter` the inner hook adds its bytes to (``None``: the
+    bucket's full size is what crosses).
+    """
+
+    def __init__(self, inner_hook: Any, inner_state: Any, pacer: LinkPacer, counter: Any = None) -> None:
+        self.inner_hook = inner_hook
+        self.inner_state = inner_state
+        self.pacer = pacer
+        self.counter = counter
+
+
+def paced_hook(state: PacedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run the inner averaging hook, then account its bytes on the paced link (and settle at the last bucket).
+
+    Example::
+        >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> ddp_model.register_comm_hook(PacedState(allreduce_hook, None, LinkPacer(10, 2, device)), paced_hook)
+    """
+    before = sum(state.counter.pending.values()) if state.counter is not None else 0
+    fut = state.inner_hook(state.inner_state, bucket)
+    if state.counter is not None:
+        nbytes = sum(state.counter.pending.values()) - before
+    else:
+        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+    state.pacer.transfer(nbytes)
+    if bucket.is_last():
+        state.pacer.settle()
+    return fut

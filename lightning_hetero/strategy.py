@@ -37,10 +37,19 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
+from lightning_hetero.autocompress import AutoCompression, choose, link_column, measure_links
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import DeviceInfo, describe_device
-from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
+from lightning_hetero.emulation import (
+    Emulator,
+    LinkPacer,
+    PacedState,
+    lab_warning,
+    paced_hook,
+    parse_emulate,
+    start_emulation,
+)
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.precision import (
     PrecisionPolicyArg,
@@ -134,6 +143,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._emulate = parse_emulate(emulate)
         self._emulator: Optional[Emulator] = None
         self._compression_config = parse_compression(compression)
+        self._compression_request = self._compression_config  # "auto" is resolved at setup, per fit
         if self._compression_config is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
         self._compression: Optional[GradientCompression] = None
@@ -248,11 +258,14 @@ class HeteroDDPStrategy(DDPStrategy):
         self._groups = build_groups(self._lab)
         if self._emulate is not None:
             self._show_emulation()
+        if isinstance(self._compression_request, AutoCompression):
+            self._choose_compression(self._compression_request)
         by_class = getattr(self._compression_config, "group_by", "") == "class"
         by = self._lab.device_classes if by_class else self._lab.hosts
-        self._lab = self._lab.with_column(
-            "compression", describe_compression(self._compression_config, list(by.values()), self.world_size)
-        )
+        described = describe_compression(self._compression_config, list(by.values()), self.world_size)
+        if isinstance(self._compression_request, AutoCompression):
+            described = [f"auto: {d}" for d in described]
+        self._lab = self._lab.with_column("compression", described)
         trainer = getattr(self._lightning_module, "_trainer", None)
         # Callbacks are restored before `setup`: the state callback must be in place by then.
         if trainer is not None and self._rank_state not in trainer.callbacks:
@@ -280,6 +293,22 @@ class HeteroDDPStrategy(DDPStrategy):
 
     def _emulated_work(self) -> Any:
         return self._emulator.work() if self._emulator is not None else nullcontext()
+
+    def _link_pacer(self, participants: int) -> Optional[LinkPacer]:
+        """The emulated inter-host link's pacing (only with emulated hosts and ``inter_host_gbit``)."""
+        gbit = self._emulator.inter_host_gbit if self._emulator is not None else None
+        if gbit is None or len(self.lab.hosts) < 2:
+            return None
+        return LinkPacer(gbit, participants, self.root_device)
+
+    def _choose_compression(self, request: AutoCompression) -> None:
+        """``compression="auto"``: time the links, choose by them and the gradient size (same choice on every rank)."""
+        links = measure_links(request, self.lab, self.groups, self.root_device, self._link_pacer(len(self.lab.hosts)))
+        module = self._lightning_module
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) if module else 0
+        self._compression_config, reason = choose(request, links, grad_bytes)
+        self._lab = self.lab.with_column("link (measured)", link_column(links, self.lab))
+        rank_zero_info(f"HeteroDDPStrategy compression='auto': {reason}")
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype this rank's matmuls run in, for the published-rate table."""
@@ -390,17 +419,28 @@ class HeteroDDPStrategy(DDPStrategy):
     def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
         """The averaging hook that receives the weighted bucket: the user's, wrapped if asked; else a plain sum."""
         hook, state, wrapper = self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper
+        config = self._compression_config
+        hierarchical = config is not None and config.hierarchical
+        # An emulated slow link between hosts paces the leaders' hop (hierarchical) or the whole exchange (flat).
+        pacer = self._link_pacer(len(self.lab.hosts) if hierarchical else self.world_size)
+        counter = None
         if hook is None and wrapper is None:
             assert isinstance(self.model, DistributedDataParallel)
             self._compression = GradientCompression(
-                self._compression_config, list(self.model.module.parameters()), self.world_size, self.root_device,
-                self.groups,
+                config, list(self.model.module.parameters()), self.world_size, self.root_device, self.groups,
+                pacer=pacer if hierarchical else None,
             )
             # Registered after Lightning restored callbacks: restored per-rank state is loaded right here.
             self._rank_state.register("compression", self._compression)
-            return self._compression.hook, self._compression.state
-        hook = hook or default_hooks.allreduce_hook
-        return (wrapper(hook) if wrapper is not None else hook), state
+            hook, state = self._compression.hook, self._compression.state
+            counter = self._compression.counter if hook is not None else None
+            if hook is None and pacer is None:
+                return None, None
+        else:
+            hook = wrapper(hook or default_hooks.allreduce_hook) if wrapper is not None else hook
+        if pacer is not None and not hierarchical:
+            return paced_hook, PacedState(hook or default_hooks.allreduce_hook, state, pacer, counter)
+        return hook, state
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
