@@ -189,12 +189,14 @@ def choose(config: AutoCompression, links: LinkMeasurement, grad_bytes: int) -> 
 
 
 def link_column(links: LinkMeasurement, lab: Any) -> list[str]:
-    """Per-rank text for the lab table: the measured bus bandwidth of each hop the rank takes part in."""
+    """Per-rank text for the lab table: the measured bus bandwidth of each hop the rank takes part in (inside a host:
+    the slowest host's)."""
     leaders = {ranks[0] for ranks in lab.hosts.values()}
+    shared = {r for ranks in lab.hosts.values() if len(ranks) > 1 for r in ranks}
     out = []
     for rank in range(lab.world_size):
         parts = []
-        if links.intra_bus_gbps is not None:
+        if links.intra_bus_gbps is not None and rank in shared:
             parts.append(f"in host {links.intra_bus_gbps:.3g} GB/s")
         if links.inter_bus_gbps is not None and rank in leaders:
             parts.append(f"between hosts {links.inter_bus_gbps:.3g} GB/s")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -50,6 +51,7 @@ from lightning_hetero.emulation import (
     parse_emulate,
     start_emulation,
 )
+from lightning_hetero.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.precision import (
     PrecisionPolicyArg,
@@ -229,6 +231,24 @@ class HeteroDDPStrategy(DDPStrategy):
         return self._rank_state
 
     # -- setup ----------------------------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        # Hosts with unequal GPU counts (2 + 1): torchrun's ranks are right, Lightning's devices × nodes check is not.
+        if type(self.cluster_environment) is TorchElasticEnvironment:
+            self.cluster_environment = PerNodeTorchElasticEnvironment()
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+            devices = self.parallel_devices or []
+            if local and devices and all(d.type == "cpu" for d in devices) and len(devices) != local:
+                # CPU processes have no device to count: this node runs what torchrun started (--nproc-per-node).
+                self.parallel_devices = [torch.device("cpu")] * local
+        super()._configure_launcher()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
     @property
     def emulation(self) -> Optional[Emulator]:
         """This rank's lab emulator (``None`` unless ``emulate`` gave it a profile); ``emulation.work()`` runs code
