@@ -52,15 +52,13 @@ def diagnose() -> dict[str, Any]:
                     max(rates) / low
                 )
             )
-    for i in range(count):
-        for j in range(i + 1, count):
-            ok = torch.cuda.can_device_access_peer(i, j)
-            report["peer_access"].append({"pair": [i, j], "p2p": ok})
-            if not ok and "NCCL_P2P_DISABLE" not in os.environ:
-                report["advice"].append(
-                    f"GPUs {i} and {j} have no peer-to-peer access: NCCL falls back to host memory; if jobs hang at "
-                    "the first all-reduce, set NCCL_P2P_DISABLE=1"
-                )
+    report["peer_access"] = gpu_pair_links(count)
+    report["network"] = network_interfaces()
+    report["nccl_recommended"] = nccl_recommendations(report["peer_access"], [d["name"] for d in report["devices"]],
+                                                      report["network"])
+    for key, (value, why) in report["nccl_recommended"].items():
+        if os.environ.get(key) != value:
+            report["advice"].append(f"export {key}={value}  ({why})")
     if count == 0:
         report["advice"].append("no GPU: training runs as CPU processes over gloo (tests, laptops, the demo)")
     return report
@@ -78,7 +76,11 @@ def format_report(report: dict[str, Any]) -> str:
     if "suggested_capacities" in report:
         lines.append(f"suggested capacities (published rates): {report['suggested_capacities']}")
     for pair in report["peer_access"]:
-        lines.append(f"  p2p {pair['pair']}: {'yes' if pair['p2p'] else 'NO'}")
+        link = f", {pair['link']}" if pair.get("link") else ""
+        lines.append(f"  GPUs {pair['pair'][0]}-{pair['pair'][1]}: p2p {'yes' if pair['p2p'] else 'NO'}{link}")
+    for nic in report.get("network", []):
+        speed = f"{nic['gbit']:g} Gbit/s" if nic["gbit"] else "speed unknown"
+        lines.append(f"  network {nic['name']}: {speed}")
     if report["env"]:
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(report["env"].items())))
     lines += [f"advice: {a}" for a in report["advice"]] or ["advice: none"]
@@ -88,3 +90,105 @@ def format_report(report: dict[str, Any]) -> str:
 def main(as_json: bool = False) -> None:
     report = diagnose()
     print(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+# -- GPU pairs and the links between hosts ------------------------------------------------------------------------------
+def gpu_pair_links(count: int) -> list[dict[str, Any]]:
+    """Peer-to-peer access of every GPU pair and, with ``nvidia-ml-py`` installed, how they are connected (NVLink
+    lane count, or the PCIe topology level NVML reports)."""
+    nvml = _nvml()
+    pairs = []
+    for i in range(count):
+        for j in range(i + 1, count):
+            entry: dict[str, Any] = {"pair": [i, j], "p2p": bool(torch.cuda.can_device_access_peer(i, j))}
+            if nvml is not None:
+                entry["link"] = _nvml_link(nvml, i, j)
+            pairs.append(entry)
+    return pairs
+
+
+def _nvml() -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # not installed, or no driver: the P2P flag alone is still reported
+        return None
+
+
+def _nvml_link(nvml: Any, i: int, j: int) -> str:
+    try:
+        a, b = nvml.nvmlDeviceGetHandleByIndex(i), nvml.nvmlDeviceGetHandleByIndex(j)
+        pci_b = nvml.nvmlDeviceGetPciInfo(b).busId
+        pci_b = pci_b.decode() if isinstance(pci_b, bytes) else pci_b
+        lanes = 0
+        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(a, link) != 1:
+                    continue
+                remote = nvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(a, link).busId
+            except Exception:
+                continue
+            remote = remote.decode() if isinstance(remote, bytes) else remote
+            # Behind NVSwitch the remote end is the switch: count those lanes as reaching every GPU.
+            lanes += 1 if remote.lower() == pci_b.lower() or _is_nvswitch(nvml, remote) else 0
+        if lanes:
+            return f"NVLink x{lanes}"
+        level = nvml.nvmlDeviceGetTopologyCommonAncestor(a, b)
+        names = {0: "same board", 10: "PCIe switch", 20: "PCIe switches", 30: "PCIe host bridge",
+                 40: "CPU interconnect (SMP)", 50: "across CPU sockets"}
+        return f"PCIe ({names.get(int(level), level)})"
+    except Exception as err:  # an NVML call this driver lacks
+        return f"unknown ({type(err).__name__})"
+
+
+def _is_nvswitch(nvml: Any, bus_id: str) -> bool:
+    try:
+        nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        return False  # a GPU, but not the one asked about
+    except Exception:
+        return True
+
+
+def network_interfaces() -> list[dict[str, Any]]:
+    """Network interfaces that are up, with their link speed (Linux sysfs): the candidates between hosts."""
+    root = "/sys/class/net"
+    out = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if name == "lo" or name.startswith(("docker", "veth", "virbr", "br-")):
+            continue
+        try:
+            with open(os.path.join(root, name, "operstate")) as f:
+                if f.read().strip() not in ("up", "unknown"):
+                    continue
+            with open(os.path.join(root, name, "speed")) as f:
+                mbit = int(f.read().strip())
+        except (OSError, ValueError):
+            mbit = -1
+        out.append({"name": name, "gbit": mbit / 1000 if mbit > 0 else None})
+    return out
+
+
+def nccl_recommendations(pairs: list[dict[str, Any]], names: list[str],
+                         network: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """NCCL settings this machine needs: ``{variable: (value, why)}``.
+
+    Cards without working peer-to-peer (most consumer cards: RTX 3090 / 4090 have none, or a flaky one behind some
+    chipsets) need ``NCCL_P2P_DISABLE=1``: NCCL then stages through host shared memory instead of hanging or
+    corrupting data. Between hosts NCCL needs to know which interface is the lab network.
+    """
+    out: dict[str, tuple[str, str]] = {}
+    no_p2p = [p["pair"] for p in pairs if not p["p2p"]]
+    consumer = [n for n in names if ("GeForce" in n or "RTX" in n) and "A6000" not in n]
+    if no_p2p:
+        out["NCCL_P2P_DISABLE"] = ("1", f"GPU pairs {no_p2p} have no peer-to-peer access")
+    elif consumer and len(names) > 1:
+        out["NCCL_P2P_DISABLE"] = ("1", f"consumer cards ({consumer[0]}): peer-to-peer reported but unreliable "
+                                        "on many drivers; remove if a P2P bandwidth test passes")
+    fast = [n for n in network if n["gbit"]]
+    if fast:
+        best = max(fast, key=lambda n: n["gbit"])
+        out["NCCL_SOCKET_IFNAME"] = (best["name"], f"the fastest interface ({best['gbit']:g} Gbit/s) for traffic "
+                                                   "between hosts; set the same on every host")
+    return out

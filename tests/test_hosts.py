@@ -227,3 +227,29 @@ def test_hierarchical_topk_state_per_rank_resumes_exactly(tmp_path):
         assert len(resumed[rank]["params"]) == len(full[rank]["params"]) - start
         for step, params in enumerate(resumed[rank]["params"]):
             assert torch.equal(params, full[rank]["params"][start + step]), (rank, start + step)
+
+
+# -- doctor: P2P per pair and the NCCL settings to export ----------------------------------------------------------------
+def test_doctor_recommends_nccl_settings_for_cards_without_p2p():
+    from lightning_hetero.doctor import nccl_recommendations
+
+    a100s = ["NVIDIA A100-SXM4-80GB"] * 2
+    assert nccl_recommendations([{"pair": [0, 1], "p2p": True}], a100s, []) == {}
+    rec = nccl_recommendations([{"pair": [0, 1], "p2p": False}], ["NVIDIA GeForce RTX 3090"] * 2, [])
+    assert rec["NCCL_P2P_DISABLE"][0] == "1" and "[[0, 1]]" in rec["NCCL_P2P_DISABLE"][1]
+    rec = nccl_recommendations([{"pair": [0, 1], "p2p": True}], ["NVIDIA GeForce RTX 4090"] * 2, [])
+    assert rec["NCCL_P2P_DISABLE"][0] == "1"  # reported, but unreliable on consumer cards
+    nics = [{"name": "eno1", "gbit": 1.0}, {"name": "enp65s0", "gbit": 25.0}, {"name": "wlan0", "gbit": None}]
+    assert nccl_recommendations([], a100s[:1], nics)["NCCL_SOCKET_IFNAME"][0] == "enp65s0"
+
+
+def test_doctor_report_lists_pairs_and_network():
+    import json
+
+    from lightning_hetero.doctor import diagnose, format_report
+
+    report = diagnose()
+    json.dumps(report)
+    assert isinstance(report["network"], list) and isinstance(report["nccl_recommended"], dict)
+    assert len(report["peer_access"]) == torch.cuda.device_count() * (torch.cuda.device_count() - 1) // 2
+    format_report(report)
