@@ -18,9 +18,9 @@ device, unchanged). On CUDA a profile applies:
   (``"pcie"``: no peer-to-peer, ≈ 25 GB/s on an H200 host; ``"ethernet"``: no P2P and no shared memory, ≈ 2.6 GB/s).
 - **host** (``{"host": "ws1"}``): the rank reports that host name (``LIGHTNING_HETERO_HOST``: host groups, leaders and
   the lab table follow it) and NCCL gets ``NCCL_HOSTID`` before the process group exists, so NCCL treats the emulated
-  hosts as separate machines: peer-to-peer / shared memory inside a host, its network transport (TCP sockets:
-  ``NCCL_IB_DISABLE=1``) between hosts. With emulated hosts, ``link: "ethernet"`` names the link *between* hosts and
-  leaves the transport inside each host alone.
+  hosts as separate machines: peer-to-peer / shared memory inside a host, its network transport (TCP sockets over
+  loopback: ``NCCL_IB_DISABLE=1``, ``NCCL_SOCKET_IFNAME=lo`` unless set) between hosts. With emulated hosts,
+  ``link: "ethernet"`` names the link *between* hosts and leaves the transport inside each host alone.
 - **inter-host bandwidth** (``{"inter_host_gbit": 10}``): the hop between hosts is *paced*, not throttled: the
   gradient exchange between hosts still runs at the machine's speed, then the hook holds the step until a link of
   that many Gbit/s would have delivered the same bytes (see :class:`LinkPacer`; the job uses the lowest value of any
@@ -433,6 +433,8 @@ class Emulator:
             env[HOST_OVERRIDE_ENV] = self.device.host or socket.gethostname()
             env["NCCL_HOSTID"] = nccl_host_id(env[HOST_OVERRIDE_ENV])
             env["NCCL_IB_DISABLE"] = "1"  # between emulated hosts: TCP sockets, as on an Ethernet lab
+            if "NCCL_SOCKET_IFNAME" not in os.environ:
+                env["NCCL_SOCKET_IFNAME"] = "lo"  # the emulated hosts share this machine: loopback always exists
         for key, value in env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value

@@ -135,19 +135,23 @@ class HostRecorder(Recorder):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.hops = dict(trainer.strategy._compression.bytes_by_hop_last_step)
-        self.hosts = {k: list(v) for k, v in trainer.strategy.lab.hosts.items()}
+        strategy = trainer.strategy
+        self.hops = dict(strategy._compression.bytes_by_hop_last_step)
+        self.hosts = {k: list(v) for k, v in strategy.lab.hosts.items()}
+        pacer = getattr(strategy._weighting.inner_state, "pacer", None)
+        self.paced_bytes = pacer.wire_bytes if pacer is not None else 0
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         torch.save({"params": self.params, "indices": self.indices, "steps": trainer.global_step, "hops": self.hops,
-                    "hosts": self.hosts}, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+                    "hosts": self.hosts, "paced_bytes": self.paced_bytes},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 def fit_hosts(model: LightningModule, out_dir: str, compression: Any, capacities: list[float], epochs: int,
-              ckpt_path: Any = None, save_every_epoch: bool = False) -> list[dict]:
+              ckpt_path: Any = None, save_every_epoch: bool = False, emulate: Any = None) -> list[dict]:
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(capacities=capacities, emulate=HOSTS_2X2, compression=compression,
+    strategy = HeteroDDPStrategy(capacities=capacities, emulate=emulate or HOSTS_2X2, compression=compression,
                                  start_method="fork", print_table=False, timeout=120)
     callbacks: list[Any] = [HostRecorder(out_dir)]
     if save_every_epoch:
@@ -164,18 +168,24 @@ N = 50  # global batch 16: the last global batch has 2 samples for 4 ranks, so t
 
 
 @pytest.mark.slow
-def test_two_level_sync_equals_one_process(tmp_path):
+@pytest.mark.parametrize("compression", [NoCompression(hierarchical=True), "none"], ids=["two-level", "flat-paced"])
+def test_two_level_sync_equals_one_process(tmp_path, compression):
     """Sum inside each host, fp32 exchange between the leaders, broadcast back: the same parameters as one process on
-    the global batch (b_r / G weights, partial last batches, zero-weight padding steps), replicas bit-identical."""
+    the global batch (b_r / G weights, partial last batches, zero-weight padding steps), replicas bit-identical.
+    The flat all-reduce through the paced link's hook is exact too."""
     seed_everything(0)
     model = TinyModel("sgd", n=N)
     reference_model, floor_model = copy.deepcopy(model), copy.deepcopy(model)
     epochs = 5
-    records = fit_hosts(model, str(tmp_path), NoCompression(hierarchical=True), CAPACITIES, epochs)
+    emulate = [{**h, "inter_host_gbit": 100} for h in HOSTS_2X2]
+    records = fit_hosts(model, str(tmp_path), compression, CAPACITIES, epochs, emulate=emulate)
     ref_params, _ = reference_run(reference_model, 4, CAPACITIES, epochs)
     floor_params, _ = reference_run(floor_model, 4, CAPACITIES, epochs, shuffle_within=True)
     assert records[0]["hosts"] == {"a": [0, 1], "b": [2, 3]}
-    assert set(records[0]["hops"]) == {"intra", "inter"} and set(records[1]["hops"]) == {"intra"}  # leaders: 0, 2
+    if compression == "none":
+        assert records[0]["paced_bytes"] > 0  # every step's gradient crossed the paced link
+    else:  # leaders: 0, 2
+        assert set(records[0]["hops"]) == {"intra", "inter"} and set(records[1]["hops"]) == {"intra"}
     assert {r["steps"] for r in records} == {len(ref_params)} == {20}
     for step in range(len(ref_params)):
         for r in range(1, 4):
@@ -253,3 +263,26 @@ def test_doctor_report_lists_pairs_and_network():
     assert isinstance(report["network"], list) and isinstance(report["nccl_recommended"], dict)
     assert len(report["peer_access"]) == torch.cuda.device_count() * (torch.cuda.device_count() - 1) // 2
     format_report(report)
+
+
+# -- the benchmark, tiny, on CPU ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_bench_hosts_tiny_cpu_run(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_hosts
+
+    rows = bench_hosts.main(["--tiny", "--accelerator", "cpu", "--layout", "1+1", "--models", "gpt", "--links", "10gbe",
+                             "--configs", "solo,ddp,auto", "--warmup", "1", "--steps", "3", "--out", str(tmp_path)])
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"solo", "ddp", "auto"} and not any("error" in r for r in rows), rows
+    assert by["auto"]["hosts"] == {"server": [0], "ws": [1]}
+    assert by["auto"]["compression"][0].startswith("auto: ") and "across" in by["auto"]["compression"][0]
+    for config in ("ddp", "auto"):
+        assert by[config]["samples_per_s"] > 0 and len(by[config]["losses"]) == 4
+        assert all(loss == loss and loss > 0 for loss in by[config]["losses"])
+        assert by[config]["fraction_of_ideal"] is not None and by[config]["ratio_to_ddp"] is not None
+    saved = json.loads((tmp_path / "bench_hosts.json").read_text())
+    assert saved["layout"] == "1+1" and len(saved["rows"]) == 3
