@@ -21,6 +21,7 @@ Example::
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -502,6 +503,7 @@ class HierarchicalState:
         self.inner_state = inner_state
         self.counter = counter
         self.pacer = pacer  # an emulated inter-host link (emulation.LinkPacer) on the leaders' hop, or None
+        self.stream: Optional[torch.cuda.Stream] = None  # CUDA: the side stream the two-level exchange runs on
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -509,26 +511,34 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
 
     Group sums S_g are scaled by L / W before the inner hook averages over the L leaders: Σ_g S_g / W, the right
     mean for groups of any size. Each step waits for the previous one before issuing the next collective, so the
-    order of collectives on every group is the same on all its ranks (with NCCL the waits are stream waits).
+    order of collectives on every group is the same on all its ranks (with NCCL the waits are stream waits). On CUDA
+    the three steps run on a side stream, so the backward pass goes on while a bucket crosses the hosts.
     """
     buffer = bucket.buffer()
-    state.counter.add("intra", _nbytes(buffer))
-    dist.all_reduce(buffer, group=state.group)
-    if state.leaders is not None:
-        buffer.mul_(state.num_leaders / state.world_size)
-        sent = state.counter.pending.get("inter", 0)
-        out = state.inner_hook(state.inner_state, bucket).wait()
-        if out.data_ptr() != buffer.data_ptr():
-            buffer.copy_(out)
-        if state.pacer is not None:
-            state.pacer.transfer(state.counter.pending.get("inter", 0) - sent)
-            if bucket.is_last():
-                state.pacer.settle()  # before the broadcast: the group waits for what crossed the slow link
-    state.counter.add("intra", _nbytes(buffer))
-    dist.broadcast(buffer, src=state.leader, group=state.group)
-    # A CUDA result needs a device-aware future (it records the stream the collectives ran on).
-    fut: torch.futures.Future[Tensor] = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-    fut.set_result(buffer)
+    stream = None
+    if buffer.is_cuda:
+        if state.stream is None:
+            state.stream = torch.cuda.Stream(device=buffer.device)
+        stream = state.stream
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))  # the bucket's gradients are ready there
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        state.counter.add("intra", _nbytes(buffer))
+        dist.all_reduce(buffer, group=state.group)
+        if state.leaders is not None:
+            buffer.mul_(state.num_leaders / state.world_size)
+            sent = state.counter.pending.get("inter", 0)
+            out = state.inner_hook(state.inner_state, bucket).wait()
+            if out.data_ptr() != buffer.data_ptr():
+                buffer.copy_(out)
+            if state.pacer is not None:
+                state.pacer.transfer(state.counter.pending.get("inter", 0) - sent)
+                if bucket.is_last():
+                    state.pacer.settle()  # before the broadcast: the group waits for what crossed the slow link
+        state.counter.add("intra", _nbytes(buffer))
+        dist.broadcast(buffer, src=state.leader, group=state.group)
+        # A CUDA result needs a device-aware future: set here, it records the side stream, which DDP then waits on.
+        fut: torch.futures.Future[Tensor] = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        fut.set_result(buffer)
     return fut
 
 
