@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-_CHANNEL = re.compile(r"Channel \d+/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] (?:\[\w+\] )?via (\S+)")
+# "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM", "... 0[1b000] -> 1[2c000] [send] via NET/Socket/0" (NCCL versions differ)
+_CHANNEL = re.compile(r"Channel \d+/\d+ : (\d+)\[[0-9a-fA-Fx]+\] -> (\d+)\[[0-9a-fA-Fx]+\] (?:\[\w+\] )?via (\S+)")
 
 
 def child(hosts: list[str]) -> None:
