@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
@@ -104,13 +105,26 @@ class PowerSGDCompression:
 
 @dataclass(frozen=True)
 class TopKCompression:
-    """Top-k sparsification with error feedback. During ``warmup_steps`` the kept fraction decays exponentially from
-    ``warmup_ratio`` to ``ratio`` (as in Deep Gradient Compression)."""
+    """Top-k sparsification with error feedback and Deep Gradient Compression's momentum correction.
+
+    During ``warmup_steps`` the kept fraction decays exponentially from ``warmup_ratio`` to ``ratio``.
+
+    ``momentum`` > 0 moves the optimizer's momentum into the hook (DGC's momentum correction): each rank keeps a
+    velocity ``u = momentum * u + g`` of its own (weighted) gradient, accumulates ``u`` into the residual and sends
+    the largest entries of that. Accumulating gradients alone and applying momentum after the sparse exchange
+    would lose the momentum of every entry that waited. **Contract:** the optimizer then receives the velocity and
+    must not add momentum of its own: ``SGD(momentum=0)`` (or ``Adam(betas=(0, beta2))``); the strategy warns at
+    setup when it does. ``momentum_masking`` zeroes the velocity of the entries just sent (DGC's momentum factor
+    masking: their momentum was applied with them and would otherwise push them again, stale). With ``ratio=1``,
+    ``momentum_masking=False`` is exactly SGD with momentum, and ``momentum_masking=True`` exactly SGD without.
+    """
 
     ratio: float = 0.01
     warmup_steps: int = 0
     warmup_ratio: float = 0.25
     error_feedback: bool = True
+    momentum: float = 0.0
+    momentum_masking: bool = True
     hierarchical: bool = False
     group_by: GroupBy = "host"
 
@@ -122,6 +136,9 @@ class TopKCompression:
         _check(c, "warmup_ratio", self.warmup_ratio, isinstance(self.warmup_ratio, (int, float))
                and (self.warmup_steps == 0 or self.ratio <= self.warmup_ratio <= 1), f"in [ratio={self.ratio}, 1]")
         _check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
+        _check(c, "momentum", self.momentum, isinstance(self.momentum, (int, float)) and not isinstance(
+            self.momentum, bool) and 0 <= self.momentum < 1, "in [0, 1)")
+        _check(c, "momentum_masking", self.momentum_masking, isinstance(self.momentum_masking, bool), "True or False")
         _check_hop(c, self.hierarchical, self.group_by)
 
     def ratio_at(self, step: int) -> float:
@@ -379,14 +396,17 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
 
 
 class TopKState:
-    """Residuals (per bucket, checkpointed per parameter) and the step counter of the ratio warm-up."""
+    """Residuals and momentum-correction velocities (per bucket, checkpointed per parameter) and the step counter of
+    the ratio warm-up."""
 
     def __init__(self, config: TopKCompression, process_group: Optional[dist.ProcessGroup],
                  params: Sequence[Tensor], device: torch.device, counter: CommCounter, hop: str) -> None:
         self.config = config
         self.process_group = process_group
         self.residuals: dict[int, Tensor] = {}
-        self.buckets = BucketStates(params, device, {"residual": (lambda: self.residuals, _elementwise, True)})
+        self.velocities: dict[int, Tensor] = {}
+        self.buckets = BucketStates(params, device, {"residual": (lambda: self.residuals, _elementwise, True),
+                                                     "velocity": (lambda: self.velocities, _elementwise, True)})
         self.steps = 0
         self.counter = counter
         self.hop = hop
@@ -405,8 +425,10 @@ class TopKState:
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the ``k`` largest-magnitude entries of every rank (values + indices through ``all_gather``).
 
-    With error feedback, what is not sent is added to the next step's bucket. A non-finite bucket is selected first
-    (so every rank receives the inf / NaN and skips the step alike) and leaves the residual as it was.
+    With error feedback, what is not sent is added to the next step's bucket. With ``momentum`` the bucket first goes
+    into this rank's velocity, and the velocity is what accumulates and is sent (see :class:`TopKCompression`). A
+    non-finite bucket is selected first (so every rank receives the inf / NaN and skips the step alike) and leaves
+    the residual and the velocity as they were.
 
     Example::
         >>> state = TopKState(TopKCompression(ratio=0.01), None, list(model.parameters()), device, CommCounter(), "all")
@@ -417,18 +439,28 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     state.buckets.observe(bucket)
     idx = bucket.index()
     buffer = bucket.buffer()
+    config = state.config
     acc = buffer
-    if state.config.error_feedback:
+    velocity = state.velocities.get(idx)
+    if config.momentum > 0:  # new tensors, never in place: a non-finite step restores the previous ones
+        acc = velocity * config.momentum + buffer if velocity is not None else buffer.clone()
+        updated_velocity = acc
+    if config.error_feedback:
         residual = state.residuals.get(idx)
-        acc = buffer + residual if residual is not None else buffer
+        acc = acc + residual if residual is not None else acc
     k = state.k_for(buffer.numel())
     inf = float("inf")
     _, indices = torch.topk(acc.abs().nan_to_num(nan=inf, posinf=inf), k, sorted=False)
     values = acc[indices]
-    if state.config.error_feedback:
+    if config.error_feedback or config.momentum > 0:
+        finite = torch.isfinite(acc).all()
+    if config.error_feedback:
         unsent = acc.index_fill(0, indices, 0)
-        previous = residual if residual is not None else torch.zeros_like(unsent)
-        state.residuals[idx] = torch.where(torch.isfinite(acc).all(), unsent, previous)
+        state.residuals[idx] = torch.where(finite, unsent, residual if residual is not None else 0.0)
+    if config.momentum > 0:
+        if config.momentum_masking:
+            updated_velocity = updated_velocity.index_fill(0, indices, 0)
+        state.velocities[idx] = torch.where(finite, updated_velocity, velocity if velocity is not None else 0.0)
     indices = indices.to(torch.int32 if buffer.numel() < 2**31 else torch.int64)
     all_values = values.new_empty(world * k)
     all_indices = indices.new_empty(world * k)
@@ -541,6 +573,21 @@ class GradientCompression:
             )
             hook = hierarchical_hook
         self.hook, self.state = hook, state
+
+    def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Warn when top-k's momentum correction and the optimizer would both apply momentum."""
+        if not isinstance(self.config, TopKCompression) or self.config.momentum == 0:
+            return
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                own = group.get("momentum") or (group.get("betas") or (0.0,))[0]
+                if own:
+                    rank_zero_warn(
+                        f"`TopKCompression.momentum`={self.config.momentum} applies momentum in the gradient hook, and "
+                        f"{type(optimizer).__name__} adds its own ({own}): momentum is applied twice. Use "
+                        "`SGD(momentum=0)` / `Adam(betas=(0, ...))`, or `TopKCompression(momentum=0)`."
+                    )
+                    return
 
     def end_step(self) -> None:
         """Close the optimizer step's byte count (hooks fire only on synchronizing steps)."""
