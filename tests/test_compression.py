@@ -273,6 +273,50 @@ def test_powersgd_nonfinite_step_leaves_error_and_warm_start_memory_finite(tmp_p
         assert torch.equal(got[rank][4][0], got[1 - rank][4][0])
 
 
+def _powersgd_vs_torch_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook as torch_powersgd_hook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # Two matrices of one shape (batched together), others alone, a bias, and 30x8 (compressed at r=2 only).
+        params = [torch.zeros(20, 16), torch.zeros(16), torch.zeros(20, 16), torch.zeros(16, 20), torch.zeros(30, 8)]
+        numel = sum(p.numel() for p in params)
+        results = {}
+        for r in (2, 4):
+            ours = PowerSGDHookState(PowerSGDCompression(rank=r, start_iter=2), None, params, torch.device("cpu"),
+                                     CommCounter(), "all")
+            theirs = PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2, random_seed=0)
+            g = torch.Generator().manual_seed(rank)
+            for step in range(6):
+                grad = torch.randn(numel, generator=g)
+                a = powersgd_hook(ours, FakeBucket(grad.clone(), params)).wait().clone()
+                b = torch_powersgd_hook(theirs, FakeBucket(grad.clone(), params)).wait().clone()
+                results[r, step] = (a, b, ours.powersgd.error_dict.get(0), theirs.error_dict.get(0),
+                                    ours.counter.take())
+        torch.save(results, os.path.join(out_dir, f"v{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_powersgd_hook_computes_what_torchs_hook_does(tmp_path):
+    """The batched hook is torch's PowerSGD: same result and error memory every step, at r=2 (both Gram-Schmidt)
+    and r=4 (torch: QR, here: Gram-Schmidt), with warm start across steps."""
+    mp.start_processes(_powersgd_vs_torch_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"v{r}.pt") for r in range(2)]
+    for rank in range(2):
+        for (r, step), (ours, theirs, err_ours, err_theirs, counted) in got[rank].items():
+            assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5), (rank, r, step)
+            if step >= 2:
+                assert torch.allclose(err_ours, err_theirs, rtol=1e-4, atol=1e-5), (rank, r, step)
+                compressed = [(20, 16), (20, 16), (16, 20)] + ([(30, 8)] if r == 2 else [])
+                elements = sum((n + m) * r for n, m in compressed) + 16 + (0 if r == 2 else 240)
+                assert counted == {"all": elements * 4}
+            assert torch.equal(ours, got[1 - rank][(r, step)][0])  # both ranks hold the same average
+        assert not torch.allclose(got[rank][2, 5][0], got[rank][4, 5][0])  # the rank matters: it did compress
+
+
 def _hierarchical_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
