@@ -143,12 +143,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, link: str
         trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy,
                              precision=precision, max_steps=args.steps, callbacks=[timer], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        module = LM(hook_momentum=isinstance(compression, TopKCompression) and compression.momentum > 0)
+        hook_momentum = isinstance(compression, TopKCompression) and compression.momentum > 0
+        module = LM(hook_momentum=hook_momentum and not args.keep_optimizer_momentum)
         trainer.fit(module, DataLoader(data, batch_size=args.batch, shuffle=True))
         warm = min(args.warmup, len(timer.times) - 1)
         # Per-step training loss averaged over the ranks (each saw its own samples).
         losses = strategy.reduce(torch.tensor(timer.losses, device=strategy.root_device), reduce_op="mean")
-        module.eval()
+        module.to(strategy.root_device).eval()  # the strategy's teardown moved it to the host
         with torch.no_grad(), torch.autocast(strategy.root_device.type, torch.bfloat16, enabled=cuda):
             held = held_out.to(strategy.root_device)
             parts = [float(lm_loss(module.model, held[i:i + args.batch])) for i in range(0, len(held), args.batch)]
@@ -190,6 +191,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 16; tiny 8)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=None, help="default: adamw 6e-4 (tiny 3e-3), sgd 0.1")
+    parser.add_argument("--keep-optimizer-momentum", action="store_true",
+                        help="keep the optimizer's momentum with top-k momentum too (applied twice: for comparison)")
     parser.add_argument("--eval-sequences", type=int, default=128, help="held-out sequences scored at the end")
     args = parser.parse_args()
     if args.tiny:
