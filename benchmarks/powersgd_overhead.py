@@ -78,8 +78,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per hook (after 3 warm-up steps)")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of one step of each")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a shared machine, more threads mostly measure contention)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
@@ -111,24 +114,31 @@ def main() -> None:
         "lightning_hetero powersgd_hook": (powersgd_hook, lambda: PowerSGDHookState(
             config, None, params, device, CommCounter(), "all")),
     }
-    results = {}
-    for name, (hook, make_state) in hooks.items():
-        state = make_state()
-        generator = torch.Generator(device=device).manual_seed(0)
+    states = {name: make_state() for name, (_, make_state) in hooks.items()}
+    generators = {name: torch.Generator(device=device).manual_seed(0) for name in hooks}
+    for name, (hook, _) in hooks.items():
         for _ in range(3):  # 2 plain all-reduce steps, then the first compressed step (allocations, random Q)
-            step(hook, state, generator)
-        times = sorted(step(hook, state, generator) for _ in range(args.steps))
-        results[name] = {"median_ms": times[len(times) // 2] * 1e3, "min_ms": times[0] * 1e3}
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+            step(hook, states[name], generators[name])
+    times: dict[str, list[float]] = {name: [] for name in hooks}
+    for _ in range(args.steps):  # interleaved: a busy machine slows both alike
+        for name, (hook, _) in hooks.items():
+            times[name].append(step(hook, states[name], generators[name]))
+    results = {}
+    for name, values in times.items():
+        values.sort()
+        results[name] = {"median_ms": values[len(values) // 2] * 1e3, "min_ms": values[0] * 1e3}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        for name, (hook, _) in hooks.items():
             with profile(activities=activities) as prof:
-                step(hook, state, generator)
+                step(hook, states[name], generators[name])
             sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
             print(f"\n== {name} ==\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
     summary = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "size": args.size,
                "parameters": sum(p.numel() for p in params), "buckets": len(buckets), "rank": args.rank,
+               "threads": torch.get_num_threads(),
                "torch": torch.__version__, "results": results}
     print(json.dumps(summary, indent=1))
     with open(os.path.join(args.out, f"powersgd_overhead_{args.device}.json"), "w") as f:

@@ -35,6 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _should_compress,
     powerSGD_hook,
 )
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize as _torch_orthogonalize
 
 CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk"]
 GroupBy = Literal["host", "class"]
@@ -371,14 +372,19 @@ class PowerSGDHookState:
 
 
 def _orthogonalize(matrices: Sequence[Tensor], epsilon: float) -> None:
-    """Orthonormalize the columns of every ``(batch, rows, r)`` tensor in place with torch's Gram-Schmidt, in one
-    batched call per ``r``: shorter matrices are padded with zero rows, which change no norm or inner product."""
+    """Orthonormalize the columns of every ``(batch, rows, r)`` tensor in place, in one batched call per ``r``:
+    shorter matrices are padded with zero rows, which change no norm, inner product or Householder reflection.
+
+    On CUDA torch's Gram-Schmidt (about 8 small kernels per column, whatever the batch); elsewhere torch's choice
+    (LAPACK's QR for r > 2 in full precision: faster on a CPU). torch's hook runs a QR per matrix on CUDA too.
+    """
+    orthogonalize = _orthogonalize_gram_schmidt if matrices and matrices[0].is_cuda else _torch_orthogonalize
     by_rank: dict[int, list[Tensor]] = {}
     for x in matrices:
         by_rank.setdefault(x.shape[2], []).append(x)
     for group in by_rank.values():
         if len(group) == 1:
-            _orthogonalize_gram_schmidt(group[0], epsilon)
+            orthogonalize(group[0], epsilon)
             continue
         padded = group[0].new_zeros(sum(x.shape[0] for x in group), max(x.shape[1] for x in group), group[0].shape[2])
         views, offset = [], 0
@@ -386,7 +392,7 @@ def _orthogonalize(matrices: Sequence[Tensor], epsilon: float) -> None:
             views.append(padded[offset:offset + x.shape[0], :x.shape[1]])
             views[-1].copy_(x)
             offset += x.shape[0]
-        _orthogonalize_gram_schmidt(padded, epsilon)
+        orthogonalize(padded, epsilon)
         for x, view in zip(group, views):
             x.copy_(view)
 
@@ -400,7 +406,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     checkpoint the same way. What differs from torch's hook, for speed: same-shape matrices go through one batched
     matmul, every orthogonalization of a bucket is one batched Gram-Schmidt (torch runs a QR per matrix for r > 2),
     Q is drawn in one call, and there is no device-wide synchronize per bucket. The collectives are issued in the
-    caller's thread, in the same order on every rank. A non-finite step leaves the error and Q memories as they were.
+    caller's thread, in the same order on every rank. A non-finite step (on any rank) leaves the error and Q memories
+    as they were.
 
     Example::
         >>> state = PowerSGDHookState(PowerSGDCompression(rank=4), None, list(model.parameters()), device,
@@ -416,7 +423,6 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         return powerSGD_hook(ps, bucket)  # torch's plain all-reduce for the first iterations
     group = ps.process_group if ps.process_group is not None else dist.group.WORLD
     world = group.size()
-    local_finite = torch.isfinite(buffer).all()
     error = ps.error_dict.get(idx)
     if ps.use_error_feedback and error is not None:
         buffer.add_(error)
@@ -481,7 +487,9 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
             if len(ts) > 1:  # a stacked copy: write back into the bucket
                 for i, tensor in enumerate(ts):
                     tensor.copy_(mat[i])
-        ok = local_finite & torch.isfinite(buffer).all()  # another rank's inf reaches us through P and Q
+        # Any rank's inf / NaN reaches every rank's Q (through P = M Q and its all-reduce) or the uncompressed sum:
+        # checking those small tensors is checking the bucket.
+        ok = torch.isfinite(ps.q_memory_dict[idx]).all() & torch.isfinite(reduced).all()
         if memory is not None:
             ps.error_dict[idx] = torch.where(ok, memory - buffer, error if error is not None else 0.0)
         if q_before is not None:
