@@ -12,7 +12,7 @@ A method is a name or a name with settings, e.g. ``topk:ratio=0.02,momentum=0.9`
 top-k ``momentum`` the hook owns the momentum (Deep Gradient Compression), so the optimizer's own is turned off for
 that run: SGD momentum 0, AdamW beta1 0. Ratios are against ``none`` measured in the same processes. Usage::
 
-    python benchmarks/compression_bench.py --out $OUT/compression --links ethernet --steps 300   # 2 GPUs
+    python benchmarks/compression_bench.py --out $OUT/compression --links ethernet --steps 300   # 2 GPUs, ≈ 5 min
     python benchmarks/compression_bench.py --accelerator cpu --size tiny --steps 300             # CPU, gloo
 """
 
@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LINKS = {"nvlink": {}, "ethernet": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
-DEFAULT_METHODS = ("none", "fp16", "powersgd", "topk", "topk:momentum=0.9")
+DEFAULT_METHODS = ("none", "fp16", "powersgd", "topk", "topk:warmup_steps=100", "topk:warmup_steps=100,momentum=0.9",
+                   "topk:warmup_steps=100,momentum=0.9,ratio=0.02")
 SIZES = {
     "tiny": dict(vocab=256, seq=32, width=64, layers=2, heads=4),  # CPU: seconds per run
     "small": dict(vocab=2048, seq=64, width=256, layers=4, heads=4),  # ≈ 3.7M parameters
