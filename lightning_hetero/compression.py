@@ -403,11 +403,11 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     Per bucket: M += error; P = M Q (Q warm-started, orthogonalized); all-reduce P; orthogonalize P; Q = Mᵀ P;
     all-reduce Q; M ≈ P Qᵀ / W; error = M - P Qᵀ / W. Tensors that would not shrink by ``min_compression_rate``
     are all-reduced as they are. P and Q memories keep torch's layout (matrices grouped by shape, in order), so they
-    checkpoint the same way. What differs from torch's hook, for speed: same-shape matrices go through one batched
-    matmul, every orthogonalization of a bucket is one batched Gram-Schmidt (torch runs a QR per matrix for r > 2),
-    Q is drawn in one call, and there is no device-wide synchronize per bucket. The collectives are issued in the
-    caller's thread, in the same order on every rank. A non-finite step (on any rank) leaves the error and Q memories
-    as they were.
+    checkpoint the same way. What differs from torch's hook, for speed: on CUDA same-shape matrices go through one
+    batched matmul; each orthogonalization of a bucket is one batched call (Gram-Schmidt on CUDA, where torch's hook
+    runs a QR per matrix for r > 2); Q is drawn in one host-to-device copy; and there is no device-wide synchronize
+    per bucket. The collectives are issued in the caller's thread, in the same order on every rank. A non-finite step
+    (on any rank) leaves the error and Q memories as they were.
 
     Example::
         >>> state = PowerSGDHookState(PowerSGDCompression(rank=4), None, list(model.parameters()), device,
@@ -455,14 +455,20 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         draws = [torch.randn(m * r, generator=rng, dtype=buffer.dtype) for b, _, m, r in sizes for _ in range(b)]
         ps.q_memory_dict[idx] = (torch.cat(draws) if draws else buffer.new_empty(0).cpu()).to(buffer.device)
     q_before = ps.q_memory_dict[idx].clone() if ps.warm_start else None  # Q is rewritten in place
-    mats, ps_, qs = [], [], []
+    # On CUDA same-shape matrices are stacked into one batch (one kernel, not one per matrix); on a CPU the copy
+    # costs more than the calls it saves. The P / Q layout is the same either way.
+    stack = buffer.is_cuda
+    mats, ps_, qs, copies = [], [], [], []
     p_off = q_off = 0
     for ((n, m), ts), (b, _, _, r) in zip(shapes.items(), sizes):
-        mats.append(ts[0].unsqueeze(0) if b == 1 else torch.stack(ts))
-        ps_.append(ps.p_memory_dict[idx][p_off:p_off + b * n * r].view(b, n, r))
-        qs.append(ps.q_memory_dict[idx][q_off:q_off + b * m * r].view(b, m, r))
-        p_off += b * n * r
-        q_off += b * m * r
+        for batch in ([ts] if stack else [[t] for t in ts]):
+            k = len(batch)
+            mats.append(batch[0].unsqueeze(0) if k == 1 else torch.stack(batch))
+            copies.append(batch if k > 1 else [])
+            ps_.append(ps.p_memory_dict[idx][p_off:p_off + k * n * r].view(k, n, r))
+            qs.append(ps.q_memory_dict[idx][q_off:q_off + k * m * r].view(k, m, r))
+            p_off += k * n * r
+            q_off += k * m * r
     _orthogonalize(qs, ps.orthogonalization_epsilon)
     for mat, q, p in zip(mats, qs, ps_):
         torch.bmm(mat, q, out=p)
@@ -482,16 +488,17 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
             tensor.copy_(reduced[offset:offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
         ps.q_memory_dict[idx].div_(world)
-        for (_, ts), mat, p, q in zip(shapes.items(), mats, ps_, qs):
+        for mat, p, q, copied in zip(mats, ps_, qs, copies):
             torch.bmm(p, q.transpose(1, 2), out=mat)
-            if len(ts) > 1:  # a stacked copy: write back into the bucket
-                for i, tensor in enumerate(ts):
-                    tensor.copy_(mat[i])
+            for i, tensor in enumerate(copied):  # a stacked copy: write back into the bucket
+                tensor.copy_(mat[i])
         # Any rank's inf / NaN reaches every rank's Q (through P = M Q and its all-reduce) or the uncompressed sum:
         # checking those small tensors is checking the bucket.
         ok = torch.isfinite(ps.q_memory_dict[idx]).all() & torch.isfinite(reduced).all()
         if memory is not None:
-            ps.error_dict[idx] = torch.where(ok, memory - buffer, error if error is not None else 0.0)
+            # In place (no second full-size buffer): M - P Qᵀ / W where finite, else the previous error.
+            previous = error if error is not None else memory.new_zeros(())
+            ps.error_dict[idx] = torch.where(ok, memory.sub_(buffer), previous, out=memory)
         if q_before is not None:
             ps.q_memory_dict[idx] = torch.where(ok, ps.q_memory_dict[idx], q_before)
         if not ps.warm_start:
