@@ -185,7 +185,8 @@ def main() -> None:
     parser.add_argument("--accelerator", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--size", choices=list(SIZES), default=None, help="model size (default: gpt; cpu: tiny)")
     parser.add_argument("--tiny", action="store_true", help="alias of --size tiny --steps 8 (CPU smoke test)")
-    parser.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS))
+    parser.add_argument("--links", nargs="+", choices=list(LINKS), default=["ethernet"],
+                        help="link classes, each a run of every method (default: ethernet, where compression pays)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help="none | fp16 | bf16 | powersgd | topk, optionally with settings: topk:ratio=0.02")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per method (default 300)")
