@@ -319,6 +319,7 @@ def _powersgd_vs_torch_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_powersgd_hook_computes_what_torchs_hook_does(tmp_path):
     """The batched hook is torch's PowerSGD: same result and error memory every step, at r=2 (both Gram-Schmidt)
     and r=4 (torch: QR, here: Gram-Schmidt), with warm start across steps."""
@@ -398,7 +399,8 @@ def uncompressed(tmp_path_factory) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("name", list(TRAIN_SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "topk-momentum" else name
+                                  for name in TRAIN_SETTINGS])
 def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_path, uncompressed, name):
     """300 steps (20 epochs, global batch 128 split 96/32, SGD lr 0.05 momentum 0.9): the final loss over all digits
     is at most 1% above the uncompressed run's; resuming from the checkpoint after step 150 repeats steps 151-300
@@ -422,6 +424,7 @@ def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_p
             assert torch.equal(params, records[rank]["params"][start + step]), f"rank {rank} step {start + step + 1}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("masking", "optimizer_momentum"), [(False, 0.9), (True, 0.0)])
 def test_topk_momentum_correction_sending_everything_is_exact(tmp_path, masking, optimizer_momentum):
     """``ratio=1``: the hook's momentum without masking is SGD's momentum, with masking (every entry is sent every
