@@ -86,9 +86,10 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    device = torch.device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     params = [p.detach().to(device) for p in GPT(GPTConfig(**SIZES[args.size])).parameters()]
     buckets = buckets_of(params, int(args.bucket_mb * 2**20))
     config = PowerSGDCompression(rank=args.rank, start_iter=2)
@@ -134,7 +135,7 @@ def main() -> None:
         for name, (hook, _) in hooks.items():
             with profile(activities=activities) as prof:
                 step(hook, states[name], generators[name])
-            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
             print(f"\n== {name} ==\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
     summary = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "size": args.size,
                "parameters": sum(p.numel() for p in params), "buckets": len(buckets), "rank": args.rank,
