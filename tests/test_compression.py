@@ -536,10 +536,12 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
-                                         TopKCompression(ratio=0.01)])
+                                         TopKCompression(ratio=0.01),
+                                         TopKCompression(ratio=0.01, warmup_steps=10, momentum=0.9)])
 def test_gpu_nccl_hooks_keep_replicas_identical(tmp_path, compression):
     pytest.importorskip("sklearn")
-    records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda")
+    momentum = 0.0 if isinstance(compression, TopKCompression) and compression.momentum else 0.9
+    records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda", momentum=momentum)
     assert_replicas_equal(records)
     assert records[0]["steps"] == 30
 
