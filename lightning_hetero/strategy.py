@@ -430,6 +430,12 @@ class HeteroDDPStrategy(DDPStrategy):
 
     # -- gradient path --------------------------------------------------------------------------------------------
     @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self._compression is not None:  # optimizers exist only now, after the DDP wrap
+            self._compression.check_optimizers(self.optimizers)
+
+    @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         inner_hook, inner_state = self._inner_comm_hook()

@@ -48,7 +48,7 @@ class Digits(Dataset):
 
 
 class DigitsMLP(LightningModule):
-    def __init__(self, hidden: int = 32, lr: float = 0.05) -> None:
+    def __init__(self, hidden: int = 32, lr: float = 0.05, momentum: float = 0.9) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
@@ -58,7 +58,7 @@ class DigitsMLP(LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Digits(), batch_size=GLOBAL_BATCH // 2, shuffle=True)
@@ -98,12 +98,12 @@ class BytesRecorder(Recorder):
 
 def fit_digits(out_dir: str, compression: Any, epochs: int, model: Optional[DigitsMLP] = None,
                ckpt_path: Optional[str] = None, save_every_epoch: bool = False, accelerator: str = "cpu",
-               **trainer_kwargs: Any) -> list[dict]:
+               momentum: float = 0.9, **trainer_kwargs: Any) -> list[dict]:
     """Fit the digits MLP on 2 forked CPU ranks; return each rank's record (params after every step, bytes)."""
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     seed_everything(0)
-    model = model if model is not None else DigitsMLP()
+    model = model if model is not None else DigitsMLP(momentum=momentum)
     strategy = HeteroDDPStrategy(capacities=CAPACITIES, compression=compression, start_method="fork",
                                  print_table=False, timeout=120)
     callbacks: list[Any] = [BytesRecorder(out_dir)]
@@ -146,6 +146,9 @@ def psgd_expected_elements(model: nn.Module, rank: int, min_rate: float = 2.0) -
         (lambda: CastCompression(dtype="fp8"), "CastCompression.dtype"),
         (lambda: CastCompression(group_by="rack"), "CastCompression.group_by"),
         (lambda: TopKCompression(hierarchical="yes"), "TopKCompression.hierarchical"),
+        (lambda: TopKCompression(momentum=1.0), "TopKCompression.momentum"),
+        (lambda: TopKCompression(momentum=-0.1), "TopKCompression.momentum"),
+        (lambda: TopKCompression(momentum_masking=1), "TopKCompression.momentum_masking"),
         (lambda: HeteroDDPStrategy(compression="zip"), "`compression`"),
         (lambda: HeteroDDPStrategy(compression="topk", ddp_comm_hook=lambda s, b: None), "`compression`"),
     ],
@@ -197,8 +200,10 @@ def _topk_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         params = [torch.zeros(40, 25)]
         state = TopKState(TopKCompression(ratio=0.05), None, params, torch.device("cpu"), CommCounter(), "all")
+        dgc = TopKState(TopKCompression(ratio=0.05, momentum=0.5), None, params, torch.device("cpu"), CommCounter(),
+                        "all")
         g = torch.Generator().manual_seed(rank)
-        results = []
+        results, velocities = [], []
         for step in range(3):
             weighted = torch.randn(1000, generator=g) * (1.5 if rank == 0 else 0.5)  # b_r W / G times g_r
             if step == 2 and rank == 1:
@@ -207,14 +212,18 @@ def _topk_worker(rank: int, port: int, out_dir: str) -> None:
             out = topk_hook(state, FakeBucket(weighted.clone(), params)).wait()
             results.append((weighted, residual_before, state.residuals[0].clone(), out.clone(),
                             state.counter.take()))
-        torch.save(results, os.path.join(out_dir, f"topk{rank}.pt"))
+            velocity_before = dgc.velocities.get(0, torch.zeros(1000)).clone()
+            topk_hook(dgc, FakeBucket(weighted.clone(), params)).wait()
+            velocities.append((velocity_before, dgc.velocities[0].clone(), dgc.residuals[0].clone()))
+        torch.save((results, velocities), os.path.join(out_dir, f"topk{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_topk_residual_plus_sent_is_weighted_gradient_and_nonfinite_keeps_residual(tmp_path):
     mp.start_processes(_topk_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
-    got = [torch.load(tmp_path / f"topk{r}.pt") for r in range(2)]
+    loaded = [torch.load(tmp_path / f"topk{r}.pt") for r in range(2)]
+    got = [results for results, _ in loaded]
     k = 50
     for step in range(2):
         sent = []
@@ -237,6 +246,16 @@ def test_topk_residual_plus_sent_is_weighted_gradient_and_nonfinite_keeps_residu
     for rank in range(2):
         assert torch.isfinite(got[rank][2][2]).all()
         assert not torch.isfinite(got[rank][2][3]).all()
+    # Momentum correction: u = 0.5 u + g; the residual accumulates u; the sent entries' velocity is zeroed.
+    for rank in range(2):
+        velocities = loaded[rank][1]
+        for step in range(2):
+            u = 0.5 * velocities[step][0] + got[rank][step][0]
+            sent = velocities[step][2] == 0
+            assert int(sent.sum()) == k
+            assert torch.allclose(velocities[step][1], torch.where(sent, torch.zeros(()), u))
+    before, after, _ = loaded[1][1][2]  # rank 1's NaN step: the velocity is left as it was
+    assert torch.equal(before, after)
 
 
 def _powersgd_worker(rank: int, port: int, out_dir: str) -> None:
@@ -271,6 +290,51 @@ def test_powersgd_nonfinite_step_leaves_error_and_warm_start_memory_finite(tmp_p
         assert torch.equal(q, got[rank][2][2])  # and so is the warm-start Q
         assert all(torch.isfinite(t).all() for t in got[rank][4])  # the next step is clean again
         assert torch.equal(got[rank][4][0], got[1 - rank][4][0])
+
+
+def _powersgd_vs_torch_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook as torch_powersgd_hook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # Two matrices of one shape (batched together), others alone, a bias, and 30x8 (compressed at r=2 only).
+        params = [torch.zeros(20, 16), torch.zeros(16), torch.zeros(20, 16), torch.zeros(16, 20), torch.zeros(30, 8)]
+        numel = sum(p.numel() for p in params)
+        results = {}
+        for r in (2, 4):
+            ours = PowerSGDHookState(PowerSGDCompression(rank=r, start_iter=2), None, params, torch.device("cpu"),
+                                     CommCounter(), "all")
+            theirs = PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2, random_seed=0)
+            g = torch.Generator().manual_seed(rank)
+            for step in range(6):
+                grad = torch.randn(numel, generator=g)
+                a = powersgd_hook(ours, FakeBucket(grad.clone(), params)).wait().clone()
+                b = torch_powersgd_hook(theirs, FakeBucket(grad.clone(), params)).wait().clone()
+                results[r, step] = (a, b, ours.powersgd.error_dict.get(0), theirs.error_dict.get(0),
+                                    ours.counter.take())
+        torch.save(results, os.path.join(out_dir, f"v{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_powersgd_hook_computes_what_torchs_hook_does(tmp_path):
+    """The batched hook is torch's PowerSGD: same result and error memory every step, at r=2 (both Gram-Schmidt)
+    and r=4 (torch: QR, here: Gram-Schmidt), with warm start across steps."""
+    mp.start_processes(_powersgd_vs_torch_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"v{r}.pt") for r in range(2)]
+    for rank in range(2):
+        for (r, step), (ours, theirs, err_ours, err_theirs, counted) in got[rank].items():
+            assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5), (rank, r, step)
+            if step >= 2:
+                assert torch.allclose(err_ours, err_theirs, rtol=1e-4, atol=1e-5), (rank, r, step)
+                compressed = [(20, 16), (20, 16), (16, 20)] + ([(30, 8)] if r == 2 else [])
+                elements = sum((n + m) * r for n, m in compressed) + 16 + (0 if r == 2 else 240)
+                assert counted == {"all": elements * 4}
+            assert torch.equal(ours, got[1 - rank][(r, step)][0])  # both ranks hold the same average
+        assert not torch.allclose(got[rank][2, 5][0], got[rank][4, 5][0])  # the rank matters: it did compress
 
 
 def _hierarchical_worker(rank: int, port: int, out_dir: str) -> None:
@@ -319,9 +383,12 @@ def test_hierarchical_mean_is_right_for_unequal_groups(tmp_path):
 EPOCHS = 20  # 300 optimizer steps
 RESUME_EPOCH = 9  # checkpoint after step 150
 FP32_BYTES = (64 * 32 + 32 + 32 * 10 + 10) * 4
-TRAIN_SETTINGS = {
-    "powersgd": PowerSGDCompression(rank=4, start_iter=10),
-    "topk": TopKCompression(ratio=0.1, warmup_steps=50, warmup_ratio=0.5),
+TRAIN_SETTINGS = {  # compression, and the optimizer's momentum (0 where the hook owns it)
+    "powersgd": (PowerSGDCompression(rank=4, start_iter=10), 0.9),
+    "topk": (TopKCompression(ratio=0.1, warmup_steps=50, warmup_ratio=0.5), 0.9),
+    # At 5 % every entry leaves every ~20 steps: masking would drop most of the momentum (see TopKCompression).
+    "topk-momentum": (TopKCompression(ratio=0.05, warmup_steps=50, warmup_ratio=0.5, momentum=0.9,
+                                      momentum_masking=False), 0.0),
 }
 
 
@@ -332,12 +399,15 @@ def uncompressed(tmp_path_factory) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("name", list(TRAIN_SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "topk-momentum" else name
+                                  for name in TRAIN_SETTINGS])
 def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_path, uncompressed, name):
     """300 steps (20 epochs, global batch 128 split 96/32, SGD lr 0.05 momentum 0.9): the final loss over all digits
     is at most 1% above the uncompressed run's; resuming from the checkpoint after step 150 repeats steps 151-300
     bit for bit on every rank."""
-    records = fit_digits(str(tmp_path / "full"), TRAIN_SETTINGS[name], epochs=EPOCHS, save_every_epoch=True)
+    compression, momentum = TRAIN_SETTINGS[name]
+    records = fit_digits(str(tmp_path / "full"), compression, epochs=EPOCHS, save_every_epoch=True,
+                         momentum=momentum)
     assert_replicas_equal(records)
     assert len(records[0]["params"]) == len(uncompressed[0]["params"]) == 300
     reference = full_loss(uncompressed[0]["params"][-1])
@@ -345,12 +415,46 @@ def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_p
     assert loss <= 1.01 * reference, (name, loss, reference)
 
     ckpt = str(tmp_path / "full" / f"epoch={RESUME_EPOCH}.ckpt")
-    resumed = fit_digits(str(tmp_path / "resumed"), TRAIN_SETTINGS[name], epochs=EPOCHS, ckpt_path=ckpt)
+    resumed = fit_digits(str(tmp_path / "resumed"), compression, epochs=EPOCHS, ckpt_path=ckpt,
+                         momentum=momentum)
     start = (RESUME_EPOCH + 1) * 15
     for rank in range(2):
         assert len(resumed[rank]["params"]) == 300 - start
         for step, params in enumerate(resumed[rank]["params"]):
             assert torch.equal(params, records[rank]["params"][start + step]), f"rank {rank} step {start + step + 1}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("masking", "optimizer_momentum"), [(False, 0.9), (True, 0.0)])
+def test_topk_momentum_correction_sending_everything_is_exact(tmp_path, masking, optimizer_momentum):
+    """``ratio=1``: the hook's momentum without masking is SGD's momentum, with masking (every entry is sent every
+    step, so its velocity is reset) plain SGD, under unequal capacity weights, to fp32 rounding; replicas equal."""
+    reference = fit_digits(str(tmp_path / "ref"), "none", epochs=2, momentum=optimizer_momentum)
+    config = TopKCompression(ratio=1.0, momentum=0.9, momentum_masking=masking)
+    records = fit_digits(str(tmp_path / "topk"), config, epochs=2, momentum=0.0)
+    assert_replicas_equal(records)
+    for step in range(30):
+        expected = reference[0]["params"][step]
+        diff = (records[0]["params"][step] - expected).abs().max() / expected.abs().max()
+        assert diff <= 1e-6, (step, float(diff))
+
+
+def test_topk_momentum_warns_when_the_optimizer_has_momentum_too():
+    from lightning_hetero.compression import GradientCompression
+
+    params = [nn.Parameter(torch.zeros(3))]
+    hook = GradientCompression(TopKCompression(momentum=0.9), params, 2, torch.device("cpu"))
+    with pytest.warns(UserWarning, match="momentum is applied twice"):
+        hook.check_optimizers([torch.optim.SGD(params, lr=0.1, momentum=0.9)])
+    with pytest.warns(UserWarning, match="Adam"):
+        hook.check_optimizers([torch.optim.Adam(params)])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hook.check_optimizers([torch.optim.SGD(params, lr=0.1), torch.optim.Adam(params, betas=(0.0, 0.99))])
+        GradientCompression(TopKCompression(), params, 2, torch.device("cpu")).check_optimizers(
+            [torch.optim.SGD(params, lr=0.1, momentum=0.9)])
 
 
 def test_bytes_on_the_wire(tmp_path):
@@ -432,10 +536,12 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
-                                         TopKCompression(ratio=0.01)])
+                                         TopKCompression(ratio=0.01),
+                                         TopKCompression(ratio=0.01, warmup_steps=10, momentum=0.9)])
 def test_gpu_nccl_hooks_keep_replicas_identical(tmp_path, compression):
     pytest.importorskip("sklearn")
-    records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda")
+    momentum = 0.0 if isinstance(compression, TopKCompression) and compression.momentum else 0.9
+    records = fit_digits(str(tmp_path), compression, epochs=2, accelerator="cuda", momentum=momentum)
     assert_replicas_equal(records)
     assert records[0]["steps"] == 30
 
