@@ -15,7 +15,7 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
@@ -350,28 +350,41 @@ class HeteroDDPStrategy(DDPStrategy):
                 f"{loader_name}: {type(dataloader).__name__} is not a torch DataLoader; HeteroDDPStrategy splits the "
                 "global batch through the DataLoader's sampler. Return a DataLoader over a map-style dataset."
             )
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ValueError(
-                f"{loader_name}: an IterableDataset has no indices to split by capacity. Use a map-style Dataset, or "
-                "use Lightning's `DDPStrategy` and size each rank's stream yourself."
-            )
         outer = dataloader.batch_sampler
         inner = outer._batch_sampler if isinstance(outer, _IndexBatchSamplerWrapper) else outer
         if isinstance(inner, HeteroBatchSampler):
             return inner
-        if inner is None or type(inner) is not BatchSampler:
+        if inner is None:
             raise ValueError(
-                f"{loader_name}: a custom batch sampler ({type(inner).__name__}) cannot be re-split by capacity. "
-                "Pass `batch_size=` (and `shuffle=`) to the DataLoader, or build a `HeteroBatchSampler` yourself."
+                f"{loader_name}: a DataLoader with `batch_size=None` yields single samples; HeteroDDPStrategy splits "
+                "global batches. Pass `batch_size=` or a batch sampler."
             )
-        order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
-        global_batch = self._global_batch_size or inner.batch_size * self.world_size
+        if type(inner) is BatchSampler:
+            order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
+            global_batch = self._global_batch_size or inner.batch_size * self.world_size
+            drop_last = inner.drop_last
+        else:
+            # A custom batch sampler (e.g. bucketing by length): every batch it yields is one global batch.
+            if self._global_batch_size is not None:
+                raise ValueError(
+                    f"`global_batch_size`={self._global_batch_size} is set, but {loader_name} has a custom batch "
+                    f"sampler ({type(inner).__name__}) whose batches are the global batches. Leave "
+                    "`global_batch_size` at None."
+                )
+            if isinstance(getattr(inner, "sampler", None), Sampler) and not isinstance(inner.sampler, GlobalOrder):
+                # Lightning injected a DistributedSampler (a shard): every rank draws the whole order instead.
+                inner.sampler = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore
+            order = GlobalOrder(len(dataloader.dataset), shuffle=False, seed=_global_seed(), source=inner,
+                                batches=True)  # type: ignore[arg-type]
+            # The largest batch is the nominal global batch (table, rebalancing); smaller ones are split alike.
+            global_batch = max((len(b) for b in order.global_batches(0, False)), default=0)
+            drop_last = False
         return HeteroBatchSampler(  # refuses a global batch smaller than the world size, naming the argument
             order,
             global_batch_size=global_batch,
             capacities=self.lab.capacities,
             rank=self.global_rank,
-            drop_last=inner.drop_last,
+            drop_last=drop_last,
         )
 
     def _show_table(self) -> None:
@@ -522,28 +535,31 @@ def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[i
         return None
 
 
+def _global_seed() -> int:
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 def _global_order(sampler: object, num_samples: int, loader_name: str) -> GlobalOrder:
-    """The global order the user's sampler (or Lightning's injected one) asked for."""
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    """The global order the user's sampler (or Lightning's injected one) asked for, drawn alike on every rank."""
+    seed = _global_seed()
     if isinstance(sampler, DistributedSampler):
         base = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
         if base is None:
             return GlobalOrder(num_samples, shuffle=sampler.shuffle, seed=sampler.seed)
-        if isinstance(base, (SequentialSampler, RandomSampler)):
-            return GlobalOrder(num_samples, shuffle=sampler.shuffle or isinstance(base, RandomSampler), seed=sampler.seed)
-        sampler = base
-    if isinstance(sampler, SequentialSampler):
+        if isinstance(base, (SequentialSampler, RandomSampler)) and type(base) in (SequentialSampler, RandomSampler):
+            if not (isinstance(base, RandomSampler) and (base.replacement or base.num_samples != num_samples)):
+                return GlobalOrder(num_samples, shuffle=sampler.shuffle or isinstance(base, RandomSampler),
+                                   seed=sampler.seed)
+        sampler, seed = base, sampler.seed
+    if type(sampler) is SequentialSampler:
         return GlobalOrder(num_samples, shuffle=False, seed=seed)
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler.num_samples != num_samples:
-            raise ValueError(
-                f"{loader_name}: RandomSampler with replacement or num_samples is not supported by HeteroDDPStrategy."
-            )
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == num_samples:  # type: ignore
         return GlobalOrder(num_samples, shuffle=True, seed=seed)
-    raise ValueError(
-        f"{loader_name}: the custom sampler {type(sampler).__name__} cannot be split by capacity, because every rank "
-        "must draw the same global order. Use shuffle=True/False, or pass a `HeteroBatchSampler` as batch_sampler."
-    )
+    if not isinstance(sampler, Iterable):
+        raise ValueError(f"{loader_name}: the sampler {type(sampler).__name__} is not iterable.")
+    # Any other sampler (WeightedRandomSampler, RandomSampler with replacement, a user's own): drawn on every rank,
+    # seeded like DistributedSampler, and checked to agree across ranks at each epoch's start.
+    return GlobalOrder(num_samples, shuffle=False, seed=seed, source=sampler)
 
 
 _LOADER_ARGS = (
