@@ -55,6 +55,7 @@ from lightning_hetero.precision import (
 from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
+from lightning_hetero.streaming import STREAM_MODES, StreamMode, build_stream_loader
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,11 @@ class HeteroDDPStrategy(DDPStrategy):
             capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
             substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
             ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
+        stream_mode: how a loader over an ``IterableDataset`` (LitData's ``StreamingDataset``, any stream) is split:
+            ``"exact"`` (every rank reads the whole stream and keeps its share of each global batch: one device's
+            training, at the cost of reading everything on every rank) or ``"shard"`` (each rank reads its own shard
+            and takes its share per step; exhausted ranks pad with zero-weight steps). See
+            :mod:`lightning_hetero.streaming`.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
     """
 
@@ -121,6 +127,7 @@ class HeteroDDPStrategy(DDPStrategy):
         emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         compression: CompressionArg = "none",
         precision_policy: Optional[PrecisionPolicyArg] = None,
+        stream_mode: StreamMode = "exact",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -166,6 +173,9 @@ class HeteroDDPStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
+        if stream_mode not in STREAM_MODES:
+            raise ValueError(f"`stream_mode`={stream_mode!r} must be one of {STREAM_MODES}.")
+        self._stream_mode = stream_mode
         self._global_batch_size = global_batch_size
         self._print_table = print_table
         self._lab: Optional[HeteroLab] = None
@@ -322,19 +332,28 @@ class HeteroDDPStrategy(DDPStrategy):
         trainer = getattr(self._lightning_module, "_trainer", None)
         stage = trainer.state.stage if trainer is not None else None
         loader_name = f"{stage.dataloader_prefix}_dataloader" if stage is not None else "dataloader"
-        batch_sampler = self._build_batch_sampler(dataloader, loader_name)
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
-            wrapped: Any = _IndexBatchSamplerWrapper(batch_sampler)  # prediction loop tracks indices through it
+        profile_view: Any = dataloader
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
+            progress = trainer.fit_loop.epoch_progress.current if trainer is not None else None
+            batch_sampler, new_loader, profile_view = build_stream_loader(
+                dataloader, self._stream_mode, self._global_batch_size, self.lab.capacities, self.global_rank,
+                self.root_device, _global_seed(), loader_name,
+                epoch_fn=(lambda: progress.processed) if progress is not None else None,
+            )
         else:
-            wrapped = batch_sampler
-        new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
+            batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+            if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+                wrapped: Any = _IndexBatchSamplerWrapper(batch_sampler)  # prediction loop tracks indices through it
+            else:
+                wrapped = batch_sampler
+            new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         if stage != RunningStage.TRAINING:
             self._eval_samplers[(str(stage), id(dataloader.dataset))] = batch_sampler  # type: ignore[attr-defined]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
             self._rank_state.register("shares", self._shares)
-            self._shares.on_train_loader(self, batch_sampler, dataloader)
+            self._shares.on_train_loader(self, batch_sampler, profile_view)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The table shows the training split; validate/test/predict-only runs show their own loader's.
         if stage == RunningStage.TRAINING or (not fitting and self.lab.global_batch_size is None):

@@ -1,0 +1,130 @@
+"""Streaming datasets: capacity shares of every global batch of a stream (exact mode) or of per-rank shards."""
+
+import copy
+import os
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import seed_everything
+from torch.utils.data import DataLoader, IterableDataset
+
+from tests.helpers import IndexedDataset, TinyModel, fit_distributed
+from tests.test_sampler_sources import check_against_reference
+
+
+class Stream(IterableDataset):
+    """Samples of IndexedDataset in a seeded order per epoch; ``shard_by_rank`` splits it unevenly across ranks
+    (rank r gets a share ∝ ``weights[r]``), as a dataset that shards itself would."""
+
+    def __init__(self, n: int, sized: bool = True, weights: Optional[list[float]] = None) -> None:
+        self.data = IndexedDataset(n)
+        self.n, self.sized, self.weights, self.epoch = n, sized, weights, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, rank: int = 0) -> list[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(11 + self.epoch)).tolist()
+        if self.weights is None:
+            return order
+        cuts = [round(self.n * sum(self.weights[:r]) / sum(self.weights)) for r in range(len(self.weights) + 1)]
+        return order[cuts[rank]:cuts[rank + 1]]
+
+    def __iter__(self):
+        rank = dist.get_rank() if self.weights is not None else 0
+        return (self.data[i] for i in self.order(rank))
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("unsized stream")
+        return self.n
+
+
+class StreamModel(TinyModel):
+    def __init__(self, stream_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stream_kwargs = stream_kwargs or {}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Stream(self.hparams.n, **self.stream_kwargs), batch_size=self.hparams.batch_size)
+
+
+def _epoch_orders(n: int, epochs: int) -> list[list[int]]:
+    stream = Stream(n)
+    out = []
+    for epoch in range(epochs):
+        stream.set_epoch(epoch)
+        out.append(stream.order())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sized", [True, False])
+def test_exact_mode_equals_one_process_on_the_stream(tmp_path, sized):
+    """3 ranks [5, 2, 1], 50 samples, global batch 12: the last global batch of 2 leaves one rank a padding step."""
+    seed_everything(0)
+    model = StreamModel({"sized": sized}, n=50, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 3, {"capacities": [5, 2, 1]}, max_epochs=2)
+    batches = [order[i:i + 12] for order in _epoch_orders(50, 2) for i in range(0, 50, 12)]
+    assert len(batches) == 10
+    step = 0
+    for order in _epoch_orders(50, 2):  # every index once per epoch, in the stream's order, slices in rank order
+        trained = []
+        for _ in range(5):
+            slices = [records[r]["indices"][step] for r in range(3)]
+            real = [s for s in slices if s] if step % 5 < 4 else [slices[0], slices[1]]  # batch of 2: ranks 0, 1
+            trained += [i for s in real for i in s]
+            step += 1
+        assert trained == order
+    assert [len(records[r]["indices"][0]) for r in range(3)] == [8, 3, 1]
+    check_against_reference(records, reference_model, batches)
+
+
+@pytest.mark.slow
+def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path):
+    """Each rank streams its own shard (rank 0: 60 %, rank 1: 40 %) at shares 6/2 per step: rank 1 runs out first
+    and pads with zero-weight steps until rank 0 is done; every sample once, steps equal, parameters exact."""
+    seed_everything(0)
+    model = StreamModel({"sized": False, "weights": [3, 2]}, n=40, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "stream_mode": "shard"},
+                              max_epochs=2)
+    stream = Stream(40, weights=[3, 2])
+    batches, step = [], 0
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        shards = [stream.order(0), stream.order(1)]
+        assert len(shards[0]) == 24 and len(shards[1]) == 16
+        taken = [[], []]
+        # rank 0 takes 6 a step (4 steps), rank 1 takes 2 a step (8 steps): 8 steps, rank 0 pads for 4.
+        for k in range(8):
+            real = []
+            for r, share in ((0, 6), (1, 2)):
+                got = records[r]["indices"][step]
+                if len(taken[r]) < len(shards[r]):
+                    assert got == shards[r][len(taken[r]):len(taken[r]) + share]
+                    taken[r] += got
+                    real += got
+                else:
+                    assert len(got) == 1  # padding step
+            batches.append(real)
+            step += 1
+        assert taken == shards
+    check_against_reference(records, reference_model, batches)
+
+
+@pytest.mark.slow
+def test_exact_mode_refuses_a_stream_that_differs_across_ranks(tmp_path):
+    with pytest.raises(Exception, match="ranks read different streams.*stream_mode='shard'"):
+        fit_distributed(StreamModel({"weights": [1, 1]}, n=16), str(tmp_path), 2, {"capacities": [1, 1]},
+                        max_epochs=1)
+
+
+def test_bad_stream_mode_is_a_value_error():
+    from lightning_hetero import HeteroDDPStrategy
+
+    with pytest.raises(ValueError, match="stream_mode"):
+        HeteroDDPStrategy(stream_mode="fast")  # type: ignore[arg-type]
