@@ -2,7 +2,6 @@
 
 import copy
 import random
-from typing import Any
 
 import pytest
 import torch

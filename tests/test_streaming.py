@@ -1,6 +1,7 @@
 """Streaming datasets: capacity shares of every global batch of a stream (exact mode) or of per-rank shards."""
 
 import copy
+import glob
 import os
 from typing import Any, Optional
 
@@ -128,3 +129,41 @@ def test_bad_stream_mode_is_a_value_error():
 
     with pytest.raises(ValueError, match="stream_mode"):
         HeteroDDPStrategy(stream_mode="fast")  # type: ignore[arg-type]
+
+
+def _fit_resumable(out_dir: str, mode: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
+                   max_steps: int = -1) -> list[dict]:
+    import lightning.pytorch as pl
+
+    from lightning_hetero import HeteroDDPStrategy
+    from tests.helpers import Recorder, free_port
+
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.manual_seed(0)
+    kwargs = {"sized": False, "weights": [3, 2]} if mode == "shard" else {}
+    model = StreamModel(kwargs, n=44, batch_size=4)
+    callbacks: list[Any] = [Recorder(out_dir)]
+    if ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=2, max_steps=max_steps, callbacks=callbacks,
+                         strategy=HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
+                                                    capacities=[3, 1], stream_mode=mode),
+                         logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exact", "shard"])
+def test_stream_resumes_mid_epoch_exactly(tmp_path, mode):
+    """Checkpoint at step 3 of epoch 0, resume: the same batches and parameters as an uninterrupted run."""
+    full = _fit_resumable(str(tmp_path / "full"), mode)
+    first = _fit_resumable(str(tmp_path / "first"), mode, ckpt_dir=str(tmp_path / "ckpt"), max_steps=3)
+    (ckpt,) = glob.glob(str(tmp_path / "ckpt" / "*step=3*.ckpt"))
+    resumed = _fit_resumable(str(tmp_path / "resumed"), mode, ckpt_path=ckpt)
+    for r in range(2):
+        assert len(first[r]["indices"]) == 3
+        assert first[r]["indices"] + resumed[r]["indices"] == full[r]["indices"]
+        assert torch.equal(resumed[r]["params"][-1], full[r]["params"][-1])
