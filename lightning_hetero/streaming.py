@@ -8,11 +8,12 @@ A stream has no indices to permute, so :class:`HeteroStreamLoader` cuts the stre
   every rank reads (and decodes) every sample, so use it when reading is cheap next to the step. The stream must be
   the same on every rank: a LitData ``StreamingDataset`` is given a one-rank view of its chunks; a dataset that
   shards itself by rank is detected (the first global batch differs across ranks) and refused with advice.
-- ``"shard"``: every rank reads only its own part of the stream (the dataset's own per-rank sharding; LitData splits
-  its chunks across ranks) and takes its share b_r of each step from it. The global batch is the union of the ranks'
+- ``"shard"``: every rank reads only its own part of the stream and takes its share b_r of each step from it. A LitData
+  ``StreamingDataset`` gives each rank a part proportional to its capacity (:class:`CapacityShards`); any other
+  dataset shards itself by rank (e.g. ``split_dataset_by_node``). The global batch is the union of the ranks'
   slices and gradients are weighted by the samples each rank actually had. A rank whose stream ends first runs
-  zero-weight padding steps until every rank is done, so step counts are equal and no sample is dropped; the ranks'
-  shards should be sized by capacity (see :attr:`HeteroDDPStrategy.lab`) or the faster ranks pad at the end.
+  zero-weight padding steps until every rank is done, so step counts are equal and no sample is dropped (shards not
+  sized by capacity, e.g. ``lab.split`` of the strategy, make the faster ranks pad at the end).
 
 Both modes exchange two numbers per step (one ``all_gather``): the samples each rank holds, which gives the exact
 weight of a partial batch, and whether its stream ended, which ends the epoch on every rank at the same step (no
@@ -20,6 +21,7 @@ rank hangs). Shares may change between steps (live rebalancing) as for map-style
 re-reads and skips the batches already trained on, so it continues exactly.
 """
 
+import copy
 import hashlib
 import math
 import sys
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_hetero.plan import split_batch
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 
 StreamMode = Literal["exact", "shard"]
@@ -133,6 +136,9 @@ class HeteroStreamLoader(DataLoader):
             s.sampler.set_epoch(self.epoch_fn())
         s._roll_schedule_to_epoch()
         self._set_dataset_epoch()
+        if isinstance(self.dataset, CapacityShards):  # before workers copy the dataset
+            shares = split_batch(self.dataset.virtual_world, s._change_at(s.start_batch).capacities)
+            self.dataset.assign(shares, s.rank)
         samples = self._samples()
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
@@ -205,17 +211,49 @@ def _fingerprint(samples: list[Any]) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 2
 
 
-def _one_rank_view(dataset: IterableDataset) -> None:
-    """LitData: every rank streams all chunks in one order (exact mode), as a single process would."""
+def _is_litdata(dataset: Any) -> bool:
     try:
         from litdata.streaming.dataset import StreamingDataset
-        from litdata.utilities.env import _DistributedEnv
     except ImportError:
-        return
-    if isinstance(dataset, StreamingDataset):
-        dataset.distributed_env = _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
-        dataset.drop_last = False  # LitData forces it in a distributed job to even out ranks; we split batches
-        dataset.shuffler = None
+        return False
+    return isinstance(dataset, StreamingDataset)
+
+
+def _litdata_view(dataset: Any, world_size: int, rank: int, drop_last: bool) -> Any:
+    """LitData's dataset as if the job had ``world_size`` ranks and this were ``rank`` (it reads its env once)."""
+    from litdata.utilities.env import _DistributedEnv
+
+    dataset.distributed_env = _DistributedEnv(world_size=world_size, global_rank=rank, num_nodes=1)
+    dataset.drop_last = drop_last
+    dataset.shuffler = None  # rebuilt from the new view on the next iteration
+    return dataset
+
+
+class CapacityShards(IterableDataset):
+    """LitData in shard mode: this rank reads a share of the chunks' items proportional to its capacity.
+
+    LitData splits a dataset evenly over ranks. Here the job is shown to LitData as ``virtual_world`` ranks and rank r
+    reads the virtual ranks it owns (as many as its share b_r of a global batch of ``virtual_world``), one after the
+    other, so shard sizes follow the split at the start of each epoch and every rank runs out at about the same step.
+    """
+
+    def __init__(self, dataset: Any, virtual_world: int) -> None:
+        self.dataset = dataset
+        self.virtual_world = virtual_world
+        self.virtual_ranks: list[int] = []
+
+    def assign(self, split: list[int], rank: int) -> None:
+        """Own virtual ranks ``[sum(split[:rank]), sum(split[:rank + 1]))`` (``split`` sums to ``virtual_world``)."""
+        first = sum(split[:rank])
+        self.virtual_ranks = list(range(first, first + split[rank]))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        for v in self.virtual_ranks:
+            # LitData's evenly split virtual ranks drop at most one item each to stay equal.
+            yield from _litdata_view(copy.copy(self.dataset), self.virtual_world, v, drop_last=True)
 
 
 _LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
@@ -235,8 +273,11 @@ def build_stream_loader(dataloader: DataLoader, mode: StreamMode, global_batch_s
                              "`global_batch_size`) to form global batches.")
         global_batch_size = dataloader.batch_size * world
     dataset = dataloader.dataset
-    if mode == "exact":
-        _one_rank_view(dataset)
+    if _is_litdata(dataset):
+        if mode == "exact":  # every rank streams all chunks in one order, as a single process would
+            _litdata_view(dataset, 1, 0, drop_last=False)
+        else:
+            dataset = CapacityShards(dataset, virtual_world=min(global_batch_size, 16 * world))
     num_batches = None
     if mode == "exact" and hasattr(dataset, "__len__"):
         try:

@@ -167,3 +167,66 @@ def test_stream_resumes_mid_epoch_exactly(tmp_path, mode):
         assert len(first[r]["indices"]) == 3
         assert first[r]["indices"] + resumed[r]["indices"] == full[r]["indices"]
         assert torch.equal(resumed[r]["params"][-1], full[r]["params"][-1])
+
+
+# -- LitData ---------------------------------------------------------------------------------------------------------
+def _write_litdata(directory: str, n: int) -> None:
+    from litdata.streaming.writer import BinaryWriter
+
+    data = IndexedDataset(n)
+    writer = BinaryWriter(directory, chunk_size=8)
+    for i in range(n):
+        x, y, _ = data[i]
+        writer[i] = (x, int(y), i)
+    writer.done()
+    writer.merge()
+
+
+class LitDataModel(TinyModel):
+    data_dir = ""
+
+    def train_dataloader(self) -> DataLoader:
+        from litdata import StreamingDataset
+
+        return DataLoader(StreamingDataset(self.data_dir, shuffle=True, seed=3), batch_size=self.hparams.batch_size)
+
+
+@pytest.mark.slow
+def test_litdata_exact_mode_equals_one_process(tmp_path):
+    pytest.importorskip("litdata")
+    from litdata import StreamingDataset
+
+    _write_litdata(str(tmp_path / "data"), 30)
+    seed_everything(0)
+    model = LitDataModel(n=30, batch_size=4)
+    model.data_dir = str(tmp_path / "data")
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1]}, max_epochs=2)
+    one_process = StreamingDataset(str(tmp_path / "data"), shuffle=True, seed=3)
+    batches = []
+    for epoch in range(2):
+        one_process.set_epoch(epoch)
+        order = [int(s[2]) for s in one_process]
+        assert sorted(order) == list(range(30))  # every index once per epoch
+        batches += [order[i:i + 8] for i in range(0, 30, 8)]
+    for step, batch in enumerate(batches):
+        assert records[0]["indices"][step] + records[1]["indices"][step] == batch
+    check_against_reference(records, reference_model, batches)
+
+
+@pytest.mark.slow
+def test_litdata_shard_mode_gives_capacity_weighted_shards(tmp_path):
+    pytest.importorskip("litdata")
+    _write_litdata(str(tmp_path / "data"), 64)
+    seed_everything(0)
+    model = LitDataModel(n=64, batch_size=4)
+    model.data_dir = str(tmp_path / "data")
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "stream_mode": "shard"}, max_epochs=1)
+    # Rank 0 reads 6/8 of the items at 6 a step, rank 1 2/8 at 2 a step: both finish after 8 steps, no padding.
+    sizes = [[len(b) for b in records[r]["indices"]] for r in range(2)]
+    assert sizes == [[6] * 8, [2] * 8]
+    seen = [i for r in range(2) for b in records[r]["indices"] for i in b]
+    assert sorted(seen) == list(range(64))
+    check_against_reference(records, reference_model,
+                            [records[0]["indices"][k] + records[1]["indices"][k] for k in range(8)])
