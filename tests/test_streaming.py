@@ -230,3 +230,22 @@ def test_litdata_shard_mode_gives_capacity_weighted_shards(tmp_path):
     assert sorted(seen) == list(range(64))
     check_against_reference(records, reference_model,
                             [records[0]["indices"][k] + records[1]["indices"][k] for k in range(8)])
+
+
+class ProfiledStreamModel(StreamModel):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Stream(12, sized=False), batch_size=2)
+
+
+@pytest.mark.slow
+def test_profiled_shares_and_validation_streams(tmp_path):
+    """`capacities="profile"` times the model on the stream's first samples; a validation stream is split too."""
+    seed_everything(0)
+    model = ProfiledStreamModel(n=32, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": "profile"}, max_epochs=1)
+    (order,) = _epoch_orders(32, 1)
+    batches = [order[i:i + 8] for i in range(0, 32, 8)]
+    for step, batch in enumerate(batches):
+        assert records[0]["indices"][step] + records[1]["indices"][step] == batch
+    check_against_reference(records, reference_model, batches)
