@@ -339,6 +339,7 @@ class HeteroDDPStrategy(DDPStrategy):
                 dataloader, self._stream_mode, self._global_batch_size, self.lab.capacities, self.global_rank,
                 self.root_device, _global_seed(), loader_name,
                 epoch_fn=(lambda: progress.processed) if progress is not None else None,
+                training=stage == RunningStage.TRAINING,
             )
         else:
             batch_sampler = self._build_batch_sampler(dataloader, loader_name)

@@ -47,6 +47,12 @@ class _StreamOrder(GlobalOrder):
         super().__init__(0, shuffle=False, seed=seed)
         self.samples: list[Any] = []  # what `profile_view.dataset` indexes
         self._read_samples = read_samples
+        self.pinned = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration reads ``epoch`` (a restore sets it; after that a training loader counts on)."""
+        super().set_epoch(epoch)
+        self.pinned = True
 
     def __iter__(self) -> Iterator[int]:
         if not self.samples:
@@ -102,14 +108,19 @@ class HeteroStreamLoader(DataLoader):
     """
 
     def __init__(self, dataset: IterableDataset, splitter: StreamSplitter, collate: Callable, device: torch.device,
-                 drop_last: bool, epoch_fn: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
+                 drop_last: bool, epoch_fn: Optional[Callable[[], int]] = None, training: bool = False,
+                 **kwargs: Any) -> None:
         # Samples travel from the workers in chunks of a global batch (as lists); this rank collates its slice.
         super().__init__(dataset, batch_size=splitter.global_batch_size, collate_fn=list, **kwargs)
         self.splitter = splitter
         self.user_collate = collate
         self.device = device
         self.user_drop_last = drop_last
-        self.epoch_fn = epoch_fn  # the trainer's epoch (a stream loader has no sampler for Lightning to tell)
+        # The trainer's epoch (a stream loader has no sampler for Lightning to tell): read when a loader is first
+        # iterated, and by evaluation loaders. Right after a restore Lightning's counter can lag by one epoch.
+        self.epoch_fn = epoch_fn
+        self.training = training
+        self._iterated = False
 
     def _samples(self) -> Iterator[Any]:
         for chunk in super().__iter__():
@@ -132,8 +143,14 @@ class HeteroStreamLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         s = self.splitter
-        if self.epoch_fn is not None:
-            s.sampler.set_epoch(self.epoch_fn())
+        order = s.sampler
+        if order.pinned:  # restored (or set by hand): read that epoch
+            order.pinned = False
+        elif self.training and self._iterated:  # one iteration of a training loader per epoch
+            order.epoch += 1
+        elif self.epoch_fn is not None:
+            order.epoch = self.epoch_fn()
+        self._iterated = True
         s._roll_schedule_to_epoch()
         self._set_dataset_epoch()
         if isinstance(self.dataset, CapacityShards):  # before workers copy the dataset
@@ -262,7 +279,8 @@ _LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multi
 
 def build_stream_loader(dataloader: DataLoader, mode: StreamMode, global_batch_size: Optional[int],
                         capacities: Any, rank: int, device: torch.device, seed: int = 0,
-                        loader_name: str = "dataloader", epoch_fn: Optional[Callable[[], int]] = None) -> tuple[StreamSplitter, HeteroStreamLoader, Any]:
+                        loader_name: str = "dataloader", epoch_fn: Optional[Callable[[], int]] = None,
+                        training: bool = False) -> tuple[StreamSplitter, HeteroStreamLoader, Any]:
     """(schedule, loader, a map-style view of the first samples for profiling) for a DataLoader over a stream."""
     if mode not in STREAM_MODES:
         raise ValueError(f"`stream_mode`={mode!r} must be one of {STREAM_MODES}.")
@@ -292,7 +310,7 @@ def build_stream_loader(dataloader: DataLoader, mode: StreamMode, global_batch_s
     splitter = StreamSplitter(global_batch_size, capacities, rank, mode, seed,
                               lambda: holder[0].read_first_samples(), num_batches)
     loader = HeteroStreamLoader(dataset, splitter, dataloader.collate_fn, device, dataloader.drop_last,
-                                epoch_fn=epoch_fn, **kwargs)
+                                epoch_fn=epoch_fn, training=training, **kwargs)
     holder.append(loader)
     profile_view = _ProfileView(splitter.sampler.samples, dataloader.collate_fn)
     return splitter, loader, profile_view

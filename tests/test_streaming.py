@@ -131,7 +131,7 @@ def test_bad_stream_mode_is_a_value_error():
         HeteroDDPStrategy(stream_mode="fast")  # type: ignore[arg-type]
 
 
-def _fit_resumable(out_dir: str, mode: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
+def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
                    max_steps: int = -1) -> list[dict]:
     import lightning.pytorch as pl
 
@@ -141,7 +141,7 @@ def _fit_resumable(out_dir: str, mode: str, ckpt_dir: Optional[str] = None, ckpt
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
-    kwargs = {"sized": False, "weights": [3, 2]} if mode == "shard" else {}
+    kwargs = {"sized": sized, "weights": [3, 2]} if mode == "shard" else {"sized": sized}
     model = StreamModel(kwargs, n=44, batch_size=4)
     callbacks: list[Any] = [Recorder(out_dir)]
     if ckpt_dir:
@@ -156,15 +156,17 @@ def _fit_resumable(out_dir: str, mode: str, ckpt_dir: Optional[str] = None, ckpt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["exact", "shard"])
-def test_stream_resumes_mid_epoch_exactly(tmp_path, mode):
-    """Checkpoint at step 3 of epoch 0, resume: the same batches and parameters as an uninterrupted run."""
-    full = _fit_resumable(str(tmp_path / "full"), mode)
-    first = _fit_resumable(str(tmp_path / "first"), mode, ckpt_dir=str(tmp_path / "ckpt"), max_steps=3)
-    (ckpt,) = glob.glob(str(tmp_path / "ckpt" / "*step=3*.ckpt"))
-    resumed = _fit_resumable(str(tmp_path / "resumed"), mode, ckpt_path=ckpt)
+@pytest.mark.parametrize(("mode", "sized", "stop"), [("exact", True, 3), ("shard", False, 3), ("exact", False, 6)],
+                         ids=["exact-mid-epoch", "shard-mid-epoch", "unsized-after-last-batch"])
+def test_stream_resumes_exactly(tmp_path, mode, sized, stop):
+    """Checkpoint at step ``stop`` of epoch 0 (6 is its last batch), resume: the same batches and parameters as an
+    uninterrupted run."""
+    full = _fit_resumable(str(tmp_path / "full"), mode, sized)
+    first = _fit_resumable(str(tmp_path / "first"), mode, sized, ckpt_dir=str(tmp_path / "ckpt"), max_steps=stop)
+    (ckpt,) = glob.glob(str(tmp_path / "ckpt" / f"*step={stop}*.ckpt"))
+    resumed = _fit_resumable(str(tmp_path / "resumed"), mode, sized, ckpt_path=ckpt)
     for r in range(2):
-        assert len(first[r]["indices"]) == 3
+        assert len(first[r]["indices"]) == stop
         assert first[r]["indices"] + resumed[r]["indices"] == full[r]["indices"]
         assert torch.equal(resumed[r]["params"][-1], full[r]["params"][-1])
 
