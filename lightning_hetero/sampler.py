@@ -1,8 +1,10 @@
 """Capacity-aware batch sampling: every rank takes its share of the same global batch.
 
-All ranks draw one global order per epoch (seeded with seed + epoch, like ``DistributedSampler``), cut it into
-global batches of G samples, and rank r takes its slice of b_r samples of each. Every rank therefore runs the same
-number of steps whatever the dataset length, and each global batch is exactly what one big device would have seen.
+All ranks draw one global order per epoch (seeded with seed + epoch, like ``DistributedSampler``, or the user's own
+sampler drawn alike on every rank, see :class:`GlobalOrder`), cut it into global batches of G samples (or take a user
+batch sampler's batches as the global batches), and rank r takes its slice of b_r samples of each. Every rank
+therefore runs the same number of steps whatever the dataset length, and each global batch is exactly what one big
+device would have seen.
 
 The last global batch of an epoch may be partial (``drop_last=False``); it is split by the same rule. When it has
 fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a

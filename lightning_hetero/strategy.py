@@ -336,8 +336,8 @@ class HeteroDDPStrategy(DDPStrategy):
         if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
             progress = trainer.fit_loop.epoch_progress.current if trainer is not None else None
             batch_sampler, new_loader, profile_view = build_stream_loader(
-                dataloader, self._stream_mode, self._global_batch_size, self.lab.capacities, self.global_rank,
-                self.root_device, _global_seed(), loader_name,
+                dataloader, _loader_settings(dataloader), self._stream_mode, self._global_batch_size,
+                self.lab.capacities, self.global_rank, self.root_device, _global_seed(), loader_name,
                 epoch_fn=(lambda: progress.processed) if progress is not None else None,
                 training=stage == RunningStage.TRAINING,
             )
@@ -596,9 +596,14 @@ _LOADER_ARGS = (
 )
 
 
-def _rebuild_loader(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
-    """The same loader settings around a new batch sampler."""
+def _loader_settings(dataloader: DataLoader) -> dict[str, Any]:
+    """A loader's worker, memory and collation settings: what a rebuilt loader keeps."""
     kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    return kwargs
+
+
+def _rebuild_loader(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
+    """The same loader settings around a new batch sampler."""
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **_loader_settings(dataloader))

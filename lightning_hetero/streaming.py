@@ -15,6 +15,9 @@ A stream has no indices to permute, so :class:`HeteroStreamLoader` cuts the stre
   zero-weight padding steps until every rank is done, so step counts are equal and no sample is dropped (shards not
   sized by capacity, e.g. ``lab.split`` of the strategy, make the faster ranks pad at the end).
 
+The stream is the sequence of samples the loader delivers (with workers: each worker's chunks of G samples in turn,
+as a ``DataLoader(batch_size=G)`` would deliver them), so every rank must use the same ``num_workers`` in exact mode.
+
 Both modes exchange two numbers per step (one ``all_gather``): the samples each rank holds, which gives the exact
 weight of a partial batch, and whether its stream ended, which ends the epoch on every rank at the same step (no
 rank hangs). Shares may change between steps (live rebalancing) as for map-style data. A run resumed mid-epoch
@@ -102,8 +105,9 @@ class HeteroStreamLoader(DataLoader):
 
     Example::
 
-        splitter, loader = build_stream_loader(DataLoader(stream, batch_size=32), mode="exact", global_batch_size=64,
-                                               capacities=[3, 1], rank=0, device=torch.device("cpu"))
+        splitter, loader, _ = build_stream_loader(DataLoader(stream, batch_size=32), {}, mode="exact",
+                                                  global_batch_size=64, capacities=[3, 1], rank=0,
+                                                  device=torch.device("cpu"))
         for batch in loader: ...  # 48 of every 64 samples of the stream on rank 0
     """
 
@@ -273,15 +277,15 @@ class CapacityShards(IterableDataset):
             yield from _litdata_view(copy.copy(self.dataset), self.virtual_world, v, drop_last=True)
 
 
-_LOADER_ARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
-                "persistent_workers", "pin_memory_device", "in_order")
-
-
-def build_stream_loader(dataloader: DataLoader, mode: StreamMode, global_batch_size: Optional[int],
+def build_stream_loader(dataloader: DataLoader, settings: dict[str, Any], mode: StreamMode,
+                        global_batch_size: Optional[int],
                         capacities: Any, rank: int, device: torch.device, seed: int = 0,
                         loader_name: str = "dataloader", epoch_fn: Optional[Callable[[], int]] = None,
                         training: bool = False) -> tuple[StreamSplitter, HeteroStreamLoader, Any]:
-    """(schedule, loader, a map-style view of the first samples for profiling) for a DataLoader over a stream."""
+    """(schedule, loader, a map-style view of the first samples for profiling) for a DataLoader over a stream.
+
+    ``settings`` are the loader's own (workers, memory, ``collate_fn``), kept by the new loader.
+    """
     if mode not in STREAM_MODES:
         raise ValueError(f"`stream_mode`={mode!r} must be one of {STREAM_MODES}.")
     world = len(capacities)
@@ -303,16 +307,15 @@ def build_stream_loader(dataloader: DataLoader, mode: StreamMode, global_batch_s
             num_batches = n // global_batch_size if dataloader.drop_last else math.ceil(n / global_batch_size)
         except TypeError:
             num_batches = None
-    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
-    if dataloader.num_workers > 0:
-        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    kwargs = dict(settings)
+    collate = kwargs.pop("collate_fn", dataloader.collate_fn)
     holder: list[HeteroStreamLoader] = []
     splitter = StreamSplitter(global_batch_size, capacities, rank, mode, seed,
                               lambda: holder[0].read_first_samples(), num_batches)
-    loader = HeteroStreamLoader(dataset, splitter, dataloader.collate_fn, device, dataloader.drop_last,
+    loader = HeteroStreamLoader(dataset, splitter, collate, device, dataloader.drop_last,
                                 epoch_fn=epoch_fn, training=training, **kwargs)
     holder.append(loader)
-    profile_view = _ProfileView(splitter.sampler.samples, dataloader.collate_fn)
+    profile_view = _ProfileView(splitter.sampler.samples, collate)
     return splitter, loader, profile_view
 
 

@@ -131,7 +131,8 @@ def test_bad_stream_mode_is_a_value_error():
         HeteroDDPStrategy(stream_mode="fast")  # type: ignore[arg-type]
 
 
-def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
+def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str] = None,
+                   ckpt_path: Optional[str] = None,
                    max_steps: int = -1) -> list[dict]:
     import lightning.pytorch as pl
 
@@ -186,29 +187,34 @@ def _write_litdata(directory: str, n: int) -> None:
 
 class LitDataModel(TinyModel):
     data_dir = ""
+    num_workers = 0
 
     def train_dataloader(self) -> DataLoader:
         from litdata import StreamingDataset
 
-        return DataLoader(StreamingDataset(self.data_dir, shuffle=True, seed=3), batch_size=self.hparams.batch_size)
+        return DataLoader(StreamingDataset(self.data_dir, shuffle=True, seed=3), batch_size=self.hparams.batch_size,
+                          num_workers=self.num_workers)
 
 
 @pytest.mark.slow
-def test_litdata_exact_mode_equals_one_process(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_litdata_exact_mode_equals_one_process(tmp_path, workers):
+    """The stream is the samples one process's DataLoader (same workers, batches of G) delivers, cut into G."""
     pytest.importorskip("litdata")
     from litdata import StreamingDataset
 
     _write_litdata(str(tmp_path / "data"), 30)
     seed_everything(0)
     model = LitDataModel(n=30, batch_size=4)
-    model.data_dir = str(tmp_path / "data")
+    model.data_dir, model.num_workers = str(tmp_path / "data"), workers
     reference_model = copy.deepcopy(model)
     records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1]}, max_epochs=2)
     one_process = StreamingDataset(str(tmp_path / "data"), shuffle=True, seed=3)
     batches = []
     for epoch in range(2):
         one_process.set_epoch(epoch)
-        order = [int(s[2]) for s in one_process]
+        loader = DataLoader(one_process, batch_size=8, num_workers=workers, collate_fn=list)
+        order = [int(s[2]) for chunk in loader for s in chunk]
         assert sorted(order) == list(range(30))  # every index once per epoch
         batches += [order[i:i + 8] for i in range(0, 30, 8)]
     for step, batch in enumerate(batches):
