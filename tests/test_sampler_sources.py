@@ -1,7 +1,10 @@
 """Any reproducible sampler: every rank draws the same global order and takes its capacity share of each batch."""
 
 import copy
+import glob
+import os
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -260,3 +263,49 @@ def test_global_batch_size_with_custom_batch_sampler_is_refused(tmp_path):
     with pytest.raises(Exception, match="global_batch_size.*custom batch sampler"):
         fit_distributed(SizedBucketModel(n=30), str(tmp_path), 2, {"capacities": [1, 1], "global_batch_size": 8},
                         max_epochs=1)
+
+
+class GeneratorModel(TinyModel):
+    """A sampler with the user's own seeded generator: it advances from epoch to epoch, as in one process."""
+
+    def train_dataloader(self) -> DataLoader:
+        n = self.hparams.n
+        sampler = WeightedRandomSampler(_weights(n), n, generator=torch.Generator().manual_seed(21))
+        return DataLoader(IndexedDataset(n), batch_size=self.hparams.batch_size, sampler=sampler)
+
+
+def _fit_generator_model(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] = None,
+                         max_steps: int = -1) -> list[dict]:
+    import lightning.pytorch as pl
+
+    from lightning_hetero import HeteroDDPStrategy
+    from tests.helpers import Recorder, free_port
+
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.manual_seed(0)
+    callbacks: list = [Recorder(out_dir)]
+    if ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=3, max_steps=max_steps, callbacks=callbacks,
+                         strategy=HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
+                                                    capacities=[3, 1]),
+                         logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(GeneratorModel(n=24, batch_size=4), ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_user_generator_sampler_resumes_mid_epoch(tmp_path):
+    """Epochs 0-2 are the generator's 1st-3rd draws; a checkpoint in epoch 1 resumes with that epoch's draw."""
+    full = _fit_generator_model(str(tmp_path / "full"))
+    one_process = WeightedRandomSampler(_weights(24), 24, generator=torch.Generator().manual_seed(21))
+    orders = [list(one_process) for _ in range(3)]
+    assert [i for k in range(9) for i in full[0]["indices"][k] + full[1]["indices"][k]] == sum(orders, [])
+    first = _fit_generator_model(str(tmp_path / "first"), ckpt_dir=str(tmp_path / "ckpt"), max_steps=4)
+    (ckpt,) = glob.glob(str(tmp_path / "ckpt" / "*step=4*.ckpt"))
+    resumed = _fit_generator_model(str(tmp_path / "resumed"), ckpt_path=ckpt)
+    for r in range(2):
+        assert first[r]["indices"] + resumed[r]["indices"] == full[r]["indices"]
+        assert torch.equal(resumed[r]["params"][-1], full[r]["params"][-1])
