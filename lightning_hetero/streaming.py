@@ -163,10 +163,11 @@ class HeteroStreamLoader(DataLoader):
         samples = self._samples()
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
+        last = None  # this rank's last sample: what a padding step re-reads
         for k in range(start):  # resumed mid-epoch: re-read what was trained on
-            for _ in islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank]):
+            for last in islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank]):
                 pass
-        k, last = start, None
+        k = start
         while True:
             if exact:
                 batch = list(islice(samples, s.global_batch_size))
@@ -177,7 +178,11 @@ class HeteroStreamLoader(DataLoader):
             else:
                 mine = list(islice(samples, s.split_at(k)[s.rank]))
                 count = len(mine)
-            check = _fingerprint(batch) if exact and k == start else 0
+            # Exact mode checks the first batch's contents; shard mode flags a rank with nothing at all to train on.
+            if exact:
+                check = _fingerprint(batch) if k == start else 0
+            else:
+                check = int(not mine and last is None)
             rows = self._exchange(count, check)
             counts = [c for c, _ in rows]
             if exact and (len(set(counts)) > 1 or len({f for _, f in rows}) > 1):
@@ -188,16 +193,17 @@ class HeteroStreamLoader(DataLoader):
                 )
             if sum(counts) == 0:
                 return
+            empty = [r for r, (_, flag) in enumerate(rows) if flag] if not exact else []
+            if empty:
+                raise RuntimeError(
+                    f"HeteroDDPStrategy(stream_mode='shard'): the streams of rank(s) {empty} are empty while other "
+                    "ranks' are not; give every rank at least one sample per epoch."
+                )
             total = counts[0] if exact else sum(counts)
             if mine:
                 last = mine[-1]
             elif last is None:
-                if not exact:
-                    raise RuntimeError(
-                        f"HeteroDDPStrategy(stream_mode='shard'): rank {s.rank}'s stream is empty while other ranks' "
-                        "are not; give every rank at least one global batch share of data."
-                    )
-                last = batch[-1]
+                last = batch[-1]  # exact mode: a padding step of the epoch's first (tiny) batch
             s.record(k, len(mine), total)
             # A padding step (no sample left for this rank) re-reads one sample; its weight is 0.
             yield self.user_collate(mine if mine else [last])

@@ -124,6 +124,13 @@ def test_exact_mode_refuses_a_stream_that_differs_across_ranks(tmp_path):
                         max_epochs=1)
 
 
+@pytest.mark.slow
+def test_shard_mode_refuses_an_empty_shard_on_every_rank(tmp_path):
+    with pytest.raises(Exception, match=r"streams of rank\(s\) \[1\] are empty"):
+        fit_distributed(StreamModel({"sized": False, "weights": [1, 0]}, n=16), str(tmp_path), 2,
+                        {"capacities": [1, 1], "stream_mode": "shard"}, max_epochs=1)
+
+
 def test_bad_stream_mode_is_a_value_error():
     from lightning_hetero import HeteroDDPStrategy
 
