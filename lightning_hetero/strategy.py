@@ -6,6 +6,8 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
    resolved and the device-class / host process groups are built.
 2. ``process_dataloader``: each loader is rebuilt around a :class:`HeteroBatchSampler`, so the user's
    ``DataLoader(batch_size=B)`` keeps its DDP meaning (global batch G = B × world size) but rank r loads b_r ∝ c_r.
+   Any reproducible sampler or batch sampler supplies the global order; a stream is split by
+   :mod:`lightning_hetero.streaming`.
 3. ``_register_ddp_hooks``: the weighting hook (any device type) scales each rank's gradient by b_r / G; the
    user's comm hook, if any, runs inside it.
 4. ``on_train_batch_start`` / ``optimizer_step``: count the step's samples into the weight, then reset it.

@@ -44,6 +44,7 @@ def check_against_reference(records: list[dict], reference_model: TinyModel, exp
             assert torch.equal(records[r]["params"][step], records[0]["params"][step])
     ref = reference_on_batches(reference_model, expected_batches)
     diff = max(max_rel_diff(records[0]["params"][s], ref[s]) for s in range(len(ref)))
+    print(f"{len(ref)} steps, {world} ranks: max rel diff to one process {diff:.2e}")
     assert diff <= 1e-6, diff
 
 
