@@ -83,7 +83,7 @@ class GlobalOrder(Sampler[int]):
             saved_epoch, before, after = self._restored
             self._restored = None
             for generator, saved in zip(self._user_generators(), before if self.epoch == saved_epoch else after):
-                generator.set_state(saved)
+                generator.set_state(saved.cpu())  # a checkpoint may have been mapped to a GPU
         before = [g.get_state() for g in self._user_generators()]
         source = self.source
         for owner in (source, getattr(source, "sampler", None)):
