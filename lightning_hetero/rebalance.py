@@ -289,7 +289,8 @@ class ShareController:
         limit = trainer.limit_train_batches
         batches = len(sampler) if isinstance(limit, float) and limit == 1.0 else (
             min(len(sampler), limit) if isinstance(limit, int) else int(len(sampler) * limit))
-        if start >= batches:
+        # A stream without a length knows its last batch only from Lightning's saved `is_last_batch`.
+        if start >= batches or (start and fit_loop.epoch_loop.batch_progress.is_last_batch):
             # Saved after the epoch's last batch: Lightning closes that epoch and draws the next one from the
             # iterator it creates now, so that iterator must already be the next epoch's, from its first batch.
             start, epoch = 0, epoch + 1

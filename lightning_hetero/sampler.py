@@ -1,8 +1,10 @@
 """Capacity-aware batch sampling: every rank takes its share of the same global batch.
 
-All ranks draw one global order per epoch (seeded with seed + epoch, like ``DistributedSampler``), cut it into
-global batches of G samples, and rank r takes its slice of b_r samples of each. Every rank therefore runs the same
-number of steps whatever the dataset length, and each global batch is exactly what one big device would have seen.
+All ranks draw one global order per epoch (seeded with seed + epoch, like ``DistributedSampler``, or the user's own
+sampler drawn alike on every rank, see :class:`GlobalOrder`), cut it into global batches of G samples (or take a user
+batch sampler's batches as the global batches), and rank r takes its slice of b_r samples of each. Every rank
+therefore runs the same number of steps whatever the dataset length, and each global batch is exactly what one big
+device would have seen.
 
 The last global batch of an epoch may be partial (``drop_last=False``); it is split by the same rule. When it has
 fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a
@@ -13,29 +15,151 @@ applies it to the same batch, and the gradient weight of a step is always read o
 """
 
 import bisect
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 from torch.utils.data import BatchSampler, Sampler
 
 from lightning_hetero.plan import split_batch
 
 
 class GlobalOrder(Sampler[int]):
-    """The epoch's order of all dataset indices, identical on every rank."""
+    """The epoch's order of all dataset indices (or global batches), identical on every rank.
 
-    def __init__(self, num_samples: int, shuffle: bool, seed: int = 0) -> None:
+    Without ``source`` it is a permutation seeded with seed + epoch (or ``range`` without shuffling). With a user's
+    ``source`` (any ``Sampler`` of indices, or with ``batches=True`` a batch sampler whose every batch is one global
+    batch) every rank draws the source itself, once per epoch, made reproducible the way ``DistributedSampler`` is:
+
+    - a source with ``set_epoch`` is told the epoch;
+    - a source whose ``generator`` is ``None`` draws from a generator seeded with seed + epoch (restored afterwards);
+    - a draw from torch's global generator is made from one seeded with seed + epoch, leaving training's RNG alone;
+    - a ``generator`` the user gave is used as given (its state before each draw goes into checkpoints).
+
+    The first iteration of each epoch compares a hash of the draw across ranks (one small collective, so iterate on
+    every rank alike) and raises on every rank if they differ: such a source cannot be split.
+
+    Example::
+
+        order = GlobalOrder(len(dataset), shuffle=False, source=WeightedRandomSampler(weights, 1000))
+        sampler = HeteroBatchSampler(order, global_batch_size=64, capacities=[3, 1], rank=0, drop_last=False)
+    """
+
+    def __init__(
+        self, num_samples: int, shuffle: bool, seed: int = 0, source: Optional[Any] = None, batches: bool = False
+    ) -> None:
         self.num_samples = num_samples
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.source = source
+        self.batches = batches  # `source` yields global batches (lists of indices), not indices
+        self._drawn: Optional[tuple[int, list[Any]]] = None  # (epoch, draw)
+        self._verified_epoch: Optional[int] = None
+        self.verify = True  # compare draws across ranks (off for an order nested in a verified batch source)
+        if batches and isinstance(getattr(source, "sampler", None), GlobalOrder):
+            source.sampler.verify = False
+        # User generators' states (epoch, before its draw, after it), for checkpoints; and restored ones to apply.
+        self._generator_states: Optional[tuple[int, list[Tensor], list[Tensor]]] = None
+        self._restored: Optional[tuple[int, list[Tensor], list[Tensor]]] = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    # -- drawing a user's source ----------------------------------------------------------------------------------
+    def _user_generators(self) -> list[torch.Generator]:
+        owners = [self.source, getattr(self.source, "sampler", None)]
+        return [o.generator for o in owners if isinstance(getattr(o, "generator", None), torch.Generator)]
+
+    def _draw(self) -> list[Any]:
+        """The source's draw for the current epoch (cached: the source is drawn once per epoch)."""
+        if self._drawn is not None and self._drawn[0] == self.epoch:
+            return self._drawn[1]
+        if self._restored is not None:  # resumed: the generators as they stood before this epoch's draw
+            saved_epoch, before, after = self._restored
+            self._restored = None
+            for generator, saved in zip(self._user_generators(), before if self.epoch == saved_epoch else after):
+                generator.set_state(saved.cpu())  # a checkpoint may have been mapped to a GPU
+        before = [g.get_state() for g in self._user_generators()]
+        source = self.source
+        for owner in (source, getattr(source, "sampler", None)):
+            if owner is not None and callable(getattr(owner, "set_epoch", None)):
+                owner.set_epoch(self.epoch)
+        seeded = [o for o in (source, getattr(source, "sampler", None))
+                  if o is not None and hasattr(o, "generator") and o.generator is None]
+        try:
+            for owner in seeded:
+                owner.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + self.epoch)
+                draw = [[int(i) for i in b] for b in source] if self.batches else [int(i) for i in source]
+        finally:
+            for owner in seeded:
+                owner.generator = None
+        self._drawn = (self.epoch, draw)
+        self._generator_states = (self.epoch, before, [g.get_state() for g in self._user_generators()])
+        return draw
+
+    def _verify(self, draw: list[Any]) -> None:
+        """Every rank drew the same order, or every rank raises (one all_gather of a 16-byte digest)."""
+        if self._verified_epoch == self.epoch or not (dist.is_available() and dist.is_initialized()):
+            return
+        flat = [i for b in draw for i in b] if self.batches else draw
+        digest = hashlib.sha256(torch.tensor(flat, dtype=torch.int64).numpy().tobytes())
+        if self.batches:
+            digest.update(torch.tensor([len(b) for b in draw], dtype=torch.int64).numpy().tobytes())
+        digests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest.hexdigest()[:32])
+        self._verified_epoch = self.epoch
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        if bad:
+            name = type(self.source).__name__
+            raise RuntimeError(
+                f"{name} drew a different order on rank(s) {bad} than on rank 0 in epoch {self.epoch}: it is not "
+                "reproducible across ranks, so its global batches cannot be split by capacity. Give it a generator "
+                f"seeded alike on every rank (`{name}(..., generator=torch.Generator().manual_seed(0))`), or leave its "
+                "`generator` at None / implement `set_epoch(epoch)` so that its order depends only on seed and epoch "
+                "(not on Python's or NumPy's global random state)."
+            )
+
+    def global_batches(self, global_batch_size: int, drop_last: bool) -> list[list[int]]:
+        """The epoch's global batches: the source's batches, or the order cut into ``global_batch_size``."""
+        if self.batches:
+            draw = self._draw()
+            if self.verify:
+                self._verify(draw)
+            return draw
+        indices = list(self)
+        g = global_batch_size
+        batches = [indices[i : i + g] for i in range(0, len(indices), g)]
+        if batches and drop_last and len(batches[-1]) < g:
+            batches.pop()
+        return batches
+
+    def batch_len(self, batch_index: int, global_batch_size: int) -> int:
+        """Number of real samples in global batch ``batch_index`` of the epoch."""
+        if self.batches:
+            draw = self._draw()
+            return len(draw[batch_index]) if batch_index < len(draw) else 0
+        n = len(self)
+        return max(0, min(global_batch_size, n - batch_index * global_batch_size))
+
+    def num_batches(self, global_batch_size: int, drop_last: bool) -> int:
+        if self.batches:  # the draw, not `len(source)`: a bucketing sampler's length is often only an estimate
+            return len(self._draw())
+        n, g = len(self), global_batch_size
+        return n // g if drop_last else -(-n // g)
+
     def __iter__(self) -> Iterator[int]:
+        if self.source is not None:
+            draw = self._draw()
+            if self.verify:
+                self._verify(draw)
+            return iter([i for b in draw for i in b] if self.batches else draw)
         if not self.shuffle:
             return iter(range(self.num_samples))
         generator = torch.Generator()
@@ -43,7 +167,21 @@ class GlobalOrder(Sampler[int]):
         return iter(torch.randperm(self.num_samples, generator=generator).tolist())
 
     def __len__(self) -> int:
-        return self.num_samples
+        if self.source is None:
+            return self.num_samples
+        if self.batches:
+            return sum(len(b) for b in self._draw())
+        return len(self.source) if hasattr(self.source, "__len__") else len(self._draw())
+
+    # -- checkpointing (user generators advance from epoch to epoch) ----------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"generators": self._generator_states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next draw rewinds user generators to before the saved epoch's draw (or after it, for a later epoch)."""
+        self._restored = state.get("generators")
+        self._drawn = None
+        self._verified_epoch = None
 
 
 @dataclass(frozen=True)
@@ -140,8 +278,7 @@ class HeteroBatchSampler(BatchSampler):
 
     def global_batch_len(self, batch_index: int) -> int:
         """Number of real samples in global batch ``batch_index`` of an epoch."""
-        n = len(self.sampler)
-        return max(0, min(self.global_batch_size, n - batch_index * self.global_batch_size))
+        return self.sampler.batch_len(batch_index, self.global_batch_size)
 
     def sizes_at(self, batch_index: int) -> tuple[int, int]:
         """(this rank's real samples, all ranks' samples) of global batch ``batch_index``: the gradient weight."""
@@ -151,12 +288,7 @@ class HeteroBatchSampler(BatchSampler):
     # -- iteration ----------------------------------------------------------------------------------------------
     def global_batches(self) -> list[list[int]]:
         """The epoch's global batches (as one big device would see them), after ``set_epoch``."""
-        indices = list(self.sampler)
-        g = self.global_batch_size
-        batches = [indices[i : i + g] for i in range(0, len(indices), g)]
-        if batches and self.drop_last and len(batches[-1]) < g:
-            batches.pop()
-        return batches
+        return self.sampler.global_batches(self.global_batch_size, self.drop_last)
 
     def rank_slice(self, batch_index: int, global_batch: Sequence[int], rank: Optional[int] = None) -> list[int]:
         """The indices of ``global_batch`` that ``rank`` trains on; empty for a padding step."""
@@ -178,19 +310,21 @@ class HeteroBatchSampler(BatchSampler):
             yield mine if mine else [batch[-1]]
 
     def __len__(self) -> int:
-        n, g = len(self.sampler), self.global_batch_size
-        return n // g if self.drop_last else -(-n // g)
+        return self.sampler.num_batches(self.global_batch_size, self.drop_last)
 
     # -- checkpointing ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.sampler.epoch,
             "seed": self.sampler.seed,
+            "order": self.sampler.state_dict(),
             "changes": [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self._changes],
         }
 
     def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
         self.sampler.set_epoch(int(state["epoch"]))
+        if state.get("order") is not None:
+            self.sampler.load_state_dict(state["order"])
         self._changes = [
             ShareChange(int(first), tuple(caps_), tuple(limits) if limits else None)
             for first, caps_, limits in state["changes"]

@@ -6,6 +6,8 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
    resolved and the device-class / host process groups are built.
 2. ``process_dataloader``: each loader is rebuilt around a :class:`HeteroBatchSampler`, so the user's
    ``DataLoader(batch_size=B)`` keeps its DDP meaning (global batch G = B × world size) but rank r loads b_r ∝ c_r.
+   Any reproducible sampler or batch sampler supplies the global order; a stream is split by
+   :mod:`lightning_hetero.streaming`.
 3. ``_register_ddp_hooks``: the weighting hook (any device type) scales each rank's gradient by b_r / G; the
    user's comm hook, if any, runs inside it.
 4. ``on_train_batch_start`` / ``optimizer_step``: count the step's samples into the weight, then reset it.
@@ -15,7 +17,7 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
@@ -34,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
@@ -66,6 +68,7 @@ from lightning_hetero.precision import (
 from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
+from lightning_hetero.streaming import STREAM_MODES, StreamMode, build_stream_loader
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,11 @@ class HeteroDDPStrategy(DDPStrategy):
             capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
             substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
             ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
+        stream_mode: how a loader over an ``IterableDataset`` (LitData's ``StreamingDataset``, any stream) is split:
+            ``"exact"`` (every rank reads the whole stream and keeps its share of each global batch: one device's
+            training, at the cost of reading everything on every rank) or ``"shard"`` (each rank reads its own shard
+            and takes its share per step; exhausted ranks pad with zero-weight steps). See
+            :mod:`lightning_hetero.streaming`.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
     """
 
@@ -132,6 +140,7 @@ class HeteroDDPStrategy(DDPStrategy):
         emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         compression: CompressionArg = "none",
         precision_policy: Optional[PrecisionPolicyArg] = None,
+        stream_mode: StreamMode = "exact",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -178,6 +187,9 @@ class HeteroDDPStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
+        if stream_mode not in STREAM_MODES:
+            raise ValueError(f"`stream_mode`={stream_mode!r} must be one of {STREAM_MODES}.")
+        self._stream_mode = stream_mode
         self._global_batch_size = global_batch_size
         self._print_table = print_table
         self._lab: Optional[HeteroLab] = None
@@ -371,19 +383,29 @@ class HeteroDDPStrategy(DDPStrategy):
         trainer = getattr(self._lightning_module, "_trainer", None)
         stage = trainer.state.stage if trainer is not None else None
         loader_name = f"{stage.dataloader_prefix}_dataloader" if stage is not None else "dataloader"
-        batch_sampler = self._build_batch_sampler(dataloader, loader_name)
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
-            wrapped: Any = _IndexBatchSamplerWrapper(batch_sampler)  # prediction loop tracks indices through it
+        profile_view: Any = dataloader
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
+            progress = trainer.fit_loop.epoch_progress.current if trainer is not None else None
+            batch_sampler, new_loader, profile_view = build_stream_loader(
+                dataloader, _loader_settings(dataloader), self._stream_mode, self._global_batch_size,
+                self.lab.capacities, self.global_rank, self.root_device, _global_seed(), loader_name,
+                epoch_fn=(lambda: progress.processed) if progress is not None else None,
+                training=stage == RunningStage.TRAINING,
+            )
         else:
-            wrapped = batch_sampler
-        new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
+            batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+            if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+                wrapped: Any = _IndexBatchSamplerWrapper(batch_sampler)  # prediction loop tracks indices through it
+            else:
+                wrapped = batch_sampler
+            new_loader = _rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         if stage != RunningStage.TRAINING:
             self._eval_samplers[(str(stage), id(dataloader.dataset))] = batch_sampler  # type: ignore[attr-defined]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
             self._rank_state.register("shares", self._shares)
-            self._shares.on_train_loader(self, batch_sampler, dataloader)
+            self._shares.on_train_loader(self, batch_sampler, profile_view)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The table shows the training split; validate/test/predict-only runs show their own loader's.
         if stage == RunningStage.TRAINING or (not fitting and self.lab.global_batch_size is None):
@@ -399,28 +421,41 @@ class HeteroDDPStrategy(DDPStrategy):
                 f"{loader_name}: {type(dataloader).__name__} is not a torch DataLoader; HeteroDDPStrategy splits the "
                 "global batch through the DataLoader's sampler. Return a DataLoader over a map-style dataset."
             )
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ValueError(
-                f"{loader_name}: an IterableDataset has no indices to split by capacity. Use a map-style Dataset, or "
-                "use Lightning's `DDPStrategy` and size each rank's stream yourself."
-            )
         outer = dataloader.batch_sampler
         inner = outer._batch_sampler if isinstance(outer, _IndexBatchSamplerWrapper) else outer
         if isinstance(inner, HeteroBatchSampler):
             return inner
-        if inner is None or type(inner) is not BatchSampler:
+        if inner is None:
             raise ValueError(
-                f"{loader_name}: a custom batch sampler ({type(inner).__name__}) cannot be re-split by capacity. "
-                "Pass `batch_size=` (and `shuffle=`) to the DataLoader, or build a `HeteroBatchSampler` yourself."
+                f"{loader_name}: a DataLoader with `batch_size=None` yields single samples; HeteroDDPStrategy splits "
+                "global batches. Pass `batch_size=` or a batch sampler."
             )
-        order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
-        global_batch = self._global_batch_size or inner.batch_size * self.world_size
+        if type(inner) is BatchSampler:
+            order = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore[arg-type]
+            global_batch = self._global_batch_size or inner.batch_size * self.world_size
+            drop_last = inner.drop_last
+        else:
+            # A custom batch sampler (e.g. bucketing by length): every batch it yields is one global batch.
+            if self._global_batch_size is not None:
+                raise ValueError(
+                    f"`global_batch_size`={self._global_batch_size} is set, but {loader_name} has a custom batch "
+                    f"sampler ({type(inner).__name__}) whose batches are the global batches. Leave "
+                    "`global_batch_size` at None."
+                )
+            if isinstance(getattr(inner, "sampler", None), Sampler) and not isinstance(inner.sampler, GlobalOrder):
+                # Lightning injected a DistributedSampler (a shard): every rank draws the whole order instead.
+                inner.sampler = _global_order(inner.sampler, len(dataloader.dataset), loader_name)  # type: ignore
+            order = GlobalOrder(len(dataloader.dataset), shuffle=False, seed=_global_seed(), source=inner,
+                                batches=True)  # type: ignore[arg-type]
+            # The largest batch is the nominal global batch (table, rebalancing); smaller ones are split alike.
+            global_batch = max((len(b) for b in order.global_batches(0, False)), default=0)
+            drop_last = False
         return HeteroBatchSampler(  # refuses a global batch smaller than the world size, naming the argument
             order,
             global_batch_size=global_batch,
             capacities=self.lab.capacities,
             rank=self.global_rank,
-            drop_last=inner.drop_last,
+            drop_last=drop_last,
         )
 
     def _show_table(self) -> None:
@@ -588,28 +623,31 @@ def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[i
         return None
 
 
+def _global_seed() -> int:
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 def _global_order(sampler: object, num_samples: int, loader_name: str) -> GlobalOrder:
-    """The global order the user's sampler (or Lightning's injected one) asked for."""
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    """The global order the user's sampler (or Lightning's injected one) asked for, drawn alike on every rank."""
+    seed = _global_seed()
     if isinstance(sampler, DistributedSampler):
         base = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
         if base is None:
             return GlobalOrder(num_samples, shuffle=sampler.shuffle, seed=sampler.seed)
-        if isinstance(base, (SequentialSampler, RandomSampler)):
-            return GlobalOrder(num_samples, shuffle=sampler.shuffle or isinstance(base, RandomSampler), seed=sampler.seed)
-        sampler = base
-    if isinstance(sampler, SequentialSampler):
+        if isinstance(base, (SequentialSampler, RandomSampler)) and type(base) in (SequentialSampler, RandomSampler):
+            if not (isinstance(base, RandomSampler) and (base.replacement or base.num_samples != num_samples)):
+                return GlobalOrder(num_samples, shuffle=sampler.shuffle or isinstance(base, RandomSampler),
+                                   seed=sampler.seed)
+        sampler, seed = base, sampler.seed
+    if type(sampler) is SequentialSampler:
         return GlobalOrder(num_samples, shuffle=False, seed=seed)
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler.num_samples != num_samples:
-            raise ValueError(
-                f"{loader_name}: RandomSampler with replacement or num_samples is not supported by HeteroDDPStrategy."
-            )
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == num_samples:  # type: ignore
         return GlobalOrder(num_samples, shuffle=True, seed=seed)
-    raise ValueError(
-        f"{loader_name}: the custom sampler {type(sampler).__name__} cannot be split by capacity, because every rank "
-        "must draw the same global order. Use shuffle=True/False, or pass a `HeteroBatchSampler` as batch_sampler."
-    )
+    if not isinstance(sampler, Iterable):
+        raise ValueError(f"{loader_name}: the sampler {type(sampler).__name__} is not iterable.")
+    # Any other sampler (WeightedRandomSampler, RandomSampler with replacement, a user's own): drawn on every rank,
+    # seeded like DistributedSampler, and checked to agree across ranks at each epoch's start.
+    return GlobalOrder(num_samples, shuffle=False, seed=seed, source=sampler)
 
 
 _LOADER_ARGS = (
@@ -626,9 +664,14 @@ _LOADER_ARGS = (
 )
 
 
-def _rebuild_loader(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
-    """The same loader settings around a new batch sampler."""
+def _loader_settings(dataloader: DataLoader) -> dict[str, Any]:
+    """A loader's worker, memory and collation settings: what a rebuilt loader keeps."""
     kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    return kwargs
+
+
+def _rebuild_loader(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
+    """The same loader settings around a new batch sampler."""
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **_loader_settings(dataloader))

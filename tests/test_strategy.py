@@ -112,30 +112,6 @@ def test_validation_loader_is_split_without_duplicates(tmp_path):
     assert sorted(seen[0] + seen[1]) == list(range(37))
 
 
-def test_custom_sampler_gets_a_clear_error(tmp_path):
-    class WeightedModel(TinyModel):
-        def train_dataloader(self):
-            ds = IndexedDataset(16)
-            sampler = torch.utils.data.WeightedRandomSampler(torch.ones(16), num_samples=16)
-            return DataLoader(ds, batch_size=4, sampler=sampler)
-
-    with pytest.raises(Exception, match="custom sampler WeightedRandomSampler cannot be split"):
-        fit_distributed(WeightedModel(), str(tmp_path), 2, {"capacities": [1, 1]}, max_epochs=1)
-
-
-def test_iterable_dataset_gets_a_clear_error(tmp_path):
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter([(torch.zeros(8), torch.tensor(0), 0)] * 8)
-
-    class StreamModel(TinyModel):
-        def train_dataloader(self):
-            return DataLoader(Stream(), batch_size=4)
-
-    with pytest.raises(Exception, match="IterableDataset has no indices"):
-        fit_distributed(StreamModel(), str(tmp_path), 2, {"capacities": [1, 1]}, max_epochs=1)
-
-
 def test_global_batch_size_override(tmp_path):
     seed_everything(0)
     records = fit_distributed(TinyModel(n=40), str(tmp_path), 2, {"capacities": [3, 1], "global_batch_size": 20},
