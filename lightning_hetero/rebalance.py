@@ -233,6 +233,8 @@ class ShareController:
         self.sampler = sampler
         trainer = strategy.lightning_module.trainer
         restored, self._restored = self._restored, None
+        if restored is None and trainer.fit_loop.restarting:  # e.g. a checkpoint of Lightning's `DDPStrategy`
+            restored = {"replan": "the checkpoint holds no share state (another strategy wrote it)"}
         self._devices = [d.device_class for d in strategy.lab.devices]
         replan = None if restored is None else _replan_reason(restored, self._devices)
         if restored is not None:
@@ -333,6 +335,15 @@ class ShareController:
             # On a changed lab the saved shares are dropped: this lab's are planned after this.
             sampler.load_state_dict({**state["sampler"], "changes": None} if replan else state["sampler"],
                                     start_batch=start)
+        else:
+            sampler.start_batch = start
+            if start:
+                rank_zero_warn(
+                    f"HeteroDDPStrategy resume: the checkpoint stopped at batch {start} of epoch {epoch} but holds no "
+                    "sampler state of this strategy, so which samples that epoch had drawn is unknown. The epoch goes "
+                    f"on from global batch {start} of this strategy's order: some of its samples may repeat or be "
+                    "missed. From the next epoch on every sample is seen once."
+                )
         sampler.sampler.set_epoch(epoch)
         self.position = start
         self._expect_batch = start if start else None
