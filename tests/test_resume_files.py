@@ -131,3 +131,28 @@ def test_rank_state_without_reshard_starts_fresh_with_a_warning() -> None:
     callback.load_state_dict({"ranks": [{"plain": {"x": 1}}, {"plain": {"x": 2}}]})  # 2 ranks saved, 1 here
     with pytest.warns(UserWarning, match="starts fresh"):
         callback.register("plain", Plain())
+
+
+def test_resume_auto_restores_the_newest_unless_a_path_is_given(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    strategy = HeteroDDPStrategy(resume="auto")
+    with pytest.raises(ValueError, match="dirpath"):
+        strategy._resume_from_newest(SimpleNamespace(checkpoint_callbacks=[]))
+
+    class Connector:
+        def _restore_modules_and_callbacks(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            self.restored = checkpoint_path
+
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "a.ckpt")
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path))],
+                              _checkpoint_connector=Connector())
+    for given, expected in ((None, str(tmp_path / "a.ckpt")), ("mine.ckpt", "mine.ckpt")):
+        strategy._resume_from_newest(trainer)
+        trainer._checkpoint_connector._restore_modules_and_callbacks(given, None)
+        assert trainer._checkpoint_connector.restored == expected
+        assert "_restore_modules_and_callbacks" not in vars(trainer._checkpoint_connector)  # once only
+    empty = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path / "x"))],
+                            _checkpoint_connector=Connector())
+    strategy._resume_from_newest(empty)
+    assert "_restore_modules_and_callbacks" not in vars(empty._checkpoint_connector)  # nothing there: fresh start

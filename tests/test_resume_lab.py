@@ -154,3 +154,18 @@ def test_hetero_checkpoint_loads_into_one_device_and_plain_ddp(three_rank_checkp
     # Fine-tuning with Lightning's DDPStrategy on 2 ranks from the 3-rank checkpoint.
     out = _run(DDPStrategy(start_method="fork"), 2, N3, tempfile.mkdtemp(), ckpt_path=path)
     assert out[0]["steps"] > STOP3 and torch.equal(out[0]["params"][-1], out[1]["params"][-1])
+
+
+def test_other_cards_same_world_size_replan_the_shares() -> None:
+    """The cards behind the ranks changed (swapped here): the saved split is not kept, this lab's is planned."""
+    n, stop = 48, 3
+    caps = {"box B": 3, "*": 1}
+    ckpt_dir = tempfile.mkdtemp()
+    first = _run(_hetero(capacities=caps, emulate=[None, {"name": "box B"}]), 2, n, tempfile.mkdtemp(),
+                 ckpt_dir=ckpt_dir, stop=stop)
+    (path,) = glob.glob(os.path.join(ckpt_dir, "*.ckpt"))
+    resumed = _run(_hetero(capacities=caps, emulate=[{"name": "box B"}, None]), 2, n, tempfile.mkdtemp(),
+                   ckpt_path=path)
+    assert [len(first[r]["indices"][0]) for r in range(2)] == [2, 6]
+    assert [len(resumed[r]["indices"][0]) for r in range(2)] == [6, 2]
+    _assert_each_sample_once(_global_batches(first) + _global_batches(resumed), n, n // 8)
