@@ -37,13 +37,13 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
+from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.checkpoint import (
     AtomicCheckpointIO,
     check_trainer_checkpoint,
     newest_checkpoint,
     reopen_interrupted_epoch,
 )
-from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import DeviceInfo, describe_device
 from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
