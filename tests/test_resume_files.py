@@ -156,3 +156,26 @@ def test_resume_auto_restores_the_newest_unless_a_path_is_given(tmp_path: Any) -
                             _checkpoint_connector=Connector())
     strategy._resume_from_newest(empty)
     assert "_restore_modules_and_callbacks" not in vars(empty._checkpoint_connector)  # nothing there: fresh start
+
+
+def test_hierarchical_residuals_go_to_the_new_leaders() -> None:
+    """Saved on 2 hosts x 2 ranks (leaders 0 and 2 compress), resumed on one host of 2 ranks (leader 0 only)."""
+    from types import SimpleNamespace
+
+    config = TopKCompression(ratio=0.5, hierarchical=True)
+    params = [torch.zeros(6, 4, requires_grad=True)]
+
+    def lab(leaders: tuple) -> Any:
+        return SimpleNamespace(leaders={"host": None}, leader_ranks={"host": leaders}, members={"host": [0]},
+                               groups={"host": None})
+
+    saved = []
+    for r in range(4):
+        state = GradientCompression(config, params, 4, torch.device("cpu"), lab((0, 2))).state_dict()
+        assert state["group_size"] == 2
+        state["buckets"]["residual"] = {0: torch.full((24,), float(r + 1))} if r in (0, 2) else {}
+        saved.append(state)
+    new = [GradientCompression(config, params, 2, torch.device("cpu"), lab((0,))).reshard(saved, r, 2)
+           for r in range(2)]
+    assert torch.allclose(new[0]["buckets"]["residual"][0], torch.full((24,), (1.0 + 3.0) * 1 / 2))
+    assert new[1]["buckets"]["residual"] == {}  # not a leader any more: its hook does not compress
