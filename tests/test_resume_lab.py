@@ -169,3 +169,9 @@ def test_other_cards_same_world_size_replan_the_shares() -> None:
     assert [len(first[r]["indices"][0]) for r in range(2)] == [2, 6]
     assert [len(resumed[r]["indices"][0]) for r in range(2)] == [6, 2]
     _assert_each_sample_once(_global_batches(first) + _global_batches(resumed), n, n // 8)
+
+
+def test_another_explicit_global_batch_is_refused(three_rank_checkpoint: tuple[str, list[dict]]) -> None:
+    path, _ = three_rank_checkpoint
+    with pytest.raises(Exception, match="global batch of 12"):
+        _run(_hetero(capacities="equal", global_batch_size=8), 2, N3, tempfile.mkdtemp(), ckpt_path=path)
