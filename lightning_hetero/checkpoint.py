@@ -65,7 +65,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        if not _is_local_file_protocol(path):
+        if not _is_local_file_protocol(path) or not os.path.exists(path):  # Lightning's FileNotFoundError
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         problem = check_checkpoint_file(path)
         if problem is not None:
@@ -95,6 +95,8 @@ def check_checkpoint_file(path: _PATH) -> Optional[str]:
     Cheap: torch writes a zip archive whose directory sits at the end, so a truncated file has none.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return "it is a directory, not a checkpoint file."
     if not os.path.isfile(path):
         return "the file does not exist."
     size = os.path.getsize(path)

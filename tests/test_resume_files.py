@@ -58,6 +58,10 @@ def test_bad_files_get_clear_errors(tmp_path: Any) -> None:
     with pytest.raises(CheckpointError, match="not a Lightning checkpoint"):
         strategy.load_checkpoint(tmp_path / "weights.pt")
     assert torch.equal(strategy.load_checkpoint(good)["state_dict"]["w"], torch.full((64,), 1.0))
+    with pytest.raises(FileNotFoundError):  # Lightning's error, unchanged
+        strategy.load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(CheckpointError, match="directory"):
+        strategy.load_checkpoint(tmp_path)
 
 
 def test_newest_checkpoint_skips_unreadable_and_temporary_files(tmp_path: Any) -> None:
