@@ -1,4 +1,4 @@
-"""Resume on a changed lab: other world sizes (3 -> 2, 2 -> 3), and checkpoints shared with Lightning's DDPStrategy.
+"""Resume on a changed lab: other world sizes (3 -> 2, 3 -> 4, 2 -> 3), other cards, and checkpoints shared with Lightning's DDPStrategy.
 
 The global batch keeps its size, the epoch goes on at the same global batch with a split planned for the ranks that
 are there, and every sample is seen once per epoch. Without compression the parameters equal one process trained on
@@ -71,19 +71,22 @@ def three_rank_checkpoint() -> tuple[str, list[dict]]:
     return path, first
 
 
-def test_three_ranks_resume_on_two(three_rank_checkpoint: tuple[str, list[dict]]) -> None:
+@pytest.mark.parametrize("capacities, split", [([1, 3], [3, 9]), ([1, 1, 2, 2], [2, 2, 4, 4])])
+def test_three_ranks_resume_on_two_or_four(three_rank_checkpoint: tuple[str, list[dict]], capacities: list,
+                                           split: list) -> None:
     path, first = three_rank_checkpoint
-    resumed = _run(_hetero(capacities=[1, 3]), 2, N3, tempfile.mkdtemp(), ckpt_path=path)
-    # The global batch keeps its 12 samples (not 2 x 4), split 3 / 9 by the new capacities.
+    world = len(capacities)
+    resumed = _run(_hetero(capacities=capacities), world, N3, tempfile.mkdtemp(), ckpt_path=path)
+    # The global batch keeps its 12 samples (not world x 4), split by the new capacities.
     assert [len(i) for i in first[0]["indices"]] == [6] * STOP3
-    assert {len(i) for i in resumed[0]["indices"]} == {3} and {len(i) for i in resumed[1]["indices"]} == {9}
+    assert [{len(i) for i in resumed[r]["indices"]} for r in range(world)] == [{b} for b in split]
     batches = _global_batches(first) + _global_batches(resumed)
     _assert_each_sample_once(batches, N3, N3 // G3)
     torch.manual_seed(0)
     params, reference = reference_run(TinyModel(batch_size=B, n=N3), 3, [1, 1, 1], EPOCHS)
     assert batches == [sorted(b) for b in reference]  # the same global batches, in the same order
     assert max_rel_diff(resumed[0]["params"][-1], params[-1]) <= 1e-6
-    assert torch.equal(resumed[0]["params"][-1], resumed[1]["params"][-1])
+    assert all(torch.equal(resumed[0]["params"][-1], resumed[r]["params"][-1]) for r in range(world))
 
 
 class _ResidualSum(Callback):
