@@ -29,14 +29,16 @@ B, EPOCHS = 4, 2  # loader batch size; the first run's global batch is B x its w
 
 
 def _run(strategy: Any, world: int, n: int, out_dir: str, ckpt_dir: Optional[str] = None, stop: int = -1,
-         ckpt_path: Optional[str] = None, extra: tuple = ()) -> list[dict]:
-    """Fit ``world`` forked CPU ranks on a fresh ``TinyModel`` (seed 0); checkpoint at step ``stop`` and stop."""
+         ckpt_path: Optional[str] = None, extra: tuple = (), every: Optional[int] = None) -> list[dict]:
+    """Fit ``world`` forked CPU ranks on a fresh ``TinyModel`` (seed 0); checkpoint at step ``stop`` (or every
+    ``every`` steps) and stop there."""
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
     model = TinyModel(batch_size=B, n=n)
     callbacks: list[Any] = [Recorder(out_dir), *extra]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=stop, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every or stop,
+                                         save_top_k=-1))
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, max_steps=stop,
                       callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_dir),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -129,11 +131,17 @@ def test_two_ranks_resume_on_three_folds_residuals() -> None:
 
 
 def test_start_from_plain_ddp_checkpoint() -> None:
-    """A `DDPStrategy` checkpoint at an epoch end: the next epoch runs on the hetero split, every sample once."""
+    """A `DDPStrategy` checkpoint at an epoch end: the next epoch runs on the hetero split, every sample once.
+    Mid-epoch (DDP's sample order is not in its checkpoint): the epoch goes on at the same global batch index."""
     n, per_epoch = 48, 6
     ckpt_dir = tempfile.mkdtemp()
-    _run(DDPStrategy(start_method="fork"), 2, n, tempfile.mkdtemp(), ckpt_dir=ckpt_dir, stop=per_epoch)
-    (path,) = glob.glob(os.path.join(ckpt_dir, "*.ckpt"))
+    _run(DDPStrategy(start_method="fork"), 2, n, tempfile.mkdtemp(), ckpt_dir=ckpt_dir, stop=per_epoch, every=3)
+    mid = _run(_hetero(capacities=[3, 1]), 2, n, tempfile.mkdtemp(),
+               ckpt_path=os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"))
+    batches = _global_batches(mid)
+    assert len(batches) == 3 + per_epoch and {len(b) for b in batches} == {8}
+    assert sorted(i for b in batches[3:] for i in b) == list(range(n))
+    path = os.path.join(ckpt_dir, f"epoch=0-step={per_epoch}.ckpt")
     resumed = _run(_hetero(capacities=[3, 1]), 2, n, tempfile.mkdtemp(), ckpt_path=path)
     batches = _global_batches(resumed)
     assert len(batches) == per_epoch and {len(i) for i in resumed[0]["indices"]} == {6}
