@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
@@ -705,9 +706,12 @@ class GradientCompression:
         self.hook: Optional[Callable] = None
         self.state: Any = None
         self._stateful: Any = None
+        self._compressing: tuple[int, ...] = tuple(range(world_size))  # ranks whose hook runs the compression
         if config is None:
             return
         hierarchical = config.hierarchical and groups is not None
+        if hierarchical:
+            self._compressing = tuple(groups.leader_ranks[config.group_by])
         process_group = groups.leaders[config.group_by] if hierarchical else None
         hop = "inter" if hierarchical else "all"
         if isinstance(config, NoCompression):
@@ -760,8 +764,45 @@ class GradientCompression:
         self.bytes_last_step = sum(by_hop.values())
 
     def state_dict(self) -> dict[str, Any]:
-        return self._stateful.state_dict() if self._stateful is not None else {}
+        if self._stateful is None:
+            return {}
+        return {**self._stateful.state_dict(), "group_size": len(self._compressing)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._stateful is not None and state:
             self._stateful.load_state_dict(state)
+
+    def reshard(self, states: list[Optional[dict[str, Any]]], rank: int, world_size: int) -> Optional[dict[str, Any]]:
+        """This rank's state from a checkpoint of another world size (or other compressing ranks).
+
+        Error-feedback memories (top-k residuals, PowerSGD errors) hold what each rank still owes the average over
+        the n compressing ranks, in units of 1/n of the mean gradient; only their sum over ranks enters the math.
+        Saved rank i's memory goes to rank i if it still compresses, else to rank 0 (always compressing), rescaled
+        by n_new / n_old, so the sum that is owed is kept. PowerSGD's P / Q are the same on every compressing rank
+        (all-reduced), so a rank without its own takes rank 0's; counters and the RNG come from rank 0.
+        """
+        if self._stateful is None or not states or not states[0]:
+            return None
+        saved_n = int(states[0].get("group_size", len(states)))
+        scale = len(self._compressing) / saved_n
+        target = [i if i < world_size and i in self._compressing else 0 for i in range(len(states))]
+        memory = "residual" if isinstance(self._stateful, TopKState) else "error"
+        out = {k: v for k, v in states[0].items() if k != "buckets"}
+        own = states[rank] if rank < len(states) and states[rank] else {"buckets": {}}
+        buckets = {kind: dict(own["buckets"].get(kind) or tensors)
+                   for kind, tensors in states[0]["buckets"].items() if kind != memory}
+        owed: dict[int, Tensor] = {}
+        for i, state in enumerate(states):
+            if target[i] != rank or not state:
+                continue
+            for param, tensor in state["buckets"].get(memory, {}).items():
+                owed[param] = owed[param] + tensor if param in owed else tensor.clone()
+        buckets[memory] = {param: tensor * scale for param, tensor in owed.items()}
+        if rank == 0 and any(t != i for i, t in enumerate(target)):
+            moved = [i for i, t in enumerate(target) if t != i]
+            rank_zero_info(
+                f"HeteroDDPStrategy resume: error-feedback memory of saved ranks {moved} folded into rank 0; "
+                f"all memories scaled by {len(self._compressing)}/{saved_n} compressing ranks."
+            )
+        out["buckets"] = buckets
+        return out

@@ -196,6 +196,7 @@ class ShareController:
         self._skip_next = True  # the first step after (re)start warms up allocators and caches
         self._restored: Optional[dict[str, Any]] = None
         self._expect_batch: Optional[int] = None
+        self._devices: Optional[list[str]] = None  # the lab's device classes, saved to detect changed cards
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -206,11 +207,25 @@ class ShareController:
             "ema": self.ema,
             "batches_seen": self.batches_seen,
             "position": self.position,
+            "devices": self._devices,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Applied when the training loader is built (Lightning restores callbacks before that).
         self._restored = dict(state)
+
+    def reshard(self, states: list[Optional[dict[str, Any]]], rank: int, world_size: int) -> Optional[dict[str, Any]]:
+        """A checkpoint of another world size: keep the global position (epoch, global batch index, global batch
+        size) and plan shares anew for the ranks that are here. Every rank's saved copy is the same."""
+        state = next((s for s in states if s is not None), None)
+        if state is None:
+            return None
+        sampler = state.get("sampler")
+        return {
+            "position": state.get("position", 0),
+            "sampler": None if sampler is None else {**sampler, "changes": None},
+            "replan": f"the checkpoint was written by {len(states)} ranks, this job has {world_size}",
+        }
 
     # -- start of training -----------------------------------------------------------------------------------------
     def on_train_loader(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> None:
@@ -218,9 +233,16 @@ class ShareController:
         self.sampler = sampler
         trainer = strategy.lightning_module.trainer
         restored, self._restored = self._restored, None
+        if restored is None and trainer.fit_loop.restarting:  # e.g. a checkpoint of Lightning's `DDPStrategy`
+            restored = {"replan": "the checkpoint holds no share state (another strategy wrote it)"}
+        self._devices = [d.device_class for d in strategy.lab.devices]
+        replan = None if restored is None else _replan_reason(restored, self._devices)
         if restored is not None:
-            self._restore(restored, sampler, trainer)
-        else:
+            self._restore(restored, sampler, trainer, strategy, replan is not None)
+            if replan is not None:
+                rank_zero_info(f"HeteroDDPStrategy resume: {replan}; shares are planned for this lab "
+                               f"(capacities '{strategy.lab.capacity_source}').")
+        if restored is None or replan is not None:
             if self.profile_enabled and self.profile is None:
                 self.profile = self._run_profile(strategy, sampler, dataloader)
                 if self.profile is not None:
@@ -230,7 +252,8 @@ class ShareController:
                 self.caps = (self.max_batch_per_rank,) * sampler.world_size
             # The latest shares (profiled, or rebalanced before a loader reload) from the loader's first batch.
             sampler.change_shares(strategy.lab.capacities, first_batch=0, caps=self.caps)
-        strategy.update_capacities(sampler.capacities, "restored" if restored is not None else strategy.lab.capacity_source)
+        kept = restored is not None and replan is None
+        strategy.update_capacities(sampler.capacities, "restored" if kept else strategy.lab.capacity_source)
         if self.profile is not None:
             strategy.add_lab_columns(table_columns(self.profile))
         elif self.caps is not None:
@@ -276,11 +299,26 @@ class ShareController:
                        + (f", memory caps {list(result.caps)}" if result.caps else ""))
         return result
 
-    def _restore(self, state: dict[str, Any], sampler: HeteroBatchSampler, trainer: Any) -> None:
-        self.profile = None if state.get("profile") is None else ProfileResult.from_state_dict(state["profile"])
-        self.caps = tuple(state["caps"]) if state.get("caps") else None
-        self.ema = state.get("ema")
-        self.batches_seen = int(state.get("batches_seen", 0))
+    def _restore(self, state: dict[str, Any], sampler: HeteroBatchSampler, trainer: Any, strategy: Any,
+                 replan: bool) -> None:
+        if not replan:  # measurements of other devices (or another world size) say nothing about these
+            self.profile = None if state.get("profile") is None else ProfileResult.from_state_dict(state["profile"])
+            self.caps = tuple(state["caps"]) if state.get("caps") else None
+            self.ema = state.get("ema")
+            self.batches_seen = int(state.get("batches_seen", 0))
+        saved_g = (state.get("sampler") or {}).get("global_batch_size")
+        explicit_g = getattr(strategy, "_global_batch_size", None)
+        if saved_g is not None and explicit_g is not None and saved_g != explicit_g:
+            raise ValueError(
+                f"`global_batch_size`={explicit_g} but the checkpoint was trained with a global batch of {saved_g}: "
+                "the position in the epoch and the optimizer's hyper-parameters refer to it. Leave "
+                "`global_batch_size` unset (the checkpoint's is kept) or start a new run."
+            )
+        if saved_g is not None and saved_g != sampler.global_batch_size:
+            rank_zero_info(f"HeteroDDPStrategy resume: keeping the checkpoint's global batch of {saved_g} samples "
+                           f"(the loader's batch_size x {sampler.world_size} ranks would give "
+                           f"{sampler.global_batch_size}).")
+            sampler.global_batch_size = int(saved_g)  # before counting the epoch's batches below
         fit_loop = trainer.fit_loop
         # Lightning restarts a map-style loader from its first batch but continues batch_idx from its restored
         # progress (`ready`); the sampler skips exactly those batches so index k is still global batch k.
@@ -295,7 +333,18 @@ class ShareController:
             # iterator it creates now, so that iterator must already be the next epoch's, from its first batch.
             start, epoch = 0, epoch + 1
         if state.get("sampler") is not None:
-            sampler.load_state_dict(state["sampler"], start_batch=start)
+            # On a changed lab the saved shares are dropped: this lab's are planned after this.
+            sampler.load_state_dict({**state["sampler"], "changes": None} if replan else state["sampler"],
+                                    start_batch=start)
+        else:
+            sampler.start_batch = start
+            if start:
+                rank_zero_warn(
+                    f"HeteroDDPStrategy resume: the checkpoint stopped at batch {start} of epoch {epoch} but holds no "
+                    "sampler state of this strategy, so which samples that epoch had drawn is unknown. The epoch goes "
+                    f"on from global batch {start} of this strategy's order: some of its samples may repeat or be "
+                    "missed. From the next epoch on every sample is seen once."
+                )
         sampler.sampler.set_epoch(epoch)
         self.position = start
         self._expect_batch = start if start else None
@@ -384,6 +433,16 @@ class ShareController:
         if self.timer is not None:
             self.timer.detach()
             self.timer = None
+
+
+def _replan_reason(state: dict[str, Any], devices: list[str]) -> Optional[str]:
+    """Why a restored share state cannot be kept on this lab (``None``: same world size and cards)."""
+    if state.get("replan"):
+        return str(state["replan"])
+    saved = state.get("devices")
+    if saved is not None and list(saved) != devices:
+        return f"the devices changed ({', '.join(saved)} -> {', '.join(devices)})"
+    return None
 
 
 @contextmanager

@@ -318,13 +318,21 @@ class HeteroBatchSampler(BatchSampler):
             "epoch": self.sampler.epoch,
             "seed": self.sampler.seed,
             "order": self.sampler.state_dict(),
+            "global_batch_size": self.global_batch_size,
             "changes": [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self._changes],
         }
 
     def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
+        """Resume at global batch ``start_batch`` of the saved epoch; ``changes=None`` keeps the current shares."""
         self.sampler.set_epoch(int(state["epoch"]))
         if state.get("order") is not None:
             self.sampler.load_state_dict(state["order"])
+        self.global_batch_size = int(state.get("global_batch_size", self.global_batch_size))
+        if state.get("changes") is None:
+            self._roll_schedule_to_epoch()
+            self._full_splits.clear()
+            self.start_batch = start_batch
+            return
         self._changes = [
             ShareChange(int(first), tuple(caps_), tuple(limits) if limits else None)
             for first, caps_, limits in state["changes"]

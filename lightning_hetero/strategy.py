@@ -42,6 +42,12 @@ from typing_extensions import override
 
 from lightning_hetero.autocompress import AutoCompression, choose, link_column, measure_links
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
+from lightning_hetero.checkpoint import (
+    AtomicCheckpointIO,
+    check_trainer_checkpoint,
+    newest_checkpoint,
+    reopen_interrupted_epoch,
+)
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import DeviceInfo, describe_device
 from lightning_hetero.emulation import (
@@ -67,8 +73,8 @@ from lightning_hetero.precision import (
 )
 from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
-from lightning_hetero.state import RankStateCallback
 from lightning_hetero.streaming import STREAM_MODES, StreamMode, build_stream_loader
+from lightning_hetero.state import RandomState, RankStateCallback
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -116,7 +122,14 @@ class HeteroDDPStrategy(DDPStrategy):
             training, at the cost of reading everything on every rank) or ``"shard"`` (each rank reads its own shard
             and takes its share per step; exhausted ranks pad with zero-weight steps). See
             :mod:`lightning_hetero.streaming`.
+        resume: ``"auto"``: ``fit`` without ``ckpt_path`` goes on from the newest checkpoint in the ``dirpath`` of the
+            trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
+            in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last
+            checkpoint stood, also on a different number or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
+
+    Checkpoints are written atomically (:class:`~lightning_hetero.checkpoint.AtomicCheckpointIO`) unless a
+    ``checkpoint_io`` is given.
     """
 
     strategy_name = "hetero_ddp"
@@ -141,6 +154,7 @@ class HeteroDDPStrategy(DDPStrategy):
         compression: CompressionArg = "none",
         precision_policy: Optional[PrecisionPolicyArg] = None,
         stream_mode: StreamMode = "exact",
+        resume: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -170,6 +184,9 @@ class HeteroDDPStrategy(DDPStrategy):
             timeout = timeout.total_seconds()
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"`timeout`={timeout!r} must be a positive number of seconds.")
+        if resume is not None and (not isinstance(resume, str) or not resume):
+            raise ValueError(f"`resume`={resume!r} must be None, 'auto' or a checkpoint directory.")
+        self._resume = resume
         ddp_kwargs = dict(ddp_kwargs or {})
         if "device_ids" in ddp_kwargs or "module" in ddp_kwargs:
             raise ValueError("`ddp_kwargs` must not set `module` or `device_ids`: the strategy owns them.")
@@ -177,7 +194,7 @@ class HeteroDDPStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
             ddp_comm_hook=ddp_comm_hook,
@@ -203,6 +220,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._logging_batch_size: Optional[int] = None  # set while a step runs, for `reduce`
         self._table_printed = False
         self._rank_state = RankStateCallback()
+        self._rng = RandomState()
         validate_tuning(profile_steps, memory_headroom, max_batch_per_rank, rebalance_every, rebalance_threshold,
                         rebalance_smoothing)
         if not isinstance(rebalance, bool):
@@ -302,6 +320,38 @@ class HeteroDDPStrategy(DDPStrategy):
         # Callbacks are restored before `setup`: the state callback must be in place by then.
         if trainer is not None and self._rank_state not in trainer.callbacks:
             trainer.callbacks.append(self._rank_state)
+        self._rank_state.register("rng", self._rng)
+        if trainer is not None and self._resume is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_from_newest(trainer)
+
+    def _resume_from_newest(self, trainer: Any) -> None:
+        """With ``resume``: when ``fit`` got no ``ckpt_path``, restore the newest checkpoint (rank 0's choice)."""
+        if self._resume == "auto":
+            directories = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+            if not directories:
+                raise ValueError(
+                    "`resume`='auto' looks for checkpoints in the `dirpath` of the trainer's `ModelCheckpoint` "
+                    "callbacks, and none has one: pass `ModelCheckpoint(dirpath=...)` or `resume=<directory>`."
+                )
+        else:
+            directories = [self._resume]
+        found = [newest_checkpoint(directories) if self.global_rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)  # one file for all ranks, even without a shared file system
+        if found[0] is None:
+            return
+        # Lightning resolves `ckpt_path` before the strategy is set up; the restore call is the first point after
+        # setup where the path is still open. The user's explicit `ckpt_path` wins.
+        connector = trainer._checkpoint_connector
+        restore = type(connector)._restore_modules_and_callbacks.__get__(connector)
+
+        def restore_newest(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+            connector.__dict__.pop("_restore_modules_and_callbacks", None)  # once: back to the class's method
+            if checkpoint_path is None:
+                rank_zero_info(f"HeteroDDPStrategy resume='{self._resume}': going on from {found[0]}")
+            restore(checkpoint_path or found[0], *args, **kwargs)
+
+        connector._restore_modules_and_callbacks = restore_newest
 
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
         """With a ``precision_policy``: this rank's autocast mode, the job's one loss scaler (see precision.py)."""
@@ -406,6 +456,8 @@ class HeteroDDPStrategy(DDPStrategy):
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
             self._rank_state.register("shares", self._shares)
             self._shares.on_train_loader(self, batch_sampler, profile_view)
+            if self._shares.position == 0:
+                self._rng.apply()  # resumed at an epoch start: the epoch's iterator draws from the saved state
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # The table shows the training split; validate/test/predict-only runs show their own loader's.
         if stage == RunningStage.TRAINING or (not fitting and self.lab.global_batch_size is None):
@@ -506,6 +558,7 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._rng.apply()  # resumed mid-epoch: the generators as they stood after the saved step
         if self._train_sampler is None or self._weighting is None:
             self._train_step_size = None
             return
@@ -573,6 +626,24 @@ class HeteroDDPStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._emulated_work():
             return super().predict_step(*args, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        check_trainer_checkpoint(checkpoint, checkpoint_path)  # a clear error for a foreign file, not a KeyError
+        return checkpoint
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        if self._train_sampler is not None and trainer is not None:
+            # The sampler knows where the epoch stood; Lightning may have recorded it as finished.
+            reopen_interrupted_epoch(
+                checkpoint, self._train_sampler.sampler.epoch, self._shares.position, trainer.num_training_batches
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def teardown(self) -> None:

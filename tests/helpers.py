@@ -36,10 +36,11 @@ class IndexedDataset(Dataset):
 
 class TinyModel(LightningModule):
     def __init__(self, optimizer: str = "sgd", features: int = 8, classes: int = 4, batch_size: int = 4,
-                 n: int = 53, lr: float = 0.1) -> None:
+                 n: int = 53, lr: float = 0.1, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
+        hidden = [nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])  # dropout draws from the global RNG
+        self.net = nn.Sequential(nn.Linear(features, 16), *hidden, nn.Linear(16, classes))
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y, _ = batch
