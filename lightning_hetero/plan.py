@@ -3,8 +3,12 @@
 Rank r gets b_r of every global batch of G samples, proportional to its capacity c_r, by largest-remainder
 rounding, with every rank getting at least one sample and Σ b_r = G. Optional per-rank caps (what fits in memory)
 are honoured by water-filling: a capped rank keeps its cap and the rest is re-split among the others.
+
+When samples differ in cost (sequence length), :func:`split_by_cost` cuts a global batch so each rank's summed cost,
+not its sample count, is proportional to its capacity.
 """
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -92,3 +96,67 @@ def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence
             remaining -= limits[r]
         free = [r for r in free if r not in over]
     return shares
+
+
+def validate_costs(costs: Sequence[float], name: str = "sample cost") -> list[float]:
+    """Non-negative finite numbers, or a ``ValueError`` that names ``name``."""
+    values = []
+    for i, c in enumerate(costs):
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"{name} of sample {i} is {c!r}: it must be a non-negative finite number.")
+        values.append(float(c))
+    return values
+
+
+def split_by_cost(
+    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None
+) -> list[list[int]]:
+    """Cut one global batch so each rank's summed cost (e.g. tokens) is proportional to its capacity.
+
+    ``costs[i]`` is the cost of the batch's i-th sample. Returns, per rank, the positions (ascending) it trains on.
+    The samples are ordered by cost and cut into contiguous runs at the cumulative capacity fractions (slowest rank
+    first), so a rank's samples have similar lengths (little padding when a collate pads to the longest) and each
+    cut lands within half a sample of its cumulative target. Every rank gets at least one sample when there are at
+    least as many samples as ranks, and at most ``caps[r]``; fewer samples than ranks are placed like
+    :func:`split_batch` places them.
+    """
+    weights = validate_weights(capacities, "capacities")
+    values = validate_costs(costs)
+    n, g = len(weights), len(values)
+    total = sum(values)
+    if g < n or total <= 0:  # nothing to weigh: the count split, in batch order
+        counts = split_batch(g, weights, caps if g >= n else None)
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        return [list(range(bounds[r], bounds[r + 1])) for r in range(n)]
+    limits = [g] * n if caps is None else [int(c) for c in caps]
+    if len(limits) != n:
+        raise ValueError(f"`caps` has {len(limits)} entries for {n} ranks.")
+    if any(c < 1 for c in limits) or sum(limits) < g:
+        split_batch(g, weights, limits)  # raises the count split's error, naming the shortfall
+    order = sorted(range(g), key=lambda i: (values[i], i))  # ties by position: identical on every rank
+    # Slow ranks take the cheap end: their boundaries fall among short samples, where one sample moves the
+    # balance least (relative to their small targets).
+    ranks = sorted(range(n), key=lambda r: (weights[r], r))
+    prefix = [0.0]
+    for i in order:
+        prefix.append(prefix[-1] + values[i])
+    weight_sum = sum(weights)
+    runs: list[list[int]] = [[] for _ in range(n)]
+    start, cumulative = 0, 0.0
+    for k, r in enumerate(ranks):
+        if k == n - 1:
+            runs[r] = sorted(order[start:])
+            break
+        cumulative += weights[r]
+        target = total * cumulative / weight_sum
+        later = ranks[k + 1 :]
+        lo = max(start + 1, g - sum(limits[q] for q in later))  # at least one here; the rest must fit later ranks
+        hi = min(g - len(later), start + limits[r])  # at least one left for each later rank
+        end = min(max(bisect.bisect_left(prefix, target, lo, hi + 1), lo), hi)
+        if end > lo and abs(prefix[end - 1] - target) <= abs(prefix[end] - target):
+            end -= 1  # the nearer of the two cuts around the target
+        runs[r] = sorted(order[start:end])
+        start = end
+    return runs
