@@ -109,22 +109,22 @@ def validate_costs(costs: Sequence[float], name: str = "sample cost") -> list[fl
 
 
 def split_by_cost(
-    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None
+    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None, padded: bool = False
 ) -> list[list[int]]:
-    """Cut one global batch so each rank's summed cost (e.g. tokens) is proportional to its capacity.
+    """Cut one global batch so each rank's cost (e.g. tokens) over its capacity is as even as possible.
 
     ``costs[i]`` is the cost of the batch's i-th sample. Returns, per rank, the positions (ascending) it trains on.
-    The samples are ordered by cost and cut into contiguous runs at the cumulative capacity fractions (slowest rank
-    first), so a rank's samples have similar lengths (little padding when a collate pads to the longest) and each
-    cut lands within half a sample of its cumulative target. Every rank gets at least one sample when there are at
-    least as many samples as ranks, and at most ``caps[r]``; fewer samples than ranks are placed like
-    :func:`split_batch` places them.
+    The samples are ordered by cost and cut into contiguous runs, slowest rank first, so a rank's samples have
+    similar lengths; the cuts minimise the largest cost_r / c_r (a binary search on that step time, each rank taking
+    the longest run that fits it). A run's cost is the sum of its samples' costs, or with ``padded`` its length times
+    its largest cost: what a collate that pads to the longest sample computes. Every rank gets at least one sample
+    when there are at least as many samples as ranks, and at most ``caps[r]``; fewer samples than ranks are placed
+    like :func:`split_batch` places them.
     """
     weights = validate_weights(capacities, "capacities")
     values = validate_costs(costs)
     n, g = len(weights), len(values)
-    total = sum(values)
-    if g < n or total <= 0:  # nothing to weigh: the count split, in batch order
+    if g < n or sum(values) <= 0:  # nothing to weigh: the count split, in batch order
         counts = split_batch(g, weights, caps if g >= n else None)
         bounds = [0]
         for c in counts:
@@ -136,27 +136,49 @@ def split_by_cost(
     if any(c < 1 for c in limits) or sum(limits) < g:
         split_batch(g, weights, limits)  # raises the count split's error, naming the shortfall
     order = sorted(range(g), key=lambda i: (values[i], i))  # ties by position: identical on every rank
-    # Slow ranks take the cheap end: their boundaries fall among short samples, where one sample moves the
-    # balance least (relative to their small targets).
-    ranks = sorted(range(n), key=lambda r: (weights[r], r))
+    ranked = [values[i] for i in order]
     prefix = [0.0]
-    for i in order:
-        prefix.append(prefix[-1] + values[i])
-    weight_sum = sum(weights)
+    for v in ranked:
+        prefix.append(prefix[-1] + v)
+    # Slow ranks take the cheap end, where one sample more or less moves their small share least.
+    ranks = sorted(range(n), key=lambda r: (weights[r], r))
+
+    def run_cost(a: int, b: int) -> float:
+        return (b - a) * ranked[b - 1] if padded else prefix[b] - prefix[a]
+
+    def cut(step: float) -> Optional[list[int]]:
+        """Run ends when every rank takes the longest run within ``step`` (None: the samples do not all fit)."""
+        ends, start = [], 0
+        for k, r in enumerate(ranks):
+            rest = ranks[k + 1 :]
+            lo = max(start + 1, g - sum(limits[q] for q in rest))
+            hi = min(g - len(rest), start + limits[r])
+            if lo > hi or run_cost(start, lo) > step * weights[r]:
+                return None
+            end, top = lo, hi  # the longest run within `step`: run costs grow with the run
+            while end < top:
+                mid = (end + top + 1) // 2
+                if run_cost(start, mid) <= step * weights[r]:
+                    end = mid
+                else:
+                    top = mid - 1
+            ends.append(end)
+            start = end
+        return ends if start == g else None
+
+    low, high = 0.0, max(run_cost(0, g) / min(weights), 1e-300)
+    best = cut(high)
+    for _ in range(60):  # to float precision on the step time; every rank runs the same arithmetic
+        mid = (low + high) / 2
+        ends = cut(mid)
+        if ends is None:
+            low = mid
+        else:
+            high, best = mid, ends
+    assert best is not None
     runs: list[list[int]] = [[] for _ in range(n)]
-    start, cumulative = 0, 0.0
-    for k, r in enumerate(ranks):
-        if k == n - 1:
-            runs[r] = sorted(order[start:])
-            break
-        cumulative += weights[r]
-        target = total * cumulative / weight_sum
-        later = ranks[k + 1 :]
-        lo = max(start + 1, g - sum(limits[q] for q in later))  # at least one here; the rest must fit later ranks
-        hi = min(g - len(later), start + limits[r])  # at least one left for each later rank
-        end = min(max(bisect.bisect_left(prefix, target, lo, hi + 1), lo), hi)
-        if end > lo and abs(prefix[end - 1] - target) <= abs(prefix[end] - target):
-            end -= 1  # the nearer of the two cuts around the target
+    start = 0
+    for r, end in zip(ranks, best):
         runs[r] = sorted(order[start:end])
         start = end
     return runs

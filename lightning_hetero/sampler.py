@@ -106,18 +106,21 @@ class HeteroBatchSampler(BatchSampler):
         self._schedule_epoch = order.epoch  # the epoch `_changes` are keyed to
         self.costs: Optional[list[float]] = None  # per dataset index (see `use_costs`)
         self.balance_by_cost = False
+        self.balance_padded = False
         self.weight_by_cost = False
         self.cap_shares = True  # False when ranks run oversized shares as micro-batches instead
         self._batch_shares: dict[int, BatchShares] = {}  # of this epoch's batches drawn so far, by batch index
 
-    def use_costs(self, costs: Sequence[float], balance: bool, weight: bool) -> None:
-        """Per-index costs (e.g. tokens): ``balance`` cuts each global batch by cost (:func:`split_by_cost`),
+    def use_costs(self, costs: Sequence[float], balance: bool, weight: bool, padded: bool = False) -> None:
+        """Per-index costs (e.g. tokens): ``balance`` cuts each global batch by cost (:func:`split_by_cost`; with
+        ``padded``, by count times the longest cost),
         ``weight`` makes the gradient weight of a step this rank's summed cost over the batch's (a loss averaged over
         tokens, not samples)."""
         values = validate_costs(costs)
         if len(values) != len(self.sampler):
             raise ValueError(f"{len(values)} sample costs for a dataset of {len(self.sampler)} samples.")
         self.costs, self.balance_by_cost, self.weight_by_cost = values, balance, weight
+        self.balance_padded = padded
         self._batch_shares.clear()
 
     # -- schedule -----------------------------------------------------------------------------------------------
@@ -220,7 +223,7 @@ class HeteroBatchSampler(BatchSampler):
         costs = [self.costs[i] for i in global_batch]
         if self.balance_by_cost:
             change = self._change_at(batch_index)
-            positions = split_by_cost(costs, change.capacities, self._caps(change))
+            positions = split_by_cost(costs, change.capacities, self._caps(change), padded=self.balance_padded)
         else:
             bounds = [0]
             for b in self.split_at(batch_index, len(global_batch)):

@@ -63,7 +63,7 @@ from lightning_hetero.precision import (
 from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.state import RankStateCallback
-from lightning_hetero.tokens import Balance, dataset_costs, resolve_cost_fn
+from lightning_hetero.tokens import Balance, Denominator, dataset_costs, resolve_cost_fn
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class HeteroDDPStrategy(DDPStrategy):
             ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
         balance: ``"samples"`` splits each training batch by sample count; ``"tokens"`` by summed per-sample cost
-            (sequence length), so each rank's tokens match its capacity. See :mod:`lightning_hetero.tokens`.
+            (sequence length), so each rank's tokens match its capacity; ``"padded_tokens"`` by sample count times
+            the longest sample (a collate that pads). See :mod:`lightning_hetero.tokens`.
         loss_denominator: what the training loss averages over: ``"samples"`` (gradient weight b_r / G) or
             ``"tokens"`` (t_r / T, with the per-sample cost as the token count).
         sample_cost: dotted path ``"package.module.function"`` of a function sample -> cost. Default: the dataset's
@@ -150,13 +151,14 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_hook: Optional[Callable] = None,
         ddp_comm_wrapper: Optional[Callable] = None,
         balance: Balance = "samples",
-        loss_denominator: Balance = "samples",
+        loss_denominator: Denominator = "samples",
         sample_cost: Optional[str] = None,
         micro_batch: Optional[MicroBatchArg] = None,
     ) -> None:
-        for name, value in (("balance", balance), ("loss_denominator", loss_denominator)):
-            if value not in ("samples", "tokens"):
-                raise ValueError(f"`{name}`={value!r} must be 'samples' or 'tokens'.")
+        if balance not in ("samples", "tokens", "padded_tokens"):
+            raise ValueError(f"`balance`={balance!r} must be 'samples', 'tokens' or 'padded_tokens'.")
+        if loss_denominator not in ("samples", "tokens"):
+            raise ValueError(f"`loss_denominator`={loss_denominator!r} must be 'samples' or 'tokens'.")
         if sample_cost is not None and not isinstance(sample_cost, str):
             raise ValueError(f"`sample_cost`={sample_cost!r} must be a dotted path 'package.module.function' or None.")
         self._balance, self._loss_denominator, self._sample_cost = balance, loss_denominator, sample_cost
@@ -418,7 +420,8 @@ class HeteroDDPStrategy(DDPStrategy):
         if sampler.costs is None:
             cost_fn = resolve_cost_fn(self._sample_cost, self.lightning_module, dataset)
             costs = dataset_costs(dataset, cost_fn, self.global_rank, self.world_size, self.root_device)
-            sampler.use_costs(costs, balance=self._balance == "tokens", weight=self._loss_denominator == "tokens")
+            sampler.use_costs(costs, balance=self._balance != "samples", weight=self._loss_denominator == "tokens",
+                              padded=self._balance == "padded_tokens")
 
     def _setup_micro_batching(self) -> None:
         limits = micro_limits(self._micro_batch, self._shares.caps, self.world_size)

@@ -8,6 +8,9 @@ rank's share of the batch's cost, t_r / T, which is exact for a loss averaged ov
 
 (``loss_denominator="samples"``, the default, keeps b_r / G for a loss averaged over samples.)
 
+``balance="padded_tokens"`` balances what a collate that pads to the longest sample computes: a rank's sample count
+times its longest sample's cost.
+
 The cost of a sample is, in this order of precedence:
 
 1. ``sample_cost="package.module.function"``: a function imported by dotted path, called on each dataset item;
@@ -35,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Balance = Literal["samples", "tokens"]
+Balance = Literal["samples", "tokens", "padded_tokens"]
+Denominator = Literal["samples", "tokens"]
 CostFn = Callable[[Any], float]
 
 

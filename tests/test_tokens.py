@@ -134,11 +134,23 @@ def test_split_by_cost_balances_tokens_better_than_counts(capacities):
         worst_tokens, worst_counts)
 
 
+def test_padded_balance_evens_count_times_longest():
+    costs = [2.0] * 12 + [20.0] * 4  # 12 short, 4 long: summed tokens 104, padded work per run = count x longest
+    by_sum = split_by_cost(costs, [1, 1])
+    by_padded = split_by_cost(costs, [1, 1], padded=True)
+
+    def padded_work(parts):
+        return [len(p) * max(costs[i] for i in p) for p in parts]
+
+    assert max(padded_work(by_padded)) < max(padded_work(by_sum))
+    assert max(padded_work(by_padded)) <= 80  # the 4 long sequences on one rank, every short one on the other
+
+
 def test_split_by_cost_honours_caps_and_small_batches():
     costs = [1.0] * 10 + [50.0] * 2
     parts = split_by_cost(costs, [1, 1], caps=[3, 12])
     assert len(parts[0]) <= 3 and sorted(parts[0] + parts[1]) == list(range(12))
-    assert split_by_cost([4.0, 9.0], [1, 2, 1]) == [[], [0], [1]] or sum(map(len, split_by_cost([4.0, 9.0], [1, 2, 1]))) == 2
+    assert sorted(map(len, split_by_cost([4.0, 9.0], [1, 2, 1]))) == [0, 1, 1]  # fewer samples than ranks
     assert split_by_cost([0.0, 0.0, 0.0], [1, 1]) == [[0, 1], [2]]  # nothing to weigh: the count split
     with pytest.raises(ValueError, match="sample cost"):
         split_by_cost([1.0, -2.0], [1, 1])
@@ -197,6 +209,7 @@ def test_cost_function_precedence(monkeypatch):
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"balance": "flops"}, "balance"),
                                                ({"loss_denominator": "batch"}, "loss_denominator"),
+                                               ({"loss_denominator": "padded_tokens"}, "loss_denominator"),
                                                ({"sample_cost": len}, "sample_cost")])
 def test_bad_token_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):
