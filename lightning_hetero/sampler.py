@@ -112,10 +112,9 @@ class HeteroBatchSampler(BatchSampler):
         self._batch_shares: dict[int, BatchShares] = {}  # of this epoch's batches drawn so far, by batch index
 
     def use_costs(self, costs: Sequence[float], balance: bool, weight: bool, padded: bool = False) -> None:
-        """Per-index costs (e.g. tokens): ``balance`` cuts each global batch by cost (:func:`split_by_cost`; with
-        ``padded``, by count times the longest cost),
-        ``weight`` makes the gradient weight of a step this rank's summed cost over the batch's (a loss averaged over
-        tokens, not samples)."""
+        """Per-index costs (e.g. tokens). ``balance``: cut each global batch by cost (:func:`split_by_cost`; with
+        ``padded``, by count times the longest cost). ``weight``: a step's gradient weight is this rank's summed cost
+        over the batch's (for a loss averaged over tokens, not samples)."""
         values = validate_costs(costs)
         if len(values) != len(self.sampler):
             raise ValueError(f"{len(values)} sample costs for a dataset of {len(self.sampler)} samples.")
