@@ -52,7 +52,8 @@ def rows() -> list[dict]:
         window = best_integer_split(4 * g, rates)  # an accumulation window of 4 global batches split as one
         out.append({
             "lab": name, "global_batch": g, "ideal_compute_ms": ideal,
-            "measured_split": lab["measured_split"], "measured_split_compute_ms": compute_ms(lab["measured_split"], rates),
+            "measured_split": lab["measured_split"],
+            "measured_split_compute_ms": compute_ms(lab["measured_split"], rates),
             "proportional_split": proportional, "proportional_compute_ms": compute_ms(proportional, rates),
             "best_integer_split": best, "best_integer_compute_ms": compute_ms(best, rates),
             "granularity_efficiency": ideal / compute_ms(best, rates),
@@ -70,9 +71,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in result:
         print(f"| {r['lab']} | {r['global_batch']} | {r['ideal_compute_ms']:.1f} | {r['measured_split']} "
-              f"({r['measured_split_compute_ms']:.1f}) | {r['best_integer_split']} ({r['best_integer_compute_ms']:.1f}) "
-              f"| {r['granularity_efficiency']:.3f} | {r['measured_step_ms']} | {r['not_compute_ms']:.1f} "
-              f"| {r['window4_efficiency']:.3f} |")
+              f"({r['measured_split_compute_ms']:.1f}) | {r['best_integer_split']} "
+              f"({r['best_integer_compute_ms']:.1f}) | {r['granularity_efficiency']:.3f} | {r['measured_step_ms']} "
+              f"| {r['not_compute_ms']:.1f} | {r['window4_efficiency']:.3f} |")
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "granularity.json"), "w") as f:

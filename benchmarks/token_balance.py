@@ -136,8 +136,9 @@ def run_config(config: str, args: argparse.Namespace, world: int, rank: int) -> 
 
     seed_everything(0, workers=False, verbose=False)
     module = _module_class()(args.vocab, args.width, args.layers, args.heads)
-    strategy = HeteroDDPStrategy(capacities="equal", balance=config.split("+")[0],
-                                 loss_denominator="tokens", micro_batch=args.micro if config.endswith("micro") else None,
+    micro = args.micro if config.endswith("micro") else None
+    strategy = HeteroDDPStrategy(capacities="equal", balance=config.split("+")[0], loss_denominator="tokens",
+                                 micro_batch=micro,
                                  print_table=False, timeout=_TIMEOUT_S)
     recorder = _recorder_class()(args.warmup)
     n = args.batch * world * (args.warmup + args.steps)
@@ -189,9 +190,10 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int, out_file:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    hw = rows[0]["device"] if rows else "?"
-    lines = [f"token balance, {rows[0]['world']} ranks on {hw} ({rows[0]['accelerator'].upper()} numbers)" if rows
-             else "", "| config | step ms | imbalance (max/mean compute) | idle | compute ms per rank | tokens per rank "
+    if not rows:
+        return "no results"
+    title = f"token balance, {rows[0]['world']} ranks on {rows[0]['device']} ({rows[0]['accelerator'].upper()} numbers)"
+    lines = [title, "| config | step ms | imbalance (max/mean compute) | idle | compute ms per rank | tokens per rank "
              "| padded per rank | samples per rank |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda xs, p=0: "[" + ", ".join(f"{x:.{p}f}" for x in xs) + "]"  # noqa: E731

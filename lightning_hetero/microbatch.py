@@ -83,7 +83,8 @@ def slice_batch(batch: Any, start: int, end: int, batch_size: int) -> Any:
     if isinstance(batch, Tensor):
         return batch[start:end] if batch.dim() >= 1 and batch.shape[0] == batch_size else batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, start, end, batch_size) for k, v in batch.items()})  # type: ignore[call-arg]
+        items = {k: slice_batch(v, start, end, batch_size) for k, v in batch.items()}
+        return type(batch)(items)  # type: ignore[call-arg]
     if isinstance(batch, (list, tuple)):
         if len(batch) == batch_size and batch and all(isinstance(v, (str, bytes)) for v in batch):
             return batch[start:end]

@@ -142,7 +142,7 @@ class HeteroBatchSampler(BatchSampler):
         self._changes = [c for c in self._changes if c.first_batch < first_batch]
         self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
         self._full_splits.clear()
-        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not mid-run
+        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
 
     def _roll_schedule_to_epoch(self) -> None:
         """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
