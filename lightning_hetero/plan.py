@@ -3,8 +3,12 @@
 Rank r gets b_r of every global batch of G samples, proportional to its capacity c_r, by largest-remainder
 rounding, with every rank getting at least one sample and Σ b_r = G. Optional per-rank caps (what fits in memory)
 are honoured by water-filling: a capped rank keeps its cap and the rest is re-split among the others.
+
+When samples differ in cost (sequence length), :func:`split_by_cost` cuts a global batch so each rank's summed cost,
+not its sample count, is proportional to its capacity.
 """
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -92,3 +96,89 @@ def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence
             remaining -= limits[r]
         free = [r for r in free if r not in over]
     return shares
+
+
+def validate_costs(costs: Sequence[float], name: str = "sample cost") -> list[float]:
+    """Non-negative finite numbers, or a ``ValueError`` that names ``name``."""
+    values = []
+    for i, c in enumerate(costs):
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"{name} of sample {i} is {c!r}: it must be a non-negative finite number.")
+        values.append(float(c))
+    return values
+
+
+def split_by_cost(
+    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None, padded: bool = False
+) -> list[list[int]]:
+    """Cut one global batch so each rank's cost (e.g. tokens) over its capacity is as even as possible.
+
+    ``costs[i]`` is the cost of the batch's i-th sample. Returns, per rank, the positions (ascending) it trains on.
+    The samples are ordered by cost and cut into contiguous runs, slowest rank first, so a rank's samples have
+    similar lengths; the cuts minimise the largest cost_r / c_r (a binary search on that step time, each rank taking
+    the longest run that fits it). A run's cost is the sum of its samples' costs, or with ``padded`` its length times
+    its largest cost: what a collate that pads to the longest sample computes. Every rank gets at least one sample
+    when there are at least as many samples as ranks, and at most ``caps[r]``; fewer samples than ranks are placed
+    like :func:`split_batch` places them.
+    """
+    weights = validate_weights(capacities, "capacities")
+    values = validate_costs(costs)
+    n, g = len(weights), len(values)
+    if g < n or sum(values) <= 0:  # nothing to weigh: the count split, in batch order
+        counts = split_batch(g, weights, caps if g >= n else None)
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        return [list(range(bounds[r], bounds[r + 1])) for r in range(n)]
+    limits = [g] * n if caps is None else [int(c) for c in caps]
+    if len(limits) != n:
+        raise ValueError(f"`caps` has {len(limits)} entries for {n} ranks.")
+    if any(c < 1 for c in limits) or sum(limits) < g:
+        split_batch(g, weights, limits)  # raises the count split's error, naming the shortfall
+    order = sorted(range(g), key=lambda i: (values[i], i))  # ties by position: identical on every rank
+    ranked = [values[i] for i in order]
+    prefix = [0.0]
+    for v in ranked:
+        prefix.append(prefix[-1] + v)
+    # Slow ranks take the cheap end, where one sample more or less moves their small share least.
+    ranks = sorted(range(n), key=lambda r: (weights[r], r))
+
+    def run_cost(a: int, b: int) -> float:
+        return (b - a) * ranked[b - 1] if padded else prefix[b] - prefix[a]
+
+    def cut(step: float) -> Optional[list[int]]:
+        """Run ends when every rank takes the longest run within ``step`` (None: the samples do not all fit)."""
+        ends, start = [], 0
+        for k, r in enumerate(ranks):
+            rest = ranks[k + 1 :]
+            lo = max(start + 1, g - sum(limits[q] for q in rest))
+            hi = min(g - len(rest), start + limits[r])
+            if lo > hi or run_cost(start, lo) > step * weights[r]:
+                return None
+            end, top = lo, hi  # the longest run within `step`: run costs grow with the run
+            while end < top:
+                mid = (end + top + 1) // 2
+                if run_cost(start, mid) <= step * weights[r]:
+                    end = mid
+                else:
+                    top = mid - 1
+            ends.append(end)
+            start = end
+        return ends if start == g else None
+
+    low, high = 0.0, max(run_cost(0, g) / min(weights), 1e-300)
+    best = cut(high)
+    for _ in range(60):  # to float precision on the step time; every rank runs the same arithmetic
+        mid = (low + high) / 2
+        ends = cut(mid)
+        if ends is None:
+            low = mid
+        else:
+            high, best = mid, ends
+    assert best is not None
+    runs: list[list[int]] = [[] for _ in range(n)]
+    start = 0
+    for r, end in zip(ranks, best):
+        runs[r] = sorted(order[start:end])
+        start = end
+    return runs

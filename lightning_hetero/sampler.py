@@ -10,6 +10,10 @@ The last global batch of an epoch may be partial (``drop_last=False``); it is sp
 fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a
 *padding* batch whose gradient weight is 0, so step counts still agree and no sample counts twice.
 
+With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), each global batch can
+be cut so every rank's summed cost rather than its sample count follows its capacity
+(:func:`~lightning_hetero.plan.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
+
 Shares may change between steps (live rebalancing): a change is keyed to a global-batch index, so every rank
 applies it to the same batch, and the gradient weight of a step is always read off the split that produced it.
 """
@@ -25,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, Sampler
 
-from lightning_hetero.plan import split_batch
+from lightning_hetero.plan import split_batch, split_by_cost, validate_costs
 
 
 class GlobalOrder(Sampler[int]):
@@ -185,6 +189,14 @@ class GlobalOrder(Sampler[int]):
 
 
 @dataclass(frozen=True)
+class BatchShares:
+    """Who trains on what in one global batch, when samples have costs: positions and summed costs per rank."""
+
+    positions: tuple[tuple[int, ...], ...]
+    costs: tuple[tuple[float, ...], ...]  # per rank, the costs of its samples in the order it trains on them
+
+
+@dataclass(frozen=True)
 class ShareChange:
     """From global batch ``first_batch`` of an epoch on, split with these capacities (and optional caps)."""
 
@@ -230,6 +242,23 @@ class HeteroBatchSampler(BatchSampler):
         self.batches_yielded = 0  # in the current epoch; the rebalancer keys changes past this
         self.start_batch = 0  # set to resume mid-epoch
         self._schedule_epoch = order.epoch  # the epoch `_changes` are keyed to
+        self.costs: Optional[list[float]] = None  # per dataset index (see `use_costs`)
+        self.balance_by_cost = False
+        self.balance_padded = False
+        self.weight_by_cost = False
+        self.cap_shares = True  # False when ranks run oversized shares as micro-batches instead
+        self._batch_shares: dict[int, BatchShares] = {}  # of this epoch's batches drawn so far, by batch index
+
+    def use_costs(self, costs: Sequence[float], balance: bool, weight: bool, padded: bool = False) -> None:
+        """Per-index costs (e.g. tokens). ``balance``: cut each global batch by cost (:func:`split_by_cost`; with
+        ``padded``, by count times the longest cost). ``weight``: a step's gradient weight is this rank's summed cost
+        over the batch's (for a loss averaged over tokens, not samples)."""
+        values = validate_costs(costs)
+        if len(values) != len(self.sampler):
+            raise ValueError(f"{len(values)} sample costs for a dataset of {len(self.sampler)} samples.")
+        self.costs, self.balance_by_cost, self.weight_by_cost = values, balance, weight
+        self.balance_padded = padded
+        self._batch_shares.clear()
 
     # -- schedule -----------------------------------------------------------------------------------------------
     @property
@@ -251,7 +280,7 @@ class HeteroBatchSampler(BatchSampler):
         self._changes = [c for c in self._changes if c.first_batch < first_batch]
         self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
         self._full_splits.clear()
-        split_batch(self.global_batch_size, capacities, caps)  # fail now, not mid-iteration
+        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
 
     def _roll_schedule_to_epoch(self) -> None:
         """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
@@ -272,18 +301,36 @@ class HeteroBatchSampler(BatchSampler):
         if n == self.global_batch_size:
             key = change.first_batch
             if key not in self._full_splits:
-                self._full_splits[key] = split_batch(n, change.capacities, change.caps)
+                self._full_splits[key] = split_batch(n, change.capacities, self._caps(change))
             return self._full_splits[key]
-        return split_batch(n, change.capacities, change.caps)
+        return split_batch(n, change.capacities, self._caps(change))
+
+    def _caps(self, change: ShareChange) -> Optional[tuple[int, ...]]:
+        return change.caps if self.cap_shares else None
 
     def global_batch_len(self, batch_index: int) -> int:
         """Number of real samples in global batch ``batch_index`` of an epoch."""
         return self.sampler.batch_len(batch_index, self.global_batch_size)
 
-    def sizes_at(self, batch_index: int) -> tuple[int, int]:
-        """(this rank's real samples, all ranks' samples) of global batch ``batch_index``: the gradient weight."""
+    def sizes_at(self, batch_index: int, by_cost: Optional[bool] = None) -> tuple[float, float]:
+        """(this rank's real samples, all ranks' samples) of global batch ``batch_index``: the gradient weight.
+
+        Summed costs instead of counts when ``by_cost`` (default: ``weight_by_cost``); those need the batch drawn.
+        """
+        if self.costs is not None and (self.weight_by_cost if by_cost is None else by_cost):
+            costs = self.batch_shares(batch_index).costs
+            return sum(costs[self.rank]), sum(sum(c) for c in costs)
+        if self.costs is not None and self.balance_by_cost:
+            positions = self.batch_shares(batch_index).positions
+            return len(positions[self.rank]), sum(len(p) for p in positions)
         total = self.global_batch_len(batch_index)
         return self.split_at(batch_index, total)[self.rank], total
+
+    def batch_shares(self, batch_index: int) -> BatchShares:
+        """Positions and costs per rank of a global batch this epoch's iteration has drawn (costs attached)."""
+        if batch_index not in self._batch_shares:
+            raise RuntimeError(f"global batch {batch_index} has not been drawn from this sampler in this epoch.")
+        return self._batch_shares[batch_index]
 
     # -- iteration ----------------------------------------------------------------------------------------------
     def global_batches(self) -> list[list[int]]:
@@ -293,13 +340,32 @@ class HeteroBatchSampler(BatchSampler):
     def rank_slice(self, batch_index: int, global_batch: Sequence[int], rank: Optional[int] = None) -> list[int]:
         """The indices of ``global_batch`` that ``rank`` trains on; empty for a padding step."""
         r = self.rank if rank is None else rank
-        split = self.split_at(batch_index, len(global_batch))
-        offset = sum(split[:r])
-        return list(global_batch[offset : offset + split[r]])
+        if self.costs is None:
+            split = self.split_at(batch_index, len(global_batch))
+            offset = sum(split[:r])
+            return list(global_batch[offset : offset + split[r]])
+        shares = self._batch_shares.get(batch_index)
+        if shares is None:
+            shares = self._batch_shares[batch_index] = self._cut(batch_index, global_batch)
+        return [global_batch[i] for i in shares.positions[r]]
+
+    def _cut(self, batch_index: int, global_batch: Sequence[int]) -> BatchShares:
+        assert self.costs is not None
+        costs = [self.costs[i] for i in global_batch]
+        if self.balance_by_cost:
+            change = self._change_at(batch_index)
+            positions = split_by_cost(costs, change.capacities, self._caps(change), padded=self.balance_padded)
+        else:
+            bounds = [0]
+            for b in self.split_at(batch_index, len(global_batch)):
+                bounds.append(bounds[-1] + b)
+            positions = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+        return BatchShares(tuple(tuple(p) for p in positions), tuple(tuple(costs[i] for i in p) for p in positions))
 
     def __iter__(self) -> Iterator[list[int]]:
         self.batches_yielded = self.start_batch
         start, self.start_batch = self.start_batch, 0
+        self._batch_shares.clear()
         self._roll_schedule_to_epoch()
         for k, batch in enumerate(self.global_batches()):
             if k < start:

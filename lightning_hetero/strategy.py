@@ -61,6 +61,14 @@ from lightning_hetero.emulation import (
 )
 from lightning_hetero.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.microbatch import (
+    MicroBatchArg,
+    PendingGrads,
+    chunk_sizes,
+    micro_limits,
+    parse_micro_batch,
+    run_micro_batches,
+)
 from lightning_hetero.precision import (
     PrecisionPolicyArg,
     apply_tf32,
@@ -75,6 +83,7 @@ from lightning_hetero.rebalance import ShareController, validate_tuning
 from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.streaming import STREAM_MODES, StreamMode, build_stream_loader
 from lightning_hetero.state import RandomState, RankStateCallback
+from lightning_hetero.tokens import Balance, Denominator, dataset_costs, resolve_cost_fn
 from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
@@ -130,6 +139,18 @@ class HeteroDDPStrategy(DDPStrategy):
 
     Checkpoints are written atomically (:class:`~lightning_hetero.checkpoint.AtomicCheckpointIO`) unless a
     ``checkpoint_io`` is given.
+        balance: ``"samples"`` splits each training batch by sample count; ``"tokens"`` by summed per-sample cost
+            (sequence length), so each rank's tokens match its capacity; ``"padded_tokens"`` by sample count times
+            the longest sample (a collate that pads). See :mod:`lightning_hetero.tokens`.
+        loss_denominator: what the training loss averages over: ``"samples"`` (gradient weight b_r / G) or
+            ``"tokens"`` (t_r / T, with the per-sample cost as the token count).
+        sample_cost: dotted path ``"package.module.function"`` of a function sample -> cost. Default: the dataset's
+            ``lengths``, else the LightningModule's ``sample_cost(sample)``, else the length of the first sequence
+            tensor of each sample.
+        micro_batch: run a rank's share as micro-batches with local accumulation when it exceeds this many samples:
+            an int (every rank), a list (one per rank) or ``"auto"`` (the profiled memory cap, or
+            ``max_batch_per_rank``). Shares are then split by capacity alone, never capped. See
+            :mod:`lightning_hetero.microbatch`.
     """
 
     strategy_name = "hetero_ddp"
@@ -163,7 +184,22 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_comm_state: Optional[object] = None,
         ddp_comm_hook: Optional[Callable] = None,
         ddp_comm_wrapper: Optional[Callable] = None,
+        balance: Balance = "samples",
+        loss_denominator: Denominator = "samples",
+        sample_cost: Optional[str] = None,
+        micro_batch: Optional[MicroBatchArg] = None,
     ) -> None:
+        if balance not in ("samples", "tokens", "padded_tokens"):
+            raise ValueError(f"`balance`={balance!r} must be 'samples', 'tokens' or 'padded_tokens'.")
+        if loss_denominator not in ("samples", "tokens"):
+            raise ValueError(f"`loss_denominator`={loss_denominator!r} must be 'samples' or 'tokens'.")
+        if sample_cost is not None and not isinstance(sample_cost, str):
+            raise ValueError(f"`sample_cost`={sample_cost!r} must be a dotted path 'package.module.function' or None.")
+        self._balance, self._loss_denominator, self._sample_cost = balance, loss_denominator, sample_cost
+        self._micro_batch = parse_micro_batch(micro_batch)
+        self._micro_limit: Optional[int] = None  # this rank's samples per forward/backward (None: whole share)
+        self._pending_grads: Optional[PendingGrads] = None
+        self._step_weights: Optional[list[float]] = None  # per sample of the current training batch
         self._capacity_spec = parse_capacities(capacities)
         self._emulate = parse_emulate(emulate)
         self._emulator: Optional[Emulator] = None
@@ -453,9 +489,12 @@ class HeteroDDPStrategy(DDPStrategy):
             self._eval_samplers[(str(stage), id(dataloader.dataset))] = batch_sampler  # type: ignore[attr-defined]
         if stage == RunningStage.TRAINING:
             self._train_sampler = batch_sampler
+            self._attach_costs(batch_sampler, dataloader.dataset)  # type: ignore[attr-defined]
+            batch_sampler.cap_shares = self._micro_batch is None
             # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
             self._rank_state.register("shares", self._shares)
             self._shares.on_train_loader(self, batch_sampler, profile_view)
+            self._setup_micro_batching()
             if self._shares.position == 0:
                 self._rng.apply()  # resumed at an epoch start: the epoch's iterator draws from the saved state
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -510,6 +549,31 @@ class HeteroDDPStrategy(DDPStrategy):
             drop_last=drop_last,
         )
 
+    def _attach_costs(self, sampler: HeteroBatchSampler, dataset: Any) -> None:
+        """Per-sample costs for token balance or token weighting (read once per training loader, shared)."""
+        if self._balance == "samples" and self._loss_denominator == "samples":
+            return
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"`balance`={self._balance!r} / `loss_denominator`={self._loss_denominator!r}: per-sample costs are "
+                "read by index, which a stream (IterableDataset) has not; use 'samples' with streams."
+            )
+        if sampler.costs is None:
+            cost_fn = resolve_cost_fn(self._sample_cost, self.lightning_module, dataset)
+            costs = dataset_costs(dataset, cost_fn, self.global_rank, self.world_size, self.root_device)
+            sampler.use_costs(costs, balance=self._balance != "samples", weight=self._loss_denominator == "tokens",
+                              padded=self._balance == "padded_tokens")
+
+    def _setup_micro_batching(self) -> None:
+        limits = micro_limits(self._micro_batch, self._shares.caps, self.world_size)
+        if limits is None:
+            return
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("`micro_batch` needs automatic optimization: a manual-optimization `training_step` "
+                             "steps its own optimizer and cannot be split into micro-batches.")
+        self._micro_limit = limits[self.global_rank]
+        self.add_lab_columns({"micro-batch": ["-" if m is None else str(m) for m in limits]})
+
     def _show_table(self) -> None:
         if self._print_table and not self._table_printed and self.global_rank == 0:
             rank_zero_info("HeteroDDPStrategy lab:\n" + self.lab.table())
@@ -562,10 +626,17 @@ class HeteroDDPStrategy(DDPStrategy):
         if self._train_sampler is None or self._weighting is None:
             self._train_step_size = None
             return
-        local, total = self._train_sampler.sizes_at(batch_idx)
+        sampler = self._train_sampler
+        local, total = sampler.sizes_at(batch_idx)
         self._weighting.add_step(local, total)
         self._train_step_size = local
-        self._shares.on_train_batch_start(self, batch_idx, local)  # may key a share change to a later batch
+        self._step_weights = None
+        if sampler.costs is not None and self._micro_limit is not None:  # micro-batch shares of the loss
+            costs = list(sampler.batch_shares(batch_idx).costs[self.global_rank])
+            self._step_weights = costs if sampler.weight_by_cost else [1.0] * len(costs)
+        # Rebalancing measures the unit the split balances: tokens/s or samples/s.
+        work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
+        self._shares.on_train_batch_start(self, batch_idx, work)  # may key a share change to a later batch
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -573,6 +644,7 @@ class HeteroDDPStrategy(DDPStrategy):
             with self._emulated_work():  # the closure runs forward and backward
                 out = super().optimizer_step(*args, **kwargs)
         finally:
+            self._pending_grads = None
             if self._weighting is not None:
                 self._weighting.reset()
         self._log_comm_bytes()
@@ -610,7 +682,35 @@ class HeteroDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._shares.step_started()
         with self._weighted_logging(self._train_step_size), self._emulated_work():
-            return super().training_step(*args, **kwargs)
+            sizes = chunk_sizes(_batch_size_of(args, kwargs) or 1, self._micro_limit) if self._micro_limit else [1]
+            if len(sizes) == 1:
+                return super().training_step(*args, **kwargs)
+            return self._micro_batched_step(sizes, *args, **kwargs)
+
+    def _micro_batched_step(self, sizes: list[int], batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """The first micro-batches forward and backward without sync; the last one's backward is Lightning's."""
+        trainer = self.lightning_module.trainer
+        optimizer = self.optimizers[0] if self.optimizers else None
+        weights = self._step_weights or [1.0] * sum(sizes)
+        output, self._pending_grads = run_micro_batches(
+            batch, sizes, weights,
+            forward=lambda chunk: super(HeteroDDPStrategy, self).training_step(chunk, *args, **kwargs),
+            # Lightning divides the step's loss by the accumulation window; the micro-batches' losses likewise.
+            backward=lambda loss: super(HeteroDDPStrategy, self).backward(
+                loss / trainer.accumulate_grad_batches, optimizer),
+            no_sync=self.model.no_sync if isinstance(self.model, DistributedDataParallel) else nullcontext,
+            params=[p for p in self.lightning_module.parameters() if p.requires_grad],
+            module=self.lightning_module,
+        )
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        # After Lightning zeroed the gradients: the earlier micro-batches' gradients go back in before the last one's.
+        if self._pending_grads is not None:
+            pending, self._pending_grads = self._pending_grads, None
+            pending.restore()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

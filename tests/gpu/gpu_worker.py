@@ -2,6 +2,7 @@
 that ``__main__``). Writes ``result.json`` to ``--out``; tests/gpu/test_gpu_lab.py asserts on it.
 
     python tests/gpu/gpu_worker.py equivalence --out DIR [--emulate]   # 2 GPUs, capacities [3, 1], fp32, NCCL
+    python tests/gpu/gpu_worker.py equivalence --out DIR --micro       # the same, rank 0 in 3 micro-batches
     python tests/gpu/gpu_worker.py cap --out DIR                       # 1 GPU: green-context cap on training steps
 """
 
@@ -34,8 +35,11 @@ torch.backends.cudnn.allow_tf32 = False
 torch.set_float32_matmul_precision("highest")
 
 
-def equivalence(out: str, emulate: bool, accelerator: str = "gpu") -> dict[str, Any]:
-    """2 ranks with batches split [3, 1] vs one process on the global batch (on the CPU, in fp32)."""
+def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool = False) -> dict[str, Any]:
+    """2 ranks with batches split [3, 1] vs one process on the global batch (on the CPU, in fp32).
+
+    ``micro``: at most 4 samples per forward/backward, so rank 0 runs its 12 as 3 micro-batches under ``no_sync``.
+    """
     capacities, epochs = [3.0, 1.0], 3
     seed_everything(0)
     model = TinyModel("sgd", batch_size=8, n=96)
@@ -44,7 +48,7 @@ def equivalence(out: str, emulate: bool, accelerator: str = "gpu") -> dict[str, 
     # so this also checks the stream hand-offs (a missing wait would corrupt or race the results).
     profile = {"sm_share": 0.25, "link": "pcie"} if accelerator == "gpu" else {"slowdown": 2.0}
     strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", timeout=300,
-                                 emulate=[None, profile] if emulate else None)
+                                 emulate=[None, profile] if emulate else None, micro_batch=4 if micro else None)
     trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, precision="32-true",
                       callbacks=[Recorder(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -58,7 +62,7 @@ def equivalence(out: str, emulate: bool, accelerator: str = "gpu") -> dict[str, 
     same_batches = [sorted(records[0]["indices"][i] + records[1]["indices"][i]) == sorted(ref_batches[i])
                     for i in range(min(steps, len(ref_batches)))]
     return {
-        "emulate": emulate, "steps": [len(r["params"]) for r in records], "reference_steps": len(ref_params),
+        "emulate": emulate, "micro": micro, "steps": [len(r["params"]) for r in records], "reference_steps": len(ref_params),
         "replicas_identical_every_step": all(identical), "max_rel_diff": max(diffs), "per_step_rel_diff": diffs,
         "batch_sizes": sizes[:4], "same_global_batches": all(same_batches),
     }
@@ -156,10 +160,11 @@ def main() -> None:
     parser.add_argument("case", choices=["equivalence", "cap"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--emulate", action="store_true")
+    parser.add_argument("--micro", action="store_true")
     parser.add_argument("--accelerator", default="gpu", help="cpu: dry run of the equivalence case's own logic")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    result = equivalence(args.out, args.emulate, args.accelerator) if args.case == "equivalence" else cap(args.out)
+    result = equivalence(args.out, args.emulate, args.accelerator, args.micro) if args.case == "equivalence" else cap(args.out)
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "per_step_rel_diff"}))

@@ -28,11 +28,12 @@ def _run(tmp_path, *args: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.parametrize("emulate", [False, True], ids=["plain", "green-context"])
-def test_unequal_batches_equal_one_process_on_the_global_batch(tmp_path, emulate):
+@pytest.mark.parametrize(("emulate", "micro"), [(False, False), (True, False), (True, True)],
+                         ids=["plain", "green-context", "green-context-micro-batches"])
+def test_unequal_batches_equal_one_process_on_the_global_batch(tmp_path, emulate, micro):
     """2 ranks, NCCL, fp32 (TF32 off), batches split [3, 1]: every step equals one process on the global batch,
-    and the replicas are bit-identical after every step."""
-    result = _run(tmp_path, "equivalence", *(["--emulate"] if emulate else []))
+    and the replicas are bit-identical after every step (``micro``: rank 0 runs its 12 samples as 3 micro-batches)."""
+    result = _run(tmp_path, "equivalence", *(["--emulate"] if emulate else []), *(["--micro"] if micro else []))
     assert result["steps"][0] == result["steps"][1] == result["reference_steps"] > 0
     assert result["batch_sizes"][0] == [12, 4]  # G = 16 split 3 : 1
     assert result["same_global_batches"]
