@@ -22,11 +22,13 @@ preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate,
 granularity (multiples of 8 SMs on compute capability 9.x). A card slower than one granule is clamped up to it, and a
 card as fast as the host (or faster) runs uncapped; the summary says so.
 
-On CPU there are no SMs: a profile's ``slowdown`` makes the rank sleep ``(slowdown - 1) ×`` the CPU time its
+On CPU there are no SMs: a profile's ``slowdown`` makes the rank pause ``(slowdown - 1) ×`` the CPU time its
 training thread spent in each step (Lightning's launchers give each CPU rank cores / ranks intra-op threads; with
 more than one, work on the other threads is not counted), and presets calibrate to
 ``slowdown = fastest preset's rate / this preset's rate``. CPU time, not wall time: a rank blocked waiting for a
-slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other.
+slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other. The
+pause sleeps except for its last millisecond, which is busy-waited: a core that slept comes back cold and slow, and
+that would be multiplied by the slowdown again (a 3x rank measured 5-6x on a millisecond step).
 
 Example::
 
@@ -417,7 +419,7 @@ class Emulator:
                 self._owed += (self.device.slowdown - 1.0) * elapsed
                 if self._owed > 0:
                     begin = time.perf_counter()
-                    time.sleep(self._owed)
+                    _pause(self._owed)
                     slept = time.perf_counter() - begin
                     self._owed -= slept
                     self.slept_seconds += slept
@@ -456,6 +458,21 @@ class Emulator:
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+
+
+# The last stretch of every emulated pause is a busy wait: a core that sleeps between steps comes back with cold
+# caches and a low clock (measured on a 2-core VM: a 0.25 ms MLP step took 0.5-0.9 ms right after a sleep), which the
+# slowdown would multiply again; a pause of a millisecond or less is busy-waited entirely.
+_BUSY_WAIT_S = 0.001
+
+
+def _pause(seconds: float) -> None:
+    """Let ``seconds`` pass, sleeping all but the last millisecond."""
+    deadline = time.perf_counter() + seconds
+    if seconds > _BUSY_WAIT_S:
+        time.sleep(seconds - _BUSY_WAIT_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
 def start_emulation(
