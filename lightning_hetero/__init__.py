@@ -11,6 +11,7 @@ from lightning_hetero.compression import CastCompression, PowerSGDCompression, T
 from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
 from lightning_hetero.emulation import PRESETS, EmulationSpec, Emulator
 from lightning_hetero.lab import HeteroLab, LabGroups
+from lightning_hetero.monitor import HeteroMonitor
 from lightning_hetero.plan import split_batch
 from lightning_hetero.precision import HeteroMixedPrecision, PrecisionPolicy
 from lightning_hetero.profiling import ProfileResult, RankProfile
@@ -36,6 +37,7 @@ __all__ = [
     "HeteroDDPStrategy",
     "HeteroLab",
     "HeteroMixedPrecision",
+    "HeteroMonitor",
     "LabGroups",
     "PowerSGDCompression",
     "PrecisionPolicy",

@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -230,7 +231,7 @@ class HeteroMonitor(Callback):
             self._exchange(trainer)
         self._stop_watching()
         if self.summary and trainer.global_rank == 0 and self.totals is not None:
-            print_summary(self.totals, self.windows[-1] if self.windows else {})
+            print_summary(self.totals)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_watching()
@@ -267,8 +268,10 @@ class HeteroMonitor(Callback):
         packed = torch.cat([rows.reshape(-1), readings]).to(self._device, torch.float32 if self._device.type ==
                                                             "cuda" else torch.float64)
         world = trainer.world_size
-        if world > 1:
-            gathered = trainer.strategy.all_gather(packed).reshape(world, -1).double().cpu()
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            parts = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(parts, packed)
+            gathered = torch.stack(parts).double().cpu()
         else:
             gathered = packed.reshape(1, -1).double().cpu()
         n = rows.numel()
@@ -284,8 +287,7 @@ class HeteroMonitor(Callback):
 
     def _record_window(self, trainer: Trainer, steps: torch.Tensor, nvml: torch.Tensor) -> None:
         window = analyse(steps, first_step=trainer.global_step - steps.shape[1])
-        shares = _shares(trainer.strategy)
-        window.update(step=int(trainer.global_step), shares=shares,
+        window.update(step=int(trainer.global_step),
                       nvml={name: nvml[:, i].tolist() for i, name in enumerate(_NVML_FIELDS)})
         skip = max(0, self.warmup_steps - window["first_step"])
         if skip < steps.shape[1]:
@@ -354,6 +356,7 @@ def analyse(steps: torch.Tensor, first_step: int = 0) -> dict[str, Any]:
         "cycle": (cycle.sum(dim=1) / n).tolist(),
         "samples": samples.sum(dim=1).tolist(),
         "tokens": tokens.sum(dim=1).tolist(),
+        "shares": (samples.sum(dim=1) / total_samples).tolist() if total_samples > 0 else None,  # as trained
         "busy": [(c / t).item() if t > 0 else 0.0 for c, t in zip(rank_compute, cycle.sum(dim=1))],
         "solo": solo,
         "step_s": step_s,
@@ -389,10 +392,15 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = ()) -> list[t
         if busy >= BUSY_THRESHOLD and (util is None or util >= 100 * BUSY_THRESHOLD):
             continue
         if wait >= 0.1 and world > 1:
+            solo = window["solo"]
+            by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
+            now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
             out.append(("wait", (
                 f"HeteroMonitor: rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
-                "(goal: busy >= 85%). The shares do not match the cards' speeds: use capacities='profile' (or 'auto'), "
-                "and rebalance=True if speeds drift (thermal throttling, co-tenants).")))
+                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): use "
+                "capacities='profile' (or 'auto') and rebalance=True (speeds drift: throttling, co-tenants). If the "
+                "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
+                "raise the batch size.")))
         elif data >= 0.1:
             out.append(("data", (
                 f"HeteroMonitor: rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
@@ -431,7 +439,7 @@ def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequenc
 SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo samples/s"]
 
 
-def summary_text(totals: Mapping[str, Sequence[float]], last: Mapping[str, Any]) -> tuple[list[list[str]], str]:
+def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
     steps = max(totals["steps"][0], 1.0)
     wall = sum(totals["cycle"]) / len(totals["cycle"])
     rate = sum(totals["samples"]) / wall if wall > 0 else 0.0
@@ -442,12 +450,14 @@ def summary_text(totals: Mapping[str, Sequence[float]], last: Mapping[str, Any])
             f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
     if sum(totals["tokens"]) > 0 and wall > 0:
         foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
-    return summary_rows(totals, last.get("shares")), foot
+    total = sum(totals["samples"])
+    shares = [s / total for s in totals["samples"]] if total > 0 else None
+    return summary_rows(totals, shares), foot
 
 
-def print_summary(totals: Mapping[str, Sequence[float]], last: Mapping[str, Any]) -> None:
+def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
     """The end-of-fit table on stdout (``rich`` when installed)."""
-    rows, foot = summary_text(totals, last)
+    rows, foot = summary_text(totals)
     try:
         from rich.console import Console
         from rich.table import Table
@@ -497,15 +507,6 @@ def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
             if found is not None:
                 return found
     return None
-
-
-def _shares(strategy: Any) -> Optional[list[float]]:
-    sampler = getattr(strategy, "train_batch_sampler", None)
-    if sampler is None:
-        return None
-    capacities = list(sampler.capacities)
-    total = sum(capacities)
-    return [c / total for c in capacities] if total > 0 else None
 
 
 def _nvml_handle(device: torch.device) -> Any:

@@ -47,7 +47,7 @@ def test_summary_and_token_rate() -> None:
     assert w["tokens_per_s"] == pytest.approx(1024 / 2.0)
     from lightning_hetero.monitor import _accumulate, _batch_counts
 
-    rows, foot = summary_text(_accumulate(None, w), {"shares": [0.5, 0.5]})
+    rows, foot = summary_text(_accumulate(None, w))
     assert rows[0][0] == "0" and rows[0][1] == "50.0%" and "tokens/s" in foot and "of ideal" in foot
     ids = torch.zeros(4, 128, dtype=torch.long)
     assert _batch_counts(None, {"input_ids": ids, "labels": ids}) == (4, 512)
@@ -145,3 +145,37 @@ def test_fast_rank_waits_two_thirds_with_equal_shares_and_not_with_profiled(tmp_
     assert profiled[-1]["shares"][0] == pytest.approx(0.75, abs=0.05)
     assert fast_wait < 0.15
     assert profiled[-1]["ideal_fraction"] > 0.85
+
+
+def test_report_draws_png_from_sidecar(tmp_path) -> None:
+    from lightning_hetero.__main__ import main
+
+    run = tmp_path / "lightning_logs" / "version_0"
+    run.mkdir(parents=True)
+    with open(run / SIDECAR, "w") as f:
+        for step, shares in ((5, (24, 8)), (10, (26, 6))):
+            w = _window([[0.1, 0.01, 0.05, shares[0], 0]] * 5, [[0.1, 0.01, 0.01, shares[1], 0]] * 5)
+            w.update(step=step, nvml={"temp_c": [70.0, None]})
+            f.write(json.dumps(w) + "\n")
+    main(["report", str(tmp_path)])
+    png = run / "hetero_monitor.png"
+    assert png.stat().st_size > 10_000
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="monitor=True"):
+        main(["report", str(tmp_path / "nothing")])
+
+
+def test_doctor_model_command(tmp_path) -> None:
+    from lightning_hetero.doctor import dry_run_command
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    config = os.path.join(root, "configs", "cpu_lab.yaml")
+    cmd = dry_run_command(config, script="examples/train_digits.py", steps=8, root_dir=str(tmp_path))
+    assert cmd[1] == "examples/train_digits.py" and cmd[2:5] == ["fit", "--config", config]
+    assert "--trainer.max_steps=8" in cmd and "--trainer.callbacks+=lightning_hetero.HeteroMonitor" in cmd
+    assert dry_run_command(config)[1:3] == ["-m", "lightning_hetero.doctor"]
+    with pytest.raises(ValueError, match="steps"):
+        dry_run_command(config, steps=1)
+    with pytest.raises(ValueError, match="config"):
+        dry_run_command(str(tmp_path / "missing.yaml"))
