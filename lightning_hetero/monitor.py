@@ -110,6 +110,8 @@ class HeteroMonitor(Callback):
         self._nvml_handle: Any = None
         self._sidecar: Optional[str] = None
         self._carry: list[tuple[Any, Any]] = []  # the last exchange's interval, counted in the next cycle
+        self._excluded: list[tuple[Any, Any]] = []  # validation inside training: not part of any step
+        self._validation_began: Any = None
         self._fetch_began: Optional[float] = None
         self._fetch_s = 0.0  # loader fetch seconds since the last batch start (host clock)
         self._unwatch: Any = None
@@ -191,15 +193,16 @@ class HeteroMonitor(Callback):
         start = self._mark()
         if self._current is None:
             origin = self._last_release if self._last_release is not None else start
-            self._current = {"origin": origin, "gaps": [], "colls": [], "samples": 0, "tokens": 0, "fb_end": None,
-                             "fetch": 0.0}
+            self._current = {"origin": origin, "gaps": [], "colls": [], "excluded": [], "samples": 0, "tokens": 0,
+                             "fb_end": None, "fetch": 0.0}
         if self._last_end is not None:
             self._current["gaps"].append((self._last_end, start))
             self._current["fetch"] += self._fetch_s
         self._fetch_s = 0.0
         self._last_end = None
         self._current["colls"].extend(self._carry)
-        self._carry = []
+        self._current["excluded"].extend(self._excluded)
+        self._carry, self._excluded = [], []
         samples, tokens = _batch_counts(trainer.strategy, batch)
         self._current["samples"] += samples
         self._current["tokens"] += tokens
@@ -226,6 +229,16 @@ class HeteroMonitor(Callback):
         if self._steps_done % every == 0:
             self._exchange(trainer)
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None and not trainer.sanity_checking:
+            self._validation_began = self._mark()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Validation runs between two training batches: its time belongs to no step.
+        if self._validation_began is not None:
+            self._excluded.append((self._validation_began, self._mark()))
+            self._validation_began = None
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._records:
             self._exchange(trainer)
@@ -251,8 +264,9 @@ class HeteroMonitor(Callback):
             self._records[-1]["release"].synchronize()
         rows = []
         for rec in self._records:
-            cycle = self._seconds(rec["origin"], rec["release"])
-            gaps = sum(self._seconds(a, b) for a, b in rec["gaps"])
+            excluded = sum(self._seconds(a, b) for a, b in rec["excluded"])
+            cycle = self._seconds(rec["origin"], rec["release"]) - excluded
+            gaps = max(0.0, sum(self._seconds(a, b) for a, b in rec["gaps"]) - excluded)
             data = min(gaps, rec["fetch"])  # the rest of the gap: the loop's broadcast and bookkeeping
             colls = sum(self._seconds(a, b) for a, b in rec["colls"])
             tail = self._seconds(rec["fb_end"], rec["release"]) if rec["fb_end"] is not None else 0.0
