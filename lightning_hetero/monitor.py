@@ -450,7 +450,7 @@ def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequenc
     return rows
 
 
-SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo samples/s"]
+SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
 
 
 def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
@@ -460,7 +460,8 @@ def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]]
     ideal = sum(s / c for s, c in zip(totals["samples"], totals["compute"]) if c > 0)
     slowest = max(totals["compute"])
     comm = totals["comm"][0]
-    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo rates); "
+    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
+            "samples per second of compute); "
             f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
     if sum(totals["tokens"]) > 0 and wall > 0:
         foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
@@ -484,7 +485,7 @@ def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
         return
     table = Table(title="HeteroMonitor: where each rank's step time went (after warm-up)", caption=foot)
     for h in SUMMARY_HEADERS:
-        table.add_column(h, justify="left" if h == "rank" else "right")
+        table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     Console().print(table)
