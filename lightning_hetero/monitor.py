@@ -256,6 +256,7 @@ class HeteroMonitor(Callback):
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
+        self._nvml_handle = None  # not picklable (the spawn launcher pickles the strategy that holds this callback)
 
     # -- the exchange on logging steps ------------------------------------------------------------------------------
     def _local_rows(self) -> torch.Tensor:
