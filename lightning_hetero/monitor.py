@@ -148,6 +148,7 @@ class HeteroMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
+        self.windows, self.totals = [], None
         self._device = trainer.strategy.root_device
         if hasattr(trainer.strategy, "attach_monitor"):
             trainer.strategy.attach_monitor(self)
@@ -304,7 +305,7 @@ class HeteroMonitor(Callback):
         window = analyse(steps, first_step=trainer.global_step - steps.shape[1])
         window.update(step=int(trainer.global_step),
                       nvml={name: nvml[:, i].tolist() for i, name in enumerate(_NVML_FIELDS)})
-        skip = max(0, self.warmup_steps - window["first_step"])
+        skip = max(0, self.warmup_steps - (self._steps_done - steps.shape[1]))  # steps of this run, not global
         if skip < steps.shape[1]:
             kept = analyse(steps[:, skip:], first_step=window["first_step"] + skip)
             self.totals = _accumulate(self.totals, kept)
