@@ -360,7 +360,6 @@ class Emulator:
         self._depth = 0
         self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
         self.slept_seconds = 0.0
-        self._owed = 0.0  # sleep owed (negative: overslept)
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -414,23 +413,20 @@ class Emulator:
             if slowed:
                 elapsed = self._clock() - start
                 self.compute_seconds += elapsed
-                # Sleep off what is owed; an oversleep (the OS wakes late, ~ms under load) is credited to later
-                # steps, so the slowdown is right on average even for millisecond steps.
-                self._owed += (self.device.slowdown - 1.0) * elapsed
-                if self._owed > 0:
-                    begin = time.perf_counter()
-                    _pause(self._owed)
-                    slept = time.perf_counter() - begin
-                    self._owed -= slept
-                    self.slept_seconds += slept
+                # Every step pauses what it owes. A late wake-up (a busy host) is host noise, as on any rank; credited
+                # against later steps it would leave those unslowed, and the fastest of a few profiled steps would
+                # then time the emulated card at full speed.
+                begin = time.perf_counter()
+                _pause((self.device.slowdown - 1.0) * elapsed)
+                self.slept_seconds += time.perf_counter() - begin
         finally:
             if stream is not None:
                 outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
 
     def reset_stats(self) -> None:
-        """Start counting ``compute_seconds`` / ``slept_seconds`` afresh (and forget an oversleep credit)."""
-        self.compute_seconds = self.slept_seconds = self._owed = 0.0
+        """Start counting ``compute_seconds`` / ``slept_seconds`` afresh."""
+        self.compute_seconds = self.slept_seconds = 0.0
 
     def _clock(self) -> float:
         if self.root_device.type == "cuda":
