@@ -30,7 +30,7 @@ compute: the rank's rate if it never waited), ``monitor/share_rank{r}``, ``monit
 ``monitor/ideal_fraction`` (samples/s ÷ Σ solo rates), ``monitor/comm_compute_ratio`` (exposed communication ÷ the
 slowest rank's compute), and the NVML values (``gpu_util_rank{r}``, ``mem_gib``, ``power_w``, ``temp_c``,
 ``sm_clock_mhz``, ``thermal_throttle``). It also appends every window to ``hetero_monitor.jsonl`` in the logger's
-``log_dir`` (the default root dir without a logger), which ``python -m lightning_hetero report LOGDIR`` plots, warns
+``log_dir`` (no file without a logger that has one), which ``python -m lightning_hetero report LOGDIR`` plots, warns
 once per kind when a threshold is crossed (busy < 85 %: rebalance or more loader workers; exposed communication >
 0.3 × compute: compression or bucket size) and prints a summary table at the end of ``fit``.
 
@@ -159,9 +159,8 @@ class HeteroMonitor(Callback):
         self._watch_fetch(trainer)
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = _nvml_handle(self._device)
-        if trainer.global_rank == 0:
-            log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
-            log_dir = log_dir or trainer.default_root_dir
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
             os.makedirs(log_dir, exist_ok=True)
             self._sidecar = os.path.join(log_dir, SIDECAR)
             with open(self._sidecar, "w"):
