@@ -1,6 +1,6 @@
 """Step time with HeteroMonitor on vs off, on the digits demo (CPU) or on GPUs.
 
-    python benchmarks/monitor_overhead.py                                    # the CPU demo: 2 gloo ranks, rank 1 3x slower
+    python benchmarks/monitor_overhead.py                        # the CPU demo: 2 gloo ranks, rank 1 3x slower
     python benchmarks/monitor_overhead.py --accelerator gpu --devices 2 --hidden 4096 --batch 256 --no-emulate
 
 Each repeat trains the same model twice, monitor off and on (alternating which goes first), and times rank 0's

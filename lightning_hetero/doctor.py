@@ -97,7 +97,7 @@ def main(as_json: bool = False) -> None:
     print(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
-# -- `doctor --model CONFIG`: a short dry run of the config's model and data on this machine ----------------------------
+# -- `doctor --model CONFIG`: a short dry run of the config's model and data on this machine -------------------------
 
 DRY_RUN_STEPS = 20
 

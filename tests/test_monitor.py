@@ -129,7 +129,8 @@ def test_fast_rank_waits_two_thirds_with_equal_shares_and_not_with_profiled(tmp_
             assert parts == pytest.approx(w["cycle"][r], rel=1e-6)
     fast_wait = _fraction(equal, "wait", 0)
     print(f"\nequal shares: fast rank waits {fast_wait:.1%} of its step; slow rank {_fraction(equal, 'wait', 1):.1%}")
-    print("windows:", [(w["steps"], [round(x, 4) for x in w["wait"]], [round(x, 4) for x in w["cycle"]]) for w in equal])
+    print("windows:", [(w["steps"], [round(x, 4) for x in w["wait"]], [round(x, 4) for x in w["cycle"]])
+                       for w in equal])
     # 2/3 when the per-sample work is all there is; the loop's own few milliseconds per step lower it a little.
     assert fast_wait == pytest.approx(2 / 3, abs=0.08)
     # The wait is the injected difference: rank 1 sleeps 2 x 16 samples x PER_SAMPLE longer per step.
