@@ -1,7 +1,7 @@
 """Step time with HeteroMonitor on vs off, on the digits demo (CPU) or on GPUs.
 
     python benchmarks/monitor_overhead.py                        # the CPU demo: 2 gloo ranks, rank 1 3x slower
-    python benchmarks/monitor_overhead.py --accelerator gpu --devices 2 --hidden 4096 --batch 256 --no-emulate
+    python benchmarks/monitor_overhead.py --accelerator gpu --devices 2 --hidden 4096 --batch 512 --no-emulate --data random
 
 Each repeat trains the same model twice, monitor off and on (alternating which goes first), and times rank 0's
 optimizer steps after a warm-up (wall clock between two steps' ends; on GPUs the timing callback synchronizes only at
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -61,7 +62,13 @@ def run(args: argparse.Namespace, monitor: bool, out: str) -> float:
                       callbacks=[_StepClock(path, args.warmup)], logger=args.logger, default_root_dir=out,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(DigitsClassifier(hidden=args.hidden), datamodule=DigitsDataModule(batch_size=args.batch))
+    if args.data == "digits":
+        trainer.fit(DigitsClassifier(hidden=args.hidden), datamodule=DigitsDataModule(batch_size=args.batch))
+    else:  # the digits' shapes without scikit-learn: 64 features, 10 classes
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.rand(16384, 64, generator=g), torch.randint(0, 10, (16384,), generator=g))
+        trainer.fit(DigitsClassifier(hidden=args.hidden), train_dataloaders=DataLoader(data, batch_size=args.batch,
+                                                                                       shuffle=True))
     if trainer.global_rank != 0:
         return float("nan")  # popen children run the same sequence of fits; only rank 0 reports
     with open(path) as f:
@@ -79,6 +86,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--logger", action="store_true", help="with Lightning's default logger (CSV/TensorBoard)")
+    parser.add_argument("--data", choices=("digits", "random"), default="digits",
+                        help="random: the digits' shapes without scikit-learn")
     parser.add_argument("--no-emulate", action="store_true", help="real devices only (no 3x slower rank 1)")
     parser.add_argument("--start-method", default=None, help="default: fork on CPU, popen on GPUs")
     args = parser.parse_args()
