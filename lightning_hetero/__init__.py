@@ -12,6 +12,7 @@ from lightning_hetero.compression import CastCompression, NoCompression, PowerSG
 from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
 from lightning_hetero.emulation import PRESETS, EmulationSpec, Emulator
 from lightning_hetero.lab import HeteroLab, LabGroups
+from lightning_hetero.monitor import HeteroMonitor
 from lightning_hetero.plan import split_batch
 from lightning_hetero.precision import HeteroMixedPrecision, PrecisionPolicy
 from lightning_hetero.profiling import ProfileResult, RankProfile
@@ -38,6 +39,7 @@ __all__ = [
     "HeteroDDPStrategy",
     "HeteroLab",
     "HeteroMixedPrecision",
+    "HeteroMonitor",
     "LabGroups",
     "NoCompression",
     "PowerSGDCompression",

@@ -1,4 +1,9 @@
-"""Command line: ``python -m lightning_hetero doctor [--json]`` (also installed as ``lightning-hetero``)."""
+"""Command line (also installed as ``lightning-hetero``):
+
+    python -m lightning_hetero doctor [--json]                                  # this machine's devices and links
+    python -m lightning_hetero doctor --model CONFIG [--script S] [--steps N]   # + a short monitored dry run
+    python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
+"""
 
 import argparse
 from typing import Optional
@@ -9,11 +14,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="check this machine's devices, links and settings for a mixed lab")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--model", metavar="CONFIG", help="also train this LightningCLI config for a few steps with "
+                        "the monitor: what each card will compute, wait and send")
+    doctor.add_argument("--script", help="the LightningCLI script the config belongs to (default: a generic CLI, for "
+                        "configs whose model and data have a class_path)")
+    doctor.add_argument("--steps", type=int, default=20, help="optimizer steps of the dry run (default 20)")
+    report = commands.add_parser("report", help="draw a monitored run's per-rank timeline and share history (PNG)")
+    report.add_argument("logdir", help="the logger's directory (hetero_monitor.jsonl is searched below it)")
+    report.add_argument("--out", help="PNG path (default: beside hetero_monitor.jsonl)")
     args = parser.parse_args(argv)
     if args.command == "doctor":
+        from lightning_hetero.doctor import dry_run
         from lightning_hetero.doctor import main as doctor_main
 
         doctor_main(as_json=args.json)
+        if args.model:
+            raise SystemExit(dry_run(args.model, args.script, args.steps))
+    elif args.command == "report":
+        from lightning_hetero.report import main as report_main
+
+        report_main(args.logdir, args.out)
 
 
 if __name__ == "__main__":

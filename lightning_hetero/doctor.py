@@ -3,11 +3,18 @@
 Checks, locally and without starting a job: versions, each visible device with its published rate and bf16
 support, suggested capacities, peer-to-peer access between GPU pairs (flaky on some consumer cards: then NCCL
 needs ``NCCL_P2P_DISABLE=1``), and the NCCL settings in the environment.
+
+``doctor --model CONFIG`` also trains the config's model for a few steps on this machine with a
+:class:`~lightning_hetero.monitor.HeteroMonitor`, so the lab table (shares, batch per card) and the monitor's summary
+(compute, wait, data and communication per card) show what each card will do before a real run.
 """
 
 import json
 import os
-from typing import Any
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
 
 import torch
 
@@ -192,3 +199,52 @@ def nccl_recommendations(pairs: list[dict[str, Any]], names: list[str],
         out["NCCL_SOCKET_IFNAME"] = (best["name"], f"the fastest interface ({best['gbit']:g} Gbit/s) for traffic "
                                                    "between hosts; set the same on every host")
     return out
+# -- `doctor --model CONFIG`: a short dry run of the config's model and data on this machine -------------------------
+
+DRY_RUN_STEPS = 20
+
+
+def dry_run_command(config: str, script: Optional[str] = None, steps: int = DRY_RUN_STEPS,
+                    root_dir: Optional[str] = None) -> list[str]:
+    """The command that trains ``config`` for ``steps`` optimizer steps with a :class:`HeteroMonitor` and no logger,
+    checkpoints or validation: through ``script`` (a LightningCLI script, e.g. ``examples/train_digits.py``) or, when
+    the config names its classes (``model: {class_path: ...}``), through a generic LightningCLI."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"`steps`={steps!r} must be an integer >= 2.")
+    if not os.path.isfile(config):
+        raise ValueError(f"`config`={config!r} is not a file.")
+    entry = [sys.executable, script] if script else [sys.executable, "-m", "lightning_hetero.doctor"]
+    overrides = [
+        f"--trainer.max_steps={steps}", "--trainer.max_epochs=-1", "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=false", "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false", f"--trainer.log_every_n_steps={steps}",
+        "--trainer.callbacks+=lightning_hetero.HeteroMonitor",
+        f"--trainer.callbacks.init_args.warmup_steps={min(5, steps // 4)}",
+    ]
+    if root_dir:
+        overrides.append(f"--trainer.default_root_dir={root_dir}")
+    return entry + ["fit", "--config", config] + overrides
+
+
+def dry_run(config: str, script: Optional[str] = None, steps: int = DRY_RUN_STEPS) -> int:
+    """Run the dry run (its output streams through: the lab table, the monitor's summary and warnings)."""
+    with tempfile.TemporaryDirectory(prefix="hetero-doctor-") as root:
+        cmd = dry_run_command(config, script, steps, root)
+        print(f"doctor --model: {steps} training steps of {config} on this machine (nothing is saved)\n  "
+              + " ".join(cmd), flush=True)
+        return subprocess.call(cmd)
+
+
+def _generic_cli() -> None:
+    """LightningCLI over any LightningModule / LightningDataModule named by ``class_path`` in the config."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_hetero  # noqa: F401  (registers the strategy names)
+
+    LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                 save_config_callback=None)
+
+
+if __name__ == "__main__":
+    _generic_cli()

@@ -32,11 +32,13 @@ preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate,
 granularity (multiples of 8 SMs on compute capability 9.x). A card slower than one granule is clamped up to it, and a
 card as fast as the host (or faster) runs uncapped; the summary says so.
 
-On CPU there are no SMs: a profile's ``slowdown`` makes the rank sleep ``(slowdown - 1) ×`` the CPU time its
+On CPU there are no SMs: a profile's ``slowdown`` makes the rank pause ``(slowdown - 1) ×`` the CPU time its
 training thread spent in each step (Lightning's launchers give each CPU rank cores / ranks intra-op threads; with
 more than one, work on the other threads is not counted), and presets calibrate to
 ``slowdown = fastest preset's rate / this preset's rate``. CPU time, not wall time: a rank blocked waiting for a
-slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other.
+slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other. The
+pause sleeps except for its last millisecond, which is busy-waited: a core that slept comes back cold and slow, and
+that would be multiplied by the slowdown again (a 3x rank measured 5-6x on a millisecond step).
 
 Example::
 
@@ -421,7 +423,6 @@ class Emulator:
         self._depth = 0
         self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
         self.slept_seconds = 0.0
-        self._owed = 0.0  # sleep owed (negative: overslept)
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -481,23 +482,20 @@ class Emulator:
             if slowed:
                 elapsed = self._clock() - start
                 self.compute_seconds += elapsed
-                # Sleep off what is owed; an oversleep (the OS wakes late, ~ms under load) is credited to later
-                # steps, so the slowdown is right on average even for millisecond steps.
-                self._owed += (self.device.slowdown - 1.0) * elapsed
-                if self._owed > 0:
-                    begin = time.perf_counter()
-                    time.sleep(self._owed)
-                    slept = time.perf_counter() - begin
-                    self._owed -= slept
-                    self.slept_seconds += slept
+                # Every step pauses what it owes. A late wake-up (a busy host) is host noise, as on any rank; credited
+                # against later steps it would leave those unslowed, and the fastest of a few profiled steps would
+                # then time the emulated card at full speed.
+                begin = time.perf_counter()
+                _pause((self.device.slowdown - 1.0) * elapsed)
+                self.slept_seconds += time.perf_counter() - begin
         finally:
             if stream is not None:
                 outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
 
     def reset_stats(self) -> None:
-        """Start counting ``compute_seconds`` / ``slept_seconds`` afresh (and forget an oversleep credit)."""
-        self.compute_seconds = self.slept_seconds = self._owed = 0.0
+        """Start counting ``compute_seconds`` / ``slept_seconds`` afresh."""
+        self.compute_seconds = self.slept_seconds = 0.0
 
     def _clock(self) -> float:
         if self.root_device.type == "cuda":
@@ -527,6 +525,21 @@ class Emulator:
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+
+
+# The last stretch of every emulated pause is a busy wait: a core that sleeps between steps comes back with cold
+# caches and a low clock (measured on a 2-core VM: a 0.25 ms MLP step took 0.5-0.9 ms right after a sleep), which the
+# slowdown would multiply again; a pause of a millisecond or less is busy-waited entirely.
+_BUSY_WAIT_S = 0.001
+
+
+def _pause(seconds: float) -> None:
+    """Let ``seconds`` pass, sleeping all but the last millisecond."""
+    deadline = time.perf_counter() + seconds
+    if seconds > _BUSY_WAIT_S:
+        time.sleep(seconds - _BUSY_WAIT_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
 def start_emulation(

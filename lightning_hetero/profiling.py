@@ -45,16 +45,33 @@ class RankProfile:
     usable_bytes: Optional[int] = None  # memory this rank may fill (CUDA only)
     cost_s: float = 0.0
 
+    def latency_bound(self) -> bool:
+        """The step hardly grows with its batch (fixed costs dominate, or noise does): the fit is ill-conditioned."""
+        (b1, b2), (t1, t2) = self.sizes[:1] + self.sizes[-1:], self.seconds[:1] + self.seconds[-1:]
+        return b2 <= b1 or (t2 - t1) < 0.25 * t2 * (b2 - b1) / b2
+
     def cost_model(self) -> tuple[float, float]:
         """(seconds per step, seconds per sample) of ``time(b) = a + c * b``, both kept physical (a >= 0, c > 0)."""
         (b1, b2), (t1, t2) = self.sizes[:1] + self.sizes[-1:], self.seconds[:1] + self.seconds[-1:]
-        average = t2 / b2
-        # A step that hardly grows with its batch (latency-bound, or noise) gives an ill-conditioned fit: then take
-        # time as proportional to samples, which under- rather than over-estimates what the rank could take.
-        if b2 <= b1 or (t2 - t1) < 0.25 * t2 * (b2 - b1) / b2:
-            return 0.0, average
+        # An ill-conditioned fit: take time as proportional to samples, which under- rather than over-estimates
+        # what the rank could take.
+        if self.latency_bound():
+            return 0.0, t2 / b2
         per_sample = (t2 - t1) / (b2 - b1)
         return max(0.0, t2 - per_sample * b2), per_sample
+
+    def seconds_at(self, size: int) -> float:
+        """Step seconds at ``size``: the measurement when timed there, else read off the line through the two
+        timed points (a step never gets faster with more samples)."""
+        if size in self.sizes:
+            return self.seconds[self.sizes.index(size)]
+        (b1, b2), (t1, t2) = self.sizes[:1] + self.sizes[-1:], self.seconds[:1] + self.seconds[-1:]
+        line = t1 if b2 <= b1 else t1 + (t2 - t1) * (size - b1) / (b2 - b1)
+        if size > b2:
+            return max(line, t2)
+        if size < b1:
+            return max(min(line, t1), 1e-9)
+        return max(line, 1e-9)
 
     def memory_cap(self, max_batch: Optional[int] = None) -> Optional[int]:
         """Most samples that fit in ``usable_bytes`` (``None``: not measured and no explicit limit)."""
@@ -108,7 +125,15 @@ def balanced_capacities(profiles: Sequence[RankProfile], global_batch_size: int)
 
     With ``time_r(b) = a_r + c_r b`` and ``Σ b_r = G``, equal times T give ``b_r = (T - a_r) / c_r`` and
     ``T = (G + Σ a_r / c_r) / Σ 1 / c_r``. A rank whose fixed cost alone exceeds T still gets one sample.
+
+    When any rank's fit is ill-conditioned (its step hardly grows with the batch), fixed costs cannot be told from
+    noise and every rank is compared at the size all of them were timed at, the equal share: capacity = samples/s
+    there. Mixing one rank's noisy fixed cost with another's proportional fallback would push the split to an
+    extreme (a 3x slower rank given 1 sample of 64) on nothing but timing noise.
     """
+    if any(p.latency_bound() for p in profiles):
+        equal = max(1, global_batch_size // len(profiles))
+        return [equal / p.seconds_at(equal) for p in profiles]
     models = [p.cost_model() for p in profiles]
     step = (global_batch_size + sum(a / c for a, c in models)) / sum(1.0 / c for _, c in models)
     shares = [max((step - a) / c, 1.0) for a, c in models]
@@ -400,7 +425,8 @@ def profile_lightning_module(
     result = combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
     split = split_batch(global_batch_size, result.capacities, result.caps)
     far = [min(abs(b - s) for s in sizes) > 0.1 * b for b in split]
-    if not any(far):  # identical on every rank: the decision needs no collective
+    # A latency-bound job is compared at the equal share, which every rank has timed: nothing to refine.
+    if not any(far) or any(p.latency_bound() for p in profiles):  # identical on every rank: no collective needed
         return result
     assert local is not None
     refined = local

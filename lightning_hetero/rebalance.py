@@ -41,9 +41,10 @@ class StepTimer:
     wait comes after it. On CUDA the interval is taken with events on the stream the work runs on.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, fresh_events: bool = False) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
+        self._fresh = fresh_events  # new events every step: earlier marks stay readable (read later, no sync)
         self._handles: list[Any] = []
         self._active = False
         self._start: Any = None
@@ -76,6 +77,9 @@ class StepTimer:
         self._active = True
         self._end, self._excluded = None, 0.0
         if self._cuda:
+            if self._fresh:
+                self._start_event = torch.cuda.Event(enable_timing=True)
+                self._end_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
             self._start = self._start_event
         else:
@@ -96,6 +100,11 @@ class StepTimer:
             if self._cuda:
                 torch.cuda.synchronize(self.device)
             self._excluded += time.perf_counter() - t0
+
+    def end_mark(self) -> Any:
+        """The step's backward-end mark without waiting for it: a ``perf_counter`` value or a recorded CUDA event
+        (``None`` if no gradient was accumulated since :meth:`start`)."""
+        return self._end
 
     def stop(self) -> Optional[float]:
         """Seconds of the step begun by :meth:`start` (``None`` if it had no backward). Call after the step."""

@@ -114,6 +114,8 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: batches between measurement exchanges (one ``all_gather`` each).
         rebalance_threshold: change shares only when the new split moves more than this fraction of the global batch.
         rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
+        monitor: add a :class:`~lightning_hetero.monitor.HeteroMonitor` (unless one is among the callbacks): per-rank
+            compute, wait, data and communication time logged through the Trainer's logger, and a summary at the end.
         emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
             ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
             "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
@@ -171,6 +173,7 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_every: int = 20,
         rebalance_threshold: float = 0.05,
         rebalance_smoothing: float = 0.5,
+        monitor: bool = False,
         emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         compression: CompressionArg = "none",
         precision_policy: Optional[PrecisionPolicyArg] = None,
@@ -261,6 +264,10 @@ class HeteroDDPStrategy(DDPStrategy):
                         rebalance_smoothing)
         if not isinstance(rebalance, bool):
             raise ValueError(f"`rebalance`={rebalance!r} must be True or False.")
+        if not isinstance(monitor, bool):
+            raise ValueError(f"`monitor`={monitor!r} must be True or False.")
+        self._monitor_enabled = monitor
+        self._monitor: Optional[Any] = None  # the HeteroMonitor timing this run's collectives
         self._shares = ShareController(
             profile=self._capacity_spec.source in ("profile", "auto"),  # the training loader exists only when fitting
             profile_steps=profile_steps,
@@ -359,6 +366,11 @@ class HeteroDDPStrategy(DDPStrategy):
         self._rank_state.register("rng", self._rng)
         if trainer is not None and self._resume is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_from_newest(trainer)
+        if trainer is not None and self._monitor_enabled:
+            from lightning_hetero.monitor import HeteroMonitor
+
+            if not any(isinstance(c, HeteroMonitor) for c in trainer.callbacks):
+                trainer.callbacks.append(HeteroMonitor())
 
     def _resume_from_newest(self, trainer: Any) -> None:
         """With ``resume``: when ``fit`` got no ``ckpt_path``, restore the newest checkpoint (rank 0's choice)."""
@@ -450,6 +462,10 @@ class HeteroDDPStrategy(DDPStrategy):
         # They are idle here: profiling and rebalancing happen between training batches.
         for sampler in self._eval_samplers.values():
             sampler.change_shares(capacities, first_batch=0)
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """The :class:`~lightning_hetero.monitor.HeteroMonitor` that times collectives issued inside a step."""
+        self._monitor = monitor
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
         """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
@@ -763,7 +779,8 @@ class HeteroDDPStrategy(DDPStrategy):
         values = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32).reshape(-1)
         weight = torch.tensor([float(self._logging_batch_size)], dtype=values.dtype, device=values.device)
         packed = torch.cat([values * weight, weight])
-        with self._shares.excluded():  # waiting for other ranks is not this rank's compute time
+        # Waiting for other ranks is not this rank's compute time.
+        with self._shares.excluded(), (self._monitor.collective() if self._monitor is not None else nullcontext()):
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
         mean = packed[:-1] / packed[-1].clamp_min(1e-12)
         return mean.reshape(tensor.shape).to(tensor.dtype)

@@ -174,7 +174,7 @@ def test_cpu_slowdown_sleeps_in_proportion_to_the_step():
     finally:
         torch.set_num_threads(threads)
     owed = 2.0 * emulator.compute_seconds
-    assert owed <= emulator.slept_seconds <= owed + 0.1  # at least what is owed; an oversleep is credited later
+    assert owed <= emulator.slept_seconds <= owed + 0.1  # at least what is owed; a late wake-up is host noise
     assert emulator.compute_seconds > 0.3 * plain  # it measured the step (CPU time; less than wall under load)
     assert slowed >= 0.95 * (emulator.compute_seconds + emulator.slept_seconds)  # and really slept
     assert 1.5 < slowed / plain < 5.0

@@ -1,0 +1,583 @@
+"""``HeteroMonitor``: where every rank's time goes, logged through the Trainer's own logger.
+
+Each optimizer step is one *cycle* on every rank: from the moment the previous gradient all-reduce released the ranks
+to the moment this one does. A cycle lasts equally long on every rank (a collective ends for all at once) and splits
+into:
+
+- **data**: the loader's fetch of the next batch (the time Lightning's ``train_dataloader_next`` profiler action
+  spans; on GPUs at most the device's idle gap between two batches);
+- **compute**: forward, backward up to this rank's last local gradient, the optimizer update (on CPU ranks emulating a
+  slower card, its slowdown pause too);
+- **sync**: time inside collectives: the gradient all-reduce after the local backward ended, collectives issued
+  inside the step (``self.log(..., sync_dist=True)``), and the rest of the gap between two batches (Lightning
+  broadcasts a stop flag from rank 0 before every batch, where a fast rank waits too).
+
+Sync is split across ranks: the rank that arrived last at the collectives waited for nobody, so its sync time is the
+**exposed communication** of the step, the same for every rank; whatever a rank spent in sync beyond that is **wait**,
+time lost to slower ranks (what capacity-weighted shares exist to remove). That is exact when one rank is last at every
+collective of the step. Ranks exchange their per-step records only on logging steps (one ``all_gather`` every
+``log_every_n_steps``), so the step itself gains no collective.
+
+Timing uses ``time.perf_counter`` on CPU and CUDA events on GPUs (recorded in the step, read on logging steps: no
+synchronize per step). The local backward's end is :class:`~lightning_hetero.rebalance.StepTimer`'s mark (the last
+parameter's gradient accumulation). With ``nvidia-ml-py`` installed (extra ``monitor``), GPU utilisation, memory,
+power, temperature, SM clock and thermal throttling come from NVML.
+
+Rank 0 logs, per logging window (``r`` = rank): ``monitor/compute_s_rank{r}``, ``wait_s``, ``data_s``, ``comm_s``
+(means per step), ``monitor/busy_rank{r}`` (compute ÷ step), ``monitor/solo_samples_per_s_rank{r}`` (samples ÷
+compute: the rank's rate if it never waited), ``monitor/share_rank{r}``, ``monitor/step_s``, ``monitor/samples_per_s``,
+``monitor/tokens_per_s`` (when the batch's first tensor holds token ids: an integer tensor of two or more dimensions),
+``monitor/ideal_fraction`` (samples/s ÷ Σ solo rates), ``monitor/comm_compute_ratio`` (exposed communication ÷ the
+slowest rank's compute), and the NVML values (``gpu_util_rank{r}``, ``mem_gib``, ``power_w``, ``temp_c``,
+``sm_clock_mhz``, ``thermal_throttle``). It also appends every window to ``hetero_monitor.jsonl`` in the logger's
+``log_dir`` (no file without a logger that has one), which ``python -m lightning_hetero report LOGDIR`` plots, warns
+once per kind when a threshold is crossed (busy < 85 %: rebalance or more loader workers; exposed communication >
+0.3 × compute: compression or bucket size) and prints a summary table at the end of ``fit``.
+
+Example::
+
+    trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or HeteroDDPStrategy(monitor=True)
+"""
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_hetero.rebalance import StepTimer
+
+SIDECAR = "hetero_monitor.jsonl"
+# Per-step record columns (seconds, counts), exchanged on logging steps.
+_STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens")
+# Per-rank device readings (NaN when NVML is absent).
+_NVML_FIELDS = ("gpu_util", "mem_gib", "power_w", "temp_c", "sm_clock_mhz", "thermal_throttle")
+BUSY_THRESHOLD = 0.85
+COMM_RATIO_THRESHOLD = 0.3
+
+
+class HeteroMonitor(Callback):
+    """Per-rank compute, wait, data-loading and exposed communication time of every training step.
+
+    Args:
+        every_n_steps: optimizer steps between exchanges (and logged windows); ``None``: the Trainer's
+            ``log_every_n_steps``.
+        warmup_steps: first optimizer steps left out of the warnings and the summary (allocator, caches).
+        warn: emit the threshold warnings (rank 0, once per kind).
+        summary: print the table at the end of ``fit`` (rank 0; with ``rich`` when installed).
+        nvml: read NVML on CUDA ranks when ``nvidia-ml-py`` is installed.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        warmup_steps: int = 1,
+        warn: bool = True,
+        summary: bool = True,
+        nvml: bool = True,
+    ) -> None:
+        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                                          or every_n_steps < 1):
+            raise ValueError(f"`every_n_steps`={every_n_steps!r} must be a positive integer or None.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps`={warmup_steps!r} must be a non-negative integer.")
+        self.every_n_steps = every_n_steps
+        self.warmup_steps = warmup_steps
+        self.warn = warn
+        self.summary = summary
+        self.nvml = nvml
+        self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
+        self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
+        self._warned: set[str] = set()
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._timer: Optional[StepTimer] = None
+        self._device = torch.device("cpu")
+        self._records: list[dict[str, Any]] = []  # one per optimizer step: marks, resolved on logging steps
+        self._current: Optional[dict[str, Any]] = None
+        self._last_release: Any = None
+        self._last_end: Any = None
+        self._steps_done = 0
+        self._nvml_handle: Any = None
+        self._sidecar: Optional[str] = None
+        self._carry: list[tuple[Any, Any]] = []  # the last exchange's interval, counted in the next cycle
+        self._excluded: list[tuple[Any, Any]] = []  # validation inside training: not part of any step
+        self._validation_began: Any = None
+        self._fetch_began: Optional[float] = None
+        self._fetch_s = 0.0  # loader fetch seconds since the last batch start (host clock)
+        self._unwatch: Any = None
+
+    # -- clock ------------------------------------------------------------------------------------------------------
+    def _mark(self) -> Any:
+        if self._device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        if a is None or b is None:
+            return 0.0
+        if self._device.type == "cuda":
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Time inside is a collective issued from within the step (the strategy wraps its ``reduce`` in this)."""
+        if self._current is None:
+            yield
+            return
+        begin = self._mark()
+        try:
+            yield
+        finally:
+            self._current["colls"].append((begin, self._mark()))
+
+    # -- lifecycle --------------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_run()
+        self.windows, self.totals = [], None
+        self._device = trainer.strategy.root_device
+        if hasattr(trainer.strategy, "attach_monitor"):
+            trainer.strategy.attach_monitor(self)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._timer = StepTimer(self._device, fresh_events=True)
+        self._timer.attach(pl_module)
+        self._watch_fetch(trainer)
+        if self.nvml and self._device.type == "cuda":
+            self._nvml_handle = _nvml_handle(self._device)
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
+            os.makedirs(log_dir, exist_ok=True)
+            self._sidecar = os.path.join(log_dir, SIDECAR)
+            with open(self._sidecar, "w"):
+                pass
+
+    def _watch_fetch(self, trainer: Trainer) -> None:
+        """Time the loader's fetches through the profiler actions Lightning's fetcher reports them by."""
+        profiler = trainer.profiler
+        start, stop = profiler.start, profiler.stop
+
+        def watched_start(action_name: str) -> None:
+            if action_name.endswith("train_dataloader_next"):
+                self._fetch_began = time.perf_counter()
+            start(action_name)
+
+        def watched_stop(action_name: str) -> None:
+            stop(action_name)
+            if action_name.endswith("train_dataloader_next") and self._fetch_began is not None:
+                self._fetch_s += time.perf_counter() - self._fetch_began
+                self._fetch_began = None
+
+        profiler.start, profiler.stop = watched_start, watched_stop  # type: ignore[method-assign]
+
+        def unwatch() -> None:
+            del profiler.start, profiler.stop  # back to the class's methods
+
+        self._unwatch = unwatch
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        start = self._mark()
+        if self._current is None:
+            origin = self._last_release if self._last_release is not None else start
+            self._current = {"origin": origin, "gaps": [], "colls": [], "excluded": [], "samples": 0, "tokens": 0,
+                             "fb_end": None, "fetch": 0.0}
+        if self._last_end is not None:
+            self._current["gaps"].append((self._last_end, start))
+            self._current["fetch"] += self._fetch_s
+        self._fetch_s = 0.0
+        self._last_end = None
+        self._current["colls"].extend(self._carry)
+        self._current["excluded"].extend(self._excluded)
+        self._carry, self._excluded = [], []
+        samples, tokens = _batch_counts(trainer.strategy, batch)
+        self._current["samples"] += samples
+        self._current["tokens"] += tokens
+        if self._timer is not None:
+            self._timer.start()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Lightning calls this after the closure: forward, backward and DDP's gradient all-reduce are done.
+        if self._current is None or self._current.get("release") is not None:
+            return  # a second optimizer in the same step: the first one's release ends the cycle
+        self._current["release"] = self._mark()
+        self._current["fb_end"] = self._timer.end_mark() if self._timer is not None else None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._last_end = self._mark()
+        current = self._current
+        if current is None or current.get("release") is None:
+            return  # an accumulating micro-batch: the cycle goes on
+        self._records.append(current)
+        self._last_release, self._current = current["release"], None
+        self._steps_done += 1
+        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        if self._steps_done % every == 0:
+            self._exchange(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None and not trainer.sanity_checking:
+            self._validation_began = self._mark()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Validation runs between two training batches: its time belongs to no step.
+        if self._validation_began is not None:
+            self._excluded.append((self._validation_began, self._mark()))
+            self._validation_began = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._records:
+            self._exchange(trainer)
+        self._stop_watching()
+        if self.summary and trainer.global_rank == 0 and self.totals is not None:
+            print_summary(self.totals)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        if self._timer is not None:
+            self._timer.detach()
+            self._timer = None
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        self._nvml_handle = None  # not picklable (the spawn launcher pickles the strategy that holds this callback)
+
+    # -- the exchange on logging steps ------------------------------------------------------------------------------
+    def _local_rows(self) -> torch.Tensor:
+        """This rank's records as a (steps, fields) tensor of seconds and counts (waits for the last CUDA event)."""
+        if self._device.type == "cuda" and self._records:
+            self._records[-1]["release"].synchronize()
+        rows = []
+        for rec in self._records:
+            excluded = sum(self._seconds(a, b) for a, b in rec["excluded"])
+            cycle = self._seconds(rec["origin"], rec["release"]) - excluded
+            gaps = max(0.0, sum(self._seconds(a, b) for a, b in rec["gaps"]) - excluded)
+            data = min(gaps, rec["fetch"])  # the rest of the gap: the loop's broadcast and bookkeeping
+            colls = sum(self._seconds(a, b) for a, b in rec["colls"])
+            tail = self._seconds(rec["fb_end"], rec["release"]) if rec["fb_end"] is not None else 0.0
+            rows.append([cycle, data, colls + max(tail, 0.0) + gaps - data, float(rec["samples"]),
+                         float(rec["tokens"])])
+        self._records = []
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_STEP_FIELDS))
+
+    def _exchange(self, trainer: Trainer) -> None:
+        begin = self._mark()
+        rows = self._local_rows()
+        readings = torch.tensor(_nvml_readings(self._nvml_handle), dtype=torch.float64)
+        packed = torch.cat([rows.reshape(-1), readings]).to(self._device, torch.float32 if self._device.type ==
+                                                            "cuda" else torch.float64)
+        world = trainer.world_size
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            parts = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(parts, packed)
+            gathered = torch.stack(parts).double().cpu()
+        else:
+            gathered = packed.reshape(1, -1).double().cpu()
+        n = rows.numel()
+        steps = gathered[:, :n].reshape(world, -1, len(_STEP_FIELDS))  # (rank, step, field)
+        nvml = gathered[:, n:]
+        # The exchange is a collective too: the next cycle counts it as sync, not as data loading.
+        if self._last_end is not None:
+            end = self._mark()
+            self._carry.append((begin, end))
+            self._last_end = end
+        if trainer.global_rank == 0 and steps.shape[1] > 0:
+            self._record_window(trainer, steps, nvml)
+
+    def _record_window(self, trainer: Trainer, steps: torch.Tensor, nvml: torch.Tensor) -> None:
+        window = analyse(steps, first_step=trainer.global_step - steps.shape[1])
+        window.update(step=int(trainer.global_step),
+                      nvml={name: nvml[:, i].tolist() for i, name in enumerate(_NVML_FIELDS)})
+        skip = max(0, self.warmup_steps - (self._steps_done - steps.shape[1]))  # steps of this run, not global
+        if skip < steps.shape[1]:
+            kept = analyse(steps[:, skip:], first_step=window["first_step"] + skip)
+            self.totals = _accumulate(self.totals, kept)
+        self.windows.append(window)
+        self._log(trainer, window)
+        if self._sidecar is not None:
+            with open(self._sidecar, "a") as f:
+                f.write(json.dumps(_jsonable(window)) + "\n")
+        if self.warn and skip < steps.shape[1]:
+            for key, message in advice(window, nvml_util=window["nvml"]["gpu_util"]):
+                if key not in self._warned:
+                    self._warned.add(key)
+                    rank_zero_warn(message)
+
+    def _log(self, trainer: Trainer, window: Mapping[str, Any]) -> None:
+        if trainer.logger is None:
+            return
+        metrics: dict[str, float] = {}
+        for name in ("compute", "wait", "data", "comm"):
+            for r, v in enumerate(window[name]):
+                metrics[f"monitor/{name}_s_rank{r}"] = v
+        for r, v in enumerate(window["busy"]):
+            metrics[f"monitor/busy_rank{r}"] = v
+        for r, v in enumerate(window["solo"]):
+            metrics[f"monitor/solo_samples_per_s_rank{r}"] = v
+        for r, v in enumerate(window["shares"] or []):
+            metrics[f"monitor/share_rank{r}"] = v
+        for key in ("step_s", "samples_per_s", "tokens_per_s", "ideal_fraction", "comm_compute_ratio"):
+            if window.get(key) is not None:
+                metrics[f"monitor/{key}"] = window[key]
+        for name, values in window["nvml"].items():
+            for r, v in enumerate(values):
+                if not math.isnan(v):
+                    metrics[f"monitor/{name}_rank{r}"] = v
+        trainer.logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def analyse(steps: torch.Tensor, first_step: int = 0) -> dict[str, Any]:
+    """Per-rank means per step of a window of records (rank, step, field) and the job-level figures.
+
+    The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
+    communication; everything any rank spent in sync beyond it is waiting for slower ranks.
+    """
+    cycle, data, sync, samples, tokens = (steps[..., i] for i in range(len(_STEP_FIELDS)))
+    comm = sync.min(dim=0).values.expand_as(sync)
+    wait = sync - comm
+    compute = (cycle - data - sync).clamp_min(0.0)
+    n = steps.shape[1]
+    wall = cycle.sum(dim=1).mean().item()  # the cycles agree across ranks up to clock skew: their mean
+    step_s = wall / n if n else 0.0
+    rank_compute = compute.sum(dim=1)
+    solo = [(s / c).item() if c > 0 else 0.0 for s, c in zip(samples.sum(dim=1), rank_compute)]
+    total_samples = samples.sum().item()
+    rate = total_samples / wall if wall > 0 else 0.0
+    ideal = sum(solo)
+    slowest = rank_compute.max().item()
+    out = {
+        "first_step": int(first_step),
+        "steps": int(n),
+        "compute": (rank_compute / n).tolist(),
+        "wait": (wait.sum(dim=1) / n).tolist(),
+        "data": (data.sum(dim=1) / n).tolist(),
+        "comm": (comm.sum(dim=1) / n).tolist(),
+        "cycle": (cycle.sum(dim=1) / n).tolist(),
+        "samples": samples.sum(dim=1).tolist(),
+        "tokens": tokens.sum(dim=1).tolist(),
+        "shares": (samples.sum(dim=1) / total_samples).tolist() if total_samples > 0 else None,  # as trained
+        "busy": [(c / t).item() if t > 0 else 0.0 for c, t in zip(rank_compute, cycle.sum(dim=1))],
+        "solo": solo,
+        "step_s": step_s,
+        "samples_per_s": rate,
+        "tokens_per_s": tokens.sum().item() / wall if wall > 0 and tokens.sum() > 0 else None,
+        "ideal_fraction": rate / ideal if ideal > 0 else None,
+        "comm_compute_ratio": comm[0].sum().item() / slowest if slowest > 0 else None,
+    }
+    return out
+
+
+def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:
+    """Running sums (seconds and samples per rank, steps) of the windows after warm-up."""
+    n = window["steps"]
+    add = {k: [v * n for v in window[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
+    add["samples"] = list(window["samples"])
+    add["tokens"] = list(window["tokens"])
+    add["steps"] = [float(n)]
+    if totals is None:
+        return add
+    return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
+
+
+def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = ()) -> list[tuple[str, str]]:
+    """(kind, message) for each threshold a window crosses: each message says what to change."""
+    out = []
+    world = len(window["busy"])
+    for r in range(world):
+        cycle = window["cycle"][r] or 1e-12
+        wait, data = window["wait"][r] / cycle, window["data"][r] / cycle
+        util = nvml_util[r] if r < len(nvml_util) and not math.isnan(nvml_util[r]) else None
+        busy = window["busy"][r]
+        if busy >= BUSY_THRESHOLD and (util is None or util >= 100 * BUSY_THRESHOLD):
+            continue
+        if wait >= 0.1 and world > 1:
+            solo = window["solo"]
+            by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
+            now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
+            out.append(("wait", (
+                f"HeteroMonitor: rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
+                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): use "
+                "capacities='profile' (or 'auto') and rebalance=True (speeds drift: throttling, co-tenants). If the "
+                "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
+                "raise the batch size.")))
+        elif data >= 0.1:
+            out.append(("data", (
+                f"HeteroMonitor: rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
+                "raise the DataLoader's num_workers (and pin_memory=True on GPUs).")))
+        elif util is not None and util < 100 * BUSY_THRESHOLD:
+            out.append(("util", (
+                f"HeteroMonitor: GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
+                "small for the card (raise the global batch) or the host too slow to feed it.")))
+    ratio = window.get("comm_compute_ratio")
+    if ratio is not None and ratio > COMM_RATIO_THRESHOLD:
+        out.append(("comm", (
+            f"HeteroMonitor: exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
+            f"{COMM_RATIO_THRESHOLD}): try compression='fp16'/'bf16' (or 'powersgd' on slow links), a larger "
+            "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
+            "the backward), or a larger global batch.")))
+    return out
+
+
+def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None) -> list[list[str]]:
+    """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates."""
+    steps = max(totals["steps"][0], 1.0)
+    rows = []
+    for r in range(len(totals["compute"])):
+        cycle = totals["cycle"][r] or 1e-12
+
+        def cell(key: str) -> str:
+            return f"{1000 * totals[key][r] / steps:.2f} ({totals[key][r] / cycle:.0%})"
+
+        solo = totals["samples"][r] / totals["compute"][r] if totals["compute"][r] > 0 else 0.0
+        share = f"{shares[r]:.1%}" if shares else "-"
+        rows.append([str(r), share, cell("compute"), cell("wait"), cell("data"), cell("comm"),
+                     f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
+    return rows
+
+
+SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
+
+
+def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
+    steps = max(totals["steps"][0], 1.0)
+    wall = sum(totals["cycle"]) / len(totals["cycle"])
+    rate = sum(totals["samples"]) / wall if wall > 0 else 0.0
+    ideal = sum(s / c for s, c in zip(totals["samples"], totals["compute"]) if c > 0)
+    slowest = max(totals["compute"])
+    comm = totals["comm"][0]
+    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
+            "samples per second of compute); "
+            f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
+    if sum(totals["tokens"]) > 0 and wall > 0:
+        foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
+    total = sum(totals["samples"])
+    shares = [s / total for s in totals["samples"]] if total > 0 else None
+    return summary_rows(totals, shares), foot
+
+
+def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
+    """The end-of-fit table on stdout (``rich`` when installed)."""
+    rows, foot = summary_text(totals)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(SUMMARY_HEADERS)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = ["HeteroMonitor: where each rank's step time went (after warm-up)", fmt.format(*SUMMARY_HEADERS)]
+        lines += [fmt.format(*row) for row in rows] + [foot]
+        print("\n".join(lines), flush=True)
+        return
+    table = Table(title="HeteroMonitor: where each rank's step time went (after warm-up)", caption=foot)
+    for h in SUMMARY_HEADERS:
+        table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _batch_counts(strategy: Any, batch: Any) -> tuple[int, int]:
+    """(samples, tokens) of this rank's batch: the strategy's own count when it has one; tokens when the first
+    tensor is an integer tensor of two or more dimensions (token ids: batch × sequence)."""
+    samples = getattr(strategy, "_train_step_size", None)
+    if samples is None:
+        try:
+            samples = extract_batch_size(batch)
+        except Exception:
+            samples = 0
+    first = _first_tensor(batch)
+    tokens = 0
+    if first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex() \
+            and first.dtype != torch.bool:
+        tokens = int(first.shape[0] * first.shape[1])
+    return int(samples), tokens
+
+
+def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        for key in ("input_ids", "tokens", "input"):
+            if isinstance(batch.get(key), torch.Tensor):
+                return batch[key]
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _nvml_handle(device: torch.device) -> Any:
+    """An NVML handle for ``device`` (matched by UUID), or ``None`` without ``nvidia-ml-py`` or a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            found = pynvml.nvmlDeviceGetUUID(handle)
+            found = found.decode() if isinstance(found, bytes) else found
+            if found.replace("GPU-", "") == uuid.replace("GPU-", ""):
+                return handle
+        return None
+    except Exception:
+        return None
+
+
+_THERMAL_BITS = ("nvmlClocksThrottleReasonSwThermalSlowdown", "nvmlClocksThrottleReasonHwThermalSlowdown",
+                 "nvmlClocksThrottleReasonHwSlowdown", "nvmlClocksThrottleReasonHwPowerBrakeSlowdown")
+
+
+def _nvml_readings(handle: Any) -> list[float]:
+    """GPU utilisation %, memory used GiB, power W, temperature °C, SM clock MHz, thermal throttle (0/1); NaN where
+    NVML is absent or a reading is not supported."""
+    values = [math.nan] * len(_NVML_FIELDS)
+    if handle is None:
+        return values
+    import pynvml
+
+    readers = [
+        lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+        lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30,
+        lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+        lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+        lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+        lambda: float(bool(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+                           & sum(getattr(pynvml, b, 0) for b in _THERMAL_BITS))),
+    ]
+    for i, read in enumerate(readers):
+        try:
+            values[i] = float(read())
+        except Exception:
+            pass
+    return values
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

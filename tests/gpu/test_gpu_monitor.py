@@ -1,0 +1,36 @@
+"""HeteroMonitor on 2 GPUs: ``python -m pytest -q tests/gpu/test_gpu_monitor.py -m gpu`` (skipped without them)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "monitor_worker.py")
+
+
+def test_monitor_sees_the_wait_of_a_quarter_sm_rank_and_its_removal(tmp_path):
+    proc = subprocess.run([sys.executable, WORKER, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(tmp_path / "result.json") as f:
+        result = json.load(f)
+    equal, profile = result["equal"], result["profile"]
+    print(f"\nmonitor on GPUs: equal shares wait {equal['wait_fraction']}, profiled {profile['shares']} wait "
+          f"{profile['wait_fraction']}, ideal fraction {profile['ideal_fraction']:.2f}, nvml {profile['nvml']}")
+    # Rank 1 has a quarter of the SMs: with equal shares rank 0 waits for most of each step, with profiled shares
+    # hardly at all.
+    assert equal["wait_fraction"][0] > 0.4 and equal["wait_fraction"][1] < 0.1
+    assert profile["wait_fraction"][0] < 0.15 and profile["shares"][0] > 0.65
+    for run in (equal, profile):
+        s = run["per_step_s"]
+        for r in range(2):
+            parts = s["compute"][r] + s["wait"][r] + s["data"][r] + s["comm"][r]
+            assert abs(parts - s["cycle"][r]) <= 1e-6 + 1e-3 * s["cycle"][r]
