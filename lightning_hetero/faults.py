@@ -182,6 +182,7 @@ class FaultMonitor:
         self._fault: Optional[str] = None  # the job's fault, once known
         self._strong = False  # the fault names its cause (not only "a collective failed")
         self._stuck = False
+        self._acked = threading.Lock()  # held once this rank told rank 0 it knows of the fault
 
     # -- the training thread's side -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -249,6 +250,7 @@ class FaultMonitor:
             cause = f"{_describe(self.rank, self._state())} failed{_doing(self._state())}: {text}"
         error.add_note(f"lightning_hetero: {cause}")
         _say(self.rank, f"the job failed: {cause}")
+        self._ack(self._main_store)
 
     def stop(self) -> None:
         """End of a run (or of a failed one). Rank 0 keeps the store up until every rank has finished or seen the
@@ -300,9 +302,9 @@ class FaultMonitor:
         assert self._store is not None
         lost_since: Optional[float] = None
         weak_since: Optional[float] = None
-        acked = False
         while not self._stopped.wait(0.1):  # at most ten beats a second
-            self._changed.wait(self.interval)
+            # Wake on a new phase, every `interval`, and right when this rank's progress would be `timeout` old.
+            self._changed.wait(min(self.interval, max(0.0, self._progress + self.timeout - time.monotonic())))
             self._changed.clear()
             if self._stopped.is_set():
                 return
@@ -311,9 +313,8 @@ class FaultMonitor:
                 self._check_self()
                 cause, strong = self._diagnose()
                 lost_since = None
-                if cause is not None and not acked:
-                    self._store.add(f"{self._ns}/acks", 1)
-                    acked = True
+                if cause is not None:
+                    self._ack(self._store)
             except Exception as err:  # noqa: BLE001 - the store lives in rank 0's process
                 if self._stopped.is_set():
                     return
@@ -403,10 +404,12 @@ class FaultMonitor:
         suspects = [(self._states[r]["stalled"], r) for r in range(self.world_size)
                     if r not in failed and r != self.rank and self._states[r]["stalled"] >= self.timeout / 2]
         if suspects:
-            _, r = max(suspects)
+            stalled, r = max(suspects)
             state = self._states[r]
-            return (f"{_describe(r, state)} did not reach the collective: no progress for {state['stalled']:.0f} s"
-                    f"{_doing(state)} at {state['where']} (rank {first_r} failed waiting: {first['text']})"), True
+            # A rank stuck outside a collective records itself at `timeout`: give it the chance to say where.
+            return (f"{_describe(r, state)} did not reach the collective: no progress for {stalled:.0f} s"
+                    f"{_doing(state)} at {state['where']} (rank {first_r} failed waiting: {first['text']})",
+                    stalled >= self.timeout + 2 * self.interval)
         return f"{_describe(first_r, first)} failed in a collective{_doing(first)}: {first['text']}", False
 
     def _end(self, cause: str) -> None:
@@ -421,6 +424,13 @@ class FaultMonitor:
         if self.rank == 0 and self._store is not None:  # the store lives here: let the others read the cause
             self._wait_for_acks(self._store)
         os._exit(1)
+
+    def _ack(self, store: dist.TCPStore) -> None:
+        if self._acked.acquire(blocking=False):
+            try:
+                store.add(f"{self._ns}/acks", 1)
+            except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
+                pass
 
     def _wait_for_acks(self, store: dist.TCPStore) -> None:
         """Rank 0: wait (briefly) until every other rank has seen the fault."""
