@@ -219,3 +219,33 @@ def test_peer_failures_are_told_apart_from_own_errors():
     assert is_peer_failure(torch.distributed.DistBackendError("NCCL error"))
     assert not is_peer_failure(RuntimeError("injected failure"))
     assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory"))
+
+
+@pytest.mark.slow
+def test_popen_launcher_error_on_rank_1_is_named_by_the_launching_rank(tmp_path):
+    """Lightning's own launcher: rank 0 runs the script and starts rank 1, which fails. (A generous timeout: the
+    re-executed script must import Lightning before it joins, which takes well over 5 s on a loaded machine.)"""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(PYTHONPATH=root, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "tests", "_fault_worker.py"), str(tmp_path),
+                             "exception", "1", "120"], env=env, cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=240)
+        fault = glob.glob(os.path.join(tmp_path, "fault.*.pid"))
+        assert fault, stderr[-3000:]
+        time_to_fail = time.time() - float(open(fault[0]).read())
+        leftovers = [pid for pid in _pids(str(tmp_path)) if not _pid_dead(pid)]
+    finally:
+        proc.kill()
+        for pid in _pids(str(tmp_path)):
+            if not _pid_dead(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert len(_pids(str(tmp_path))) == 3 and leftovers == []  # two ranks and the fault wrote pids; none is left
+    assert "[rank 0] lightning_hetero: the job failed: rank 1 (host " in stderr, stderr[-3000:]
+    assert "RuntimeError: injected failure" in stderr
+    assert time_to_fail < 30
+    print(f"time to fail (popen launcher, exception on rank 1): {time_to_fail:.1f} s")
