@@ -121,9 +121,9 @@ def is_peer_failure(error: BaseException) -> bool:
     """A collective that failed because of another rank (timeout, closed connection), not this rank's own fault."""
     if isinstance(error, dist.DistError):
         return True
-    text = str(error)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL",
-                                   "ProcessGroup", "Timed out", "timed out"))
+    text = str(error)  # gloo raises plain RuntimeErrors
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
+                                   "Timed out waiting", "NCCL"))
 
 
 def _pid_dead(pid: int) -> bool:
@@ -174,7 +174,6 @@ class FaultMonitor:
         self._trainer_thread = threading.get_ident()
         self._thread: Optional[threading.Thread] = None
         self._stopped = threading.Event()
-        self._changed = threading.Event()  # a new phase: publish it soon (a rank may die right after)
         self._seq = 0
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (beat seq, local time it last changed)
         self._states: dict[int, dict] = {}
@@ -218,7 +217,6 @@ class FaultMonitor:
         if step is not None:
             self._step = step
         self._progress = time.monotonic()
-        self._changed.set()
 
     @contextmanager
     def phase(self, phase: str, step: Optional[int] = None, batch: Optional[int] = None) -> Iterator[None]:
@@ -288,8 +286,8 @@ class FaultMonitor:
 
     def _publish(self, store: dist.TCPStore) -> None:
         self._seq += 1
-        where, _ = self._where()
         stalled = round(time.monotonic() - self._progress, 1)
+        where = self._where()[0] if stalled >= self.interval else ""  # only a slow phase needs its stack
         store.set(f"{self._ns}/state/{self.rank}",
                   json.dumps({**self._state(), "seq": self._seq, "stalled": stalled, "where": where}))
 
@@ -302,12 +300,7 @@ class FaultMonitor:
         assert self._store is not None
         lost_since: Optional[float] = None
         weak_since: Optional[float] = None
-        while not self._stopped.wait(0.1):  # at most ten beats a second
-            # Wake on a new phase, every `interval`, and right when this rank's progress would be `timeout` old.
-            self._changed.wait(min(self.interval, max(0.0, self._progress + self.timeout - time.monotonic())))
-            self._changed.clear()
-            if self._stopped.is_set():
-                return
+        while not self._stopped.wait(self._next_wait()):
             try:
                 self._publish(self._store)
                 self._check_self()
@@ -337,6 +330,12 @@ class FaultMonitor:
             if strong or time.monotonic() - weak_since > self.dead_after + self.interval:
                 self._end(cause)
                 return
+
+    def _next_wait(self) -> float:
+        """One beat per `interval` (a few store round trips: no noise on step times), and one right when this
+        rank's progress turns `timeout` old."""
+        until_stall = self._progress + self.timeout - time.monotonic()
+        return until_stall if 0.0 < until_stall < self.interval else self.interval
 
     def _check_self(self) -> None:
         """Record this rank as stuck when its training thread has made no progress for ``timeout`` seconds."""
@@ -374,11 +373,10 @@ class FaultMonitor:
 
     def _silent(self, r: int, now: float) -> bool:
         state = self._states[r]
-        if self._store is None or self._store.check([f"{self._ns}/done/{r}"]):
-            return False
-        if state["host"] == self.info["host"] and _pid_dead(int(state["pid"])):
-            return True
-        return now - self._seen[r][1] > self.dead_after
+        silent = now - self._seen[r][1] > self.dead_after or (
+            state["host"] == self.info["host"] and _pid_dead(int(state["pid"])))
+        # A rank that finished its run is silent on purpose (asked only then: one round trip less per beat).
+        return silent and self._store is not None and not self._store.check([f"{self._ns}/done/{r}"])
 
     def _cause(self, dead: Sequence[int]) -> tuple[Optional[str], bool]:
         assert self._store is not None
