@@ -78,7 +78,8 @@ class HeteroDDPStrategy(DDPStrategy):
             size, which is what plain DDP trains on, so hyper-parameters transfer unchanged.
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb``,
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
-        timeout: seconds a collective may wait before the job fails (instead of hanging).
+        timeout: seconds a collective may wait, a rank may make no progress, or a rank may take to join, before every
+            rank fails naming the cause (rank, host, device, step, phase). See :mod:`lightning_hetero.faults`.
         print_table: rank 0 prints the lab table once.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 5 warm-up
             steps; at half and all of an equal share, then at a rank's own share if that is far from both). See

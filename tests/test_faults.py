@@ -21,6 +21,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero import faults
 from lightning_hetero.faults import _pid_dead, is_peer_failure
 from tests.helpers import IndexedDataset, TinyModel, free_port
 
@@ -85,6 +86,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK="0")
     torch.set_num_threads(1)
+    if fault.endswith("_remote"):  # as if every rank were on its own host: no pid to look at, only the beats
+        faults._pid_dead = lambda pid: False
+        fault = fault[: -len("_remote")]
     trainer = Trainer(accelerator="cpu", devices=1, num_nodes=world, max_epochs=2, logger=False,
                       strategy=HeteroDDPStrategy(capacities="equal", timeout=TIMEOUT, print_table=False),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -176,6 +180,19 @@ def test_a_killed_rank_ends_every_rank_naming_it(tmp_path, victim):
     text = job["stderr"][survivor]
     assert f"rank {victim} (host " in text and ("stopped responding" in text or "unreachable" in text), text
     print(f"time to fail (SIGKILL of rank {victim}): {job['time_to_fail']:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dropped_host_is_named_from_its_silence(tmp_path, victim):
+    """Across hosts there is no pid to check: a killed rank is named once its beats stop for `timeout` s, rank 0
+    once its store is unreachable."""
+    job = _run_job(str(tmp_path), "sigkill_remote", fault_rank=victim)
+    _assert_failed_fast(job)
+    text = job["stderr"][1 - victim]
+    expected = "stopped responding" if victim == 1 else "is unreachable"
+    assert f"rank {victim} (host " in text and expected in text, text
+    print(f"time to fail (SIGKILL of rank {victim}, seen as another host): {job['time_to_fail']:.1f} s")
 
 
 @pytest.mark.slow
