@@ -79,29 +79,33 @@ class FaultyModel(TinyModel):
         return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True, num_workers=1)
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault_rank: int) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault_rank: int, accelerator: str,
+               timeout: float) -> None:
     sys.stderr = open(os.path.join(out_dir, f"stderr{rank}.txt"), "w", buffering=1)  # pytest may have replaced it
     os.dup2(sys.stderr.fileno(), 2)  # and what C++ writes
     _write(os.path.join(out_dir, f"rank.{os.getpid()}.pid"), "")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK="0")
     torch.set_num_threads(1)
+    if accelerator == "gpu":  # one card per "node"
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     if fault.endswith("_remote"):  # as if every rank were on its own host: no pid to look at, only the beats
         faults._pid_dead = lambda pid: False
         fault = fault[: -len("_remote")]
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=world, max_epochs=2, logger=False,
-                      strategy=HeteroDDPStrategy(capacities="equal", timeout=TIMEOUT, print_table=False),
+    trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=2, logger=False,
+                      strategy=HeteroDDPStrategy(capacities="equal", timeout=timeout, print_table=False),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(FaultyModel(fault, fault_rank, out_dir))
 
 
-def _run_job(out_dir: str, fault: str, fault_rank: int = 1, world: int = 2, ranks: Optional[list[int]] = None
-             ) -> dict:
+def _run_job(out_dir: str, fault: str, fault_rank: int = 1, world: int = 2, ranks: Optional[list[int]] = None,
+             accelerator: str = "cpu", timeout: float = TIMEOUT) -> dict:
     """Start the job's ranks, wait (at most 90 s) for all of them to exit; kill anything left over."""
     port = free_port()
     ctx = multiprocessing.get_context("fork")
-    procs = {r: ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fault, fault_rank))
+    procs = {r: ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fault, fault_rank,
+                                                                 accelerator, timeout))
              for r in (range(world) if ranks is None else ranks)}
     start = time.time()
     for p in procs.values():
