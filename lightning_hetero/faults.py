@@ -18,7 +18,8 @@ daemon thread that talks to the job's rendezvous store (the TCPStore in rank 0's
 
 The cause is the first error recorded by a rank that was not merely a victim of a broken collective; else a rank
 that died; else the rank that made no progress while the others failed in a collective. Every rank ends non-zero
-within ``timeout`` + about 10 s.
+within ``timeout`` + 30 s: an error, or a death on the same host, in about a second; a stuck rank at ``timeout`` +
+about 5 s; a rank on another host that died, or rank 0's store lost, after ``min(timeout, 60)`` s + about 5 s.
 
 Before the process group exists, :func:`rendezvous` opens the job's store itself and has every rank announce itself,
 so a rank (a host) that never joins is named after ``timeout`` instead of an anonymous "1/2 clients joined".
@@ -408,7 +409,9 @@ class FaultMonitor:
             return (f"{_describe(r, state)} did not reach the collective: no progress for {stalled:.0f} s"
                     f"{_doing(state)} at {state['where']} (rank {first_r} failed waiting: {first['text']})",
                     stalled >= self.timeout + 2 * self.interval)
-        return f"{_describe(first_r, first)} failed in a collective{_doing(first)}: {first['text']}", False
+        # Every rank failed in a collective (mismatched collectives, a network split): nothing more will show.
+        everyone = len(failed) == self.world_size
+        return f"{_describe(first_r, first)} failed in a collective{_doing(first)}: {first['text']}", everyone
 
     def _end(self, cause: str) -> None:
         """Give the training thread ``grace`` seconds to raise by itself, then end the process."""

@@ -44,8 +44,8 @@ from typing_extensions import override
 from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
 from lightning_hetero.devices import DeviceInfo, describe_device
-from lightning_hetero.faults import FaultMonitor, rendezvous
 from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
+from lightning_hetero.faults import FaultMonitor, rendezvous
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.precision import (
     PrecisionPolicyArg,
@@ -276,7 +276,8 @@ class HeteroDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         """Lightning's, through a rendezvous that names the ranks (nodes) that did not join within ``timeout``."""
         if dist.is_initialized():
-            return super().setup_distributed()
+            super().setup_distributed()
+            return
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
@@ -286,7 +287,6 @@ class HeteroDDPStrategy(DDPStrategy):
                            self._timeout.total_seconds(), ranks_per_node=self.num_processes)
         _init_dist_connection(env, self._process_group_backend, timeout=self._timeout, store=store,
                               device_id=self.root_device if self.root_device.type != "cpu" else None)
-        return None
 
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
         """With a ``precision_policy``: this rank's autocast mode, the job's one loss scaler (see precision.py)."""
@@ -435,10 +435,10 @@ class HeteroDDPStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._enter("forward/backward", batch_idx)
         if self._train_sampler is None or self._weighting is None:
             self._train_step_size = None
             return
-        self._enter("forward/backward", batch_idx)
         local, total = self._train_sampler.sizes_at(batch_idx)
         self._weighting.add_step(local, total)
         self._train_step_size = local
