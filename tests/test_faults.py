@@ -97,6 +97,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(FaultyModel(fault, fault_rank, out_dir))
+    if fault == "healthy":  # a second run on the same process group: a fresh watchdog, nothing left of the first
+        trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=1, logger=False,
+                          strategy=HeteroDDPStrategy(capacities="equal", timeout=timeout, print_table=False),
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(FaultyModel(fault, fault_rank, out_dir))
+        if rank != 0:  # rank 0 exits first, with the store: the others must not take that for a fault
+            time.sleep(2 * TIMEOUT / 10 + 1)
 
 
 def _run_job(out_dir: str, fault: str, fault_rank: int = 1, world: int = 2, ranks: Optional[list[int]] = None,
@@ -149,6 +157,14 @@ def _assert_failed_fast(job: dict, budget: float = TIMEOUT + 30) -> None:
 
 def _rank0(job: dict) -> str:
     return job["stderr"][0]
+
+
+@pytest.mark.slow
+def test_a_healthy_job_is_left_alone(tmp_path):
+    """Two runs in a row on one process group, ranks exiting at different times: every rank exits 0."""
+    job = _run_job(str(tmp_path), "healthy")
+    assert job["all_exited"] and job["codes"] == {0: 0, 1: 0}, job["stderr"]
+    assert "lightning_hetero:" not in job["stderr"][0] + job["stderr"][1]
 
 
 @pytest.mark.slow
