@@ -247,7 +247,8 @@ class FaultMonitor:
             cause = self._fault or f"{_describe(self.rank, self._state())} failed in a collective: {text}"
         else:
             cause = f"{_describe(self.rank, self._state())} failed{_doing(self._state())}: {text}"
-        error.add_note(f"lightning_hetero: {cause}")
+        if hasattr(error, "add_note"):  # Python >= 3.11; the line printed below says it on every version
+            error.add_note(f"lightning_hetero: {cause}")
         _say(self.rank, f"the job failed: {cause}")
         self._ack(self._main_store)
 

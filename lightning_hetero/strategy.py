@@ -153,7 +153,9 @@ class HeteroDDPStrategy(DDPStrategy):
             raise ValueError(f"`global_batch_size`={global_batch_size!r} must be a positive integer or None.")
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or (
+            timeout <= 0
+        ):
             raise ValueError(f"`timeout`={timeout!r} must be a positive number of seconds.")
         ddp_kwargs = _check_ddp_kwargs(ddp_kwargs)
         _check_plain_args(start_method=start_method, process_group_backend=process_group_backend,
@@ -604,7 +606,9 @@ def _check_ddp_kwargs(ddp_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
         if key in _OWNED_DDP_ARGS:
             raise ValueError(f"`ddp_kwargs` must not set `{key}`: the strategy owns it.")
         if key not in accepted:
-            raise ValueError(f"`ddp_kwargs` key {key!r} is not a DistributedDataParallel argument; accepted: {accepted}.")
+            raise ValueError(
+                f"`ddp_kwargs` key {key!r} is not a DistributedDataParallel argument; accepted: {accepted}."
+            )
         if key in _BOOL_DDP_ARGS and not isinstance(value, bool):
             raise ValueError(f"`ddp_kwargs[{key!r}]`={value!r} must be True or False.")
         if key == "bucket_cap_mb" and value is not None and (

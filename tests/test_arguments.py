@@ -72,7 +72,8 @@ STRATEGY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "field"), STRATEGY_CASES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(STRATEGY_CASES)])
+@pytest.mark.parametrize(("kwargs", "field"), STRATEGY_CASES,
+                         ids=[f"{f}-{i}" for i, (_, f) in enumerate(STRATEGY_CASES)])
 def test_bad_strategy_argument_is_refused_naming_it(kwargs, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         HeteroDDPStrategy(**kwargs)
