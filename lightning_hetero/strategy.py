@@ -489,7 +489,10 @@ class HeteroDDPStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if self._faults is not None:  # the others learn of it; the exception gets the job's cause as a note
-            self._faults.on_exception(exception)
+            try:
+                self._faults.on_exception(exception)
+            except Exception as err:  # never hide the user's exception behind the watchdog's
+                log.warning(f"lightning_hetero: could not report the failure to the other ranks: {err!r}")
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:
