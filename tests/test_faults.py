@@ -108,10 +108,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
 
 
 def _run_job(out_dir: str, fault: str, fault_rank: int = 1, world: int = 2, ranks: Optional[list[int]] = None,
-             accelerator: str = "cpu", timeout: float = TIMEOUT) -> dict:
+             accelerator: str = "cpu", timeout: float = TIMEOUT, start_method: str = "fork") -> dict:
     """Start the job's ranks, wait (at most 90 s) for all of them to exit; kill anything left over."""
     port = free_port()
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(start_method)
     procs = {r: ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fault, fault_rank,
                                                                  accelerator, timeout))
              for r in (range(world) if ranks is None else ranks)}

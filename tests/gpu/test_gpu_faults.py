@@ -13,11 +13,12 @@ import os
 import signal
 
 import pytest
-import torch
+from lightning.fabric.accelerators.cuda import num_cuda_devices
 
 from tests.test_faults import FAULT_BATCH, _assert_failed_fast, _run_job
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+# Counted without initialising CUDA here; the ranks are spawned anyway (another test may have initialised it).
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(num_cuda_devices() < 2, reason="needs 2 CUDA devices")]
 
 TIMEOUT = 20.0  # NCCL communicators take seconds to set up
 
@@ -29,7 +30,7 @@ TIMEOUT = 20.0  # NCCL communicators take seconds to set up
 ])
 def test_gpu_fault_ends_both_ranks_naming_rank_1(tmp_path, fault, expected):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    job = _run_job(str(tmp_path), fault, accelerator="gpu", timeout=TIMEOUT)
+    job = _run_job(str(tmp_path), fault, accelerator="gpu", timeout=TIMEOUT, start_method="spawn")
     _assert_failed_fast(job, budget=TIMEOUT + 30)
     if fault == "sigkill":
         assert job["codes"][1] == -signal.SIGKILL
