@@ -109,6 +109,12 @@ class EmulationSpec:
     link: Optional[LinkClass] = None
     slowdown: Optional[float] = None  # CPU analogue of the SM share
 
+    def __post_init__(self) -> None:
+        # Built directly (not from a YAML dict through `parse_emulate`): the same checks, naming the field.
+        raw = {k: getattr(self, k) for k in _PROFILE_KEYS if getattr(self, k) is not None}
+        for key, value in _fields(raw, "EmulationSpec").items():
+            object.__setattr__(self, key, value)
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able dict this spec was parsed from (unset keys left out)."""
         out = {k: getattr(self, k) for k in _PROFILE_KEYS if getattr(self, k) is not None}
@@ -176,6 +182,11 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
         return EmulationSpec(preset=entry)
     if not isinstance(entry, Mapping):
         raise ValueError(f"`{where}`={entry!r} must be a preset name, a dict or None.")
+    return EmulationSpec(**_fields(entry, where))
+
+
+def _fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A profile dict's validated, normalised fields; ``ValueError`` naming ``where.field`` otherwise."""
     unknown = sorted(set(entry) - set(_PROFILE_KEYS))
     if unknown:
         raise ValueError(f"`{where}` has unknown keys {unknown}; allowed: {list(_PROFILE_KEYS)}.")
@@ -190,7 +201,7 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
         raise ValueError(f"`{where}.link`={link!r} must be one of {LINK_CLASSES}.")
     if entry.get("memory_gib") is not None and entry.get("memory_fraction") is not None:
         raise ValueError(f"`{where}` sets both `memory_gib` and `memory_fraction`; give one.")
-    return EmulationSpec(
+    return dict(
         preset=preset,
         name=name,
         sm_share=_number(entry.get("sm_share"), f"{where}.sm_share", low=0.0, high=1.0),

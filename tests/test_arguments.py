@@ -9,6 +9,7 @@ import torch
 
 from lightning_hetero import (
     CastCompression,
+    EmulationSpec,
     HeteroDDPStrategy,
     PowerSGDCompression,
     PrecisionPolicy,
@@ -101,6 +102,14 @@ CONFIG_CASES = [
     (TopKCompression, {"warmup_steps": 10, "ratio": 0.5, "warmup_ratio": 0.1}, "warmup_ratio"),
     (TopKCompression, {"error_feedback": "on"}, "error_feedback"),
     (TopKCompression, {"hierarchical": 1}, "hierarchical"),
+    (EmulationSpec, {"preset": "GTX480"}, "EmulationSpec.preset"),
+    (EmulationSpec, {"sm_share": 0}, "EmulationSpec.sm_share"),
+    (EmulationSpec, {"memory_gib": -1}, "EmulationSpec.memory_gib"),
+    (EmulationSpec, {"memory_gib": 8, "memory_fraction": 0.5}, "memory_fraction"),
+    (EmulationSpec, {"capability": "seven"}, "EmulationSpec.capability"),
+    (EmulationSpec, {"link": "wifi"}, "EmulationSpec.link"),
+    (EmulationSpec, {"slowdown": True}, "EmulationSpec.slowdown"),
+    (EmulationSpec, {"name": ""}, "EmulationSpec.name"),
     (PrecisionPolicy, {"rules": {}}, "rules"),
     (PrecisionPolicy, {"rules": {"A100": "fp16"}}, "precision_policy"),
     (PrecisionPolicy, {"rules": {"rank:x": "32-true"}}, "rank:x"),
@@ -129,5 +138,6 @@ def test_good_values_are_accepted():
                                   "gradient_as_bucket_view": True, "broadcast_buffers": False})
     HeteroDDPStrategy(parallel_devices=[torch.device("cpu")] * 2, accelerator="cpu", timeout=30,
                       ddp_comm_hook=lambda state, bucket: bucket, print_table=False)
+    assert EmulationSpec(capability="7.5", sm_share=1, preset="T4").capability == (7, 5)
     HeteroDDPStrategy(compression=TopKCompression(ratio=1, warmup_steps=5, warmup_ratio=1.0),
                       precision_policy=PrecisionPolicy(rules={"rank:0": "32-true", "*": "auto"}))
