@@ -52,6 +52,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_hop(cls: str, hierarchical: Any, group_by: Any) -> None:
     _check(cls, "hierarchical", hierarchical, isinstance(hierarchical, bool), "True or False")
     _check(cls, "group_by", group_by, group_by in ("host", "class"), '"host" or "class"')
@@ -116,9 +120,9 @@ class PowerSGDCompression:
                 "DDP rebuilds its buckets after the first step."
             )
         _check(c, "min_compression_rate", self.min_compression_rate,
-               isinstance(self.min_compression_rate, (int, float)) and self.min_compression_rate >= 0, ">= 0")
+               _is_num(self.min_compression_rate) and self.min_compression_rate >= 0, ">= 0")
         _check(c, "orthogonalization_epsilon", self.orthogonalization_epsilon,
-               isinstance(self.orthogonalization_epsilon, (int, float)) and self.orthogonalization_epsilon >= 0, ">= 0")
+               _is_num(self.orthogonalization_epsilon) and self.orthogonalization_epsilon >= 0, ">= 0")
         _check(c, "seed", self.seed, _is_int(self.seed) and self.seed >= 0, "a non-negative integer")
         _check_hop(c, self.hierarchical, self.group_by)
 
@@ -153,10 +157,10 @@ class TopKCompression:
 
     def __post_init__(self) -> None:
         c = "TopKCompression"
-        _check(c, "ratio", self.ratio, isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1, "in (0, 1]")
+        _check(c, "ratio", self.ratio, _is_num(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]")
         _check(c, "warmup_steps", self.warmup_steps, _is_int(self.warmup_steps) and self.warmup_steps >= 0,
                "a non-negative integer")
-        _check(c, "warmup_ratio", self.warmup_ratio, isinstance(self.warmup_ratio, (int, float))
+        _check(c, "warmup_ratio", self.warmup_ratio, _is_num(self.warmup_ratio)
                and (self.warmup_steps == 0 or self.ratio <= self.warmup_ratio <= 1), f"in [ratio={self.ratio}, 1]")
         _check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
         _check(c, "momentum", self.momentum, isinstance(self.momentum, (int, float)) and not isinstance(

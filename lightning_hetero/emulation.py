@@ -132,6 +132,12 @@ class EmulationSpec:
     host: Optional[str] = None  # emulated host name
     inter_host_gbit: Optional[float] = None  # paced bandwidth between emulated hosts, Gbit/s
 
+    def __post_init__(self) -> None:
+        # Built directly (not from a YAML dict through `parse_emulate`): the same checks, naming the field.
+        raw = {k: getattr(self, k) for k in _PROFILE_KEYS if getattr(self, k) is not None}
+        for key, value in _fields(raw, "EmulationSpec").items():
+            object.__setattr__(self, key, value)
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able dict this spec was parsed from (unset keys left out)."""
         out = {k: getattr(self, k) for k in _PROFILE_KEYS if getattr(self, k) is not None}
@@ -205,6 +211,11 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
         return EmulationSpec(preset=entry)
     if not isinstance(entry, Mapping):
         raise ValueError(f"`{where}`={entry!r} must be a preset name, a dict or None.")
+    return EmulationSpec(**_fields(entry, where))
+
+
+def _fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A profile dict's validated, normalised fields; ``ValueError`` naming ``where.field`` otherwise."""
     unknown = sorted(set(entry) - set(_PROFILE_KEYS))
     if unknown:
         raise ValueError(f"`{where}` has unknown keys {unknown}; allowed: {list(_PROFILE_KEYS)}.")
@@ -222,7 +233,7 @@ def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Option
     host = entry.get("host")
     if host is not None and (not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host)):
         raise ValueError(f"`{where}.host`={host!r} must be a non-empty host name without spaces.")
-    return EmulationSpec(
+    return dict(
         preset=preset,
         name=name,
         sm_share=_number(entry.get("sm_share"), f"{where}.sm_share", low=0.0, high=1.0),

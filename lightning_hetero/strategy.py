@@ -14,6 +14,7 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 5. ``reduce``: inside a step, ``self.log(..., sync_dist=True)`` means are weighted by local batch size.
 """
 
+import inspect
 import logging
 import math
 import os
@@ -21,12 +22,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, get_args
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -60,6 +64,8 @@ from lightning_hetero.emulation import (
     start_emulation,
 )
 from lightning_hetero.environments import PerNodeTorchElasticEnvironment
+from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
+from lightning_hetero.faults import FaultMonitor, rendezvous
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.microbatch import (
     MicroBatchArg,
@@ -102,7 +108,8 @@ class HeteroDDPStrategy(DDPStrategy):
             size, which is what plain DDP trains on, so hyper-parameters transfer unchanged.
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb``,
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
-        timeout: seconds a collective may wait before the job fails (instead of hanging).
+        timeout: seconds a collective may wait, a rank may make no progress, or a rank may take to join, before every
+            rank fails naming the cause (rank, host, device, step, phase). See :mod:`lightning_hetero.faults`.
         print_table: rank 0 prints the lab table once.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 5 warm-up
             steps; at half and all of an equal share, then at a rank's own share if that is far from both). See
@@ -221,14 +228,19 @@ class HeteroDDPStrategy(DDPStrategy):
             raise ValueError(f"`global_batch_size`={global_batch_size!r} must be a positive integer or None.")
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
-        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or (
+            timeout <= 0
+        ):
             raise ValueError(f"`timeout`={timeout!r} must be a positive number of seconds.")
         if resume is not None and (not isinstance(resume, str) or not resume):
             raise ValueError(f"`resume`={resume!r} must be None, 'auto' or a checkpoint directory.")
         self._resume = resume
-        ddp_kwargs = dict(ddp_kwargs or {})
-        if "device_ids" in ddp_kwargs or "module" in ddp_kwargs:
-            raise ValueError("`ddp_kwargs` must not set `module` or `device_ids`: the strategy owns them.")
+        ddp_kwargs = _check_ddp_kwargs(ddp_kwargs)
+        _check_plain_args(start_method=start_method, process_group_backend=process_group_backend,
+                          print_table=print_table, accelerator=accelerator, parallel_devices=parallel_devices,
+                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                          precision_plugin=precision_plugin, ddp_comm_hook=ddp_comm_hook,
+                          ddp_comm_wrapper=ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -260,6 +272,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._table_printed = False
         self._rank_state = RankStateCallback()
         self._rng = RandomState()
+        self._faults: Optional[FaultMonitor] = None  # this rank's watchdog while a run is on (see faults.py)
         validate_tuning(profile_steps, memory_headroom, max_batch_per_rank, rebalance_every, rebalance_threshold,
                         rebalance_smoothing)
         if not isinstance(rebalance, bool):
@@ -340,6 +353,10 @@ class HeteroDDPStrategy(DDPStrategy):
         local = describe_device(self.root_device, self.global_rank)
         if self._emulator is not None:
             local = self._emulator.describe(local)
+        if self.world_size > 1:
+            self._faults = FaultMonitor(self.global_rank, self.world_size, local.host, local.name,
+                                        self._timeout.total_seconds())
+            self._faults.start()
         devices = gather_devices(local)
         self._install_precision(devices)
         weights, source = resolve_static_capacities(self._capacity_spec, devices, self._compute_dtype())
@@ -400,6 +417,22 @@ class HeteroDDPStrategy(DDPStrategy):
             restore(checkpoint_path or found[0], *args, **kwargs)
 
         connector._restore_modules_and_callbacks = restore_newest
+
+    @override
+    def setup_distributed(self) -> None:
+        """Lightning's, through a rendezvous that names the ranks (nodes) that did not join within ``timeout``."""
+        if dist.is_initialized():
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        env = self.cluster_environment
+        assert env is not None
+        store = rendezvous(env.main_address, env.main_port, self.global_rank, self.world_size,
+                           self._timeout.total_seconds(), ranks_per_node=self.num_processes)
+        _init_dist_connection(env, self._process_group_backend, timeout=self._timeout, store=store,
+                              device_id=self.root_device if self.root_device.type != "cpu" else None)
 
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
         """With a ``precision_policy``: this rank's autocast mode, the job's one loss scaler (see precision.py)."""
@@ -639,6 +672,7 @@ class HeteroDDPStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._rng.apply()  # resumed mid-epoch: the generators as they stood after the saved step
+        self._enter("forward/backward", batch_idx)
         if self._train_sampler is None or self._weighting is None:
             self._train_step_size = None
             return
@@ -654,6 +688,17 @@ class HeteroDDPStrategy(DDPStrategy):
         work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
         self._shares.on_train_batch_start(self, batch_idx, work)  # may key a share change to a later batch
 
+    def _enter(self, phase: str, batch: Optional[int] = None) -> None:
+        """Tell the watchdog what this rank is doing (a new phase is progress)."""
+        if self._faults is not None:
+            trainer = getattr(self._lightning_module, "_trainer", None)
+            self._faults.enter(phase, trainer.global_step if trainer is not None else None, batch)
+
+    @contextmanager
+    def _in_phase(self, phase: str) -> Any:
+        with self._faults.phase(phase) if self._faults is not None else nullcontext():
+            yield
+
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -664,7 +709,33 @@ class HeteroDDPStrategy(DDPStrategy):
             if self._weighting is not None:
                 self._weighting.reset()
         self._log_comm_bytes()
+        self._enter("data")  # next: the following batch is loaded
         return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._enter("optimizer")
+        return out
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        with self._in_phase("collective"):
+            super().barrier(name)
+
+    @override
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        with self._in_phase("checkpoint"):
+            super().save_checkpoint(*args, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._faults is not None:  # the others learn of it; the exception gets the job's cause as a note
+            try:
+                self._faults.on_exception(exception)
+            except Exception as err:  # never hide the user's exception behind the watchdog's
+                log.warning(f"lightning_hetero: could not report the failure to the other ranks: {err!r}")
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:
@@ -730,16 +801,19 @@ class HeteroDDPStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter("validation")
         with self._weighted_logging(_batch_size_of(args, kwargs)), self._emulated_work():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter("test")
         with self._weighted_logging(_batch_size_of(args, kwargs)), self._emulated_work():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter("predict")
         with self._emulated_work():
             return super().predict_step(*args, **kwargs)
 
@@ -763,6 +837,9 @@ class HeteroDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._faults is not None:  # first: rank 0 keeps the store up until every rank got here
+            self._faults.stop()
+            self._faults = None
         super().teardown()
         self._shares.teardown()
         if self._emulator is not None:
@@ -801,6 +878,66 @@ class HeteroDDPStrategy(DDPStrategy):
                     description=f"Capacity-weighted DDP for mixed GPUs, start method '{start_method}'",
                     start_method=start_method,
                 )
+
+
+_START_METHODS = get_args(StartMethod)
+_BACKENDS = tuple(b for b in dist.Backend.backend_list if b != "undefined")  # torch's, with registered ones
+# DistributedDataParallel arguments the strategy owns, and those whose type it checks.
+_OWNED_DDP_ARGS = ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
+_BOOL_DDP_ARGS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph",
+                  "skip_all_reduce_unused_params", "init_sync")
+
+
+def _check_ddp_kwargs(ddp_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``ddp_kwargs`` keys must be ``DistributedDataParallel`` arguments the strategy does not own."""
+    if ddp_kwargs is None:
+        return {}
+    if not isinstance(ddp_kwargs, Mapping):
+        raise ValueError(f"`ddp_kwargs`={ddp_kwargs!r} must be a dict of DistributedDataParallel arguments or None.")
+    accepted = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _OWNED_DDP_ARGS]
+    for key, value in ddp_kwargs.items():
+        if key in _OWNED_DDP_ARGS:
+            raise ValueError(f"`ddp_kwargs` must not set `{key}`: the strategy owns it.")
+        if key not in accepted:
+            raise ValueError(
+                f"`ddp_kwargs` key {key!r} is not a DistributedDataParallel argument; accepted: {accepted}."
+            )
+        if key in _BOOL_DDP_ARGS and not isinstance(value, bool):
+            raise ValueError(f"`ddp_kwargs[{key!r}]`={value!r} must be True or False.")
+        if key == "bucket_cap_mb" and value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+        ):
+            raise ValueError(f"`ddp_kwargs['bucket_cap_mb']`={value!r} must be a positive number of MiB or None.")
+    return dict(ddp_kwargs)
+
+
+def _check_plain_args(**args: Any) -> None:
+    """``ValueError`` naming the argument for a value of the wrong kind (LightningCLI checks types; Python does not)."""
+    if args["start_method"] not in _START_METHODS:
+        raise ValueError(f"`start_method`={args['start_method']!r} must be one of {_START_METHODS}.")
+    backend = args["process_group_backend"]
+    if backend is not None:
+        # "gloo", "nccl", ... or a per-device mapping such as "cpu:gloo,cuda:nccl"
+        names = [part.split(":")[-1] for part in backend.split(",")] if isinstance(backend, str) else [backend]
+        if not all(isinstance(n, str) and n.lower() in _BACKENDS for n in names):
+            raise ValueError(f"`process_group_backend`={backend!r} must be None or one of "
+                             f"{list(_BACKENDS)} (or 'cpu:gloo,cuda:nccl').")
+    if not isinstance(args["print_table"], bool):
+        raise ValueError(f"`print_table`={args['print_table']!r} must be True or False.")
+    devices = args["parallel_devices"]
+    if devices is not None and (not isinstance(devices, (list, tuple))
+                                or not all(isinstance(d, torch.device) for d in devices)):
+        raise ValueError(f"`parallel_devices`={devices!r} must be a list of torch.device or None.")
+    for name, kind in (("cluster_environment", ClusterEnvironment), ("checkpoint_io", CheckpointIO),
+                       ("precision_plugin", Precision)):
+        if args[name] is not None and not isinstance(args[name], kind):
+            raise ValueError(f"`{name}`={args[name]!r} must be a {kind.__name__} or None.")
+    accelerator = args["accelerator"]
+    if accelerator is not None and not isinstance(accelerator, (str, Accelerator)):
+        raise ValueError(f"`accelerator`={accelerator!r} must be an Accelerator, its registry name or None.")
+    for name in ("ddp_comm_hook", "ddp_comm_wrapper"):
+        if args[name] is not None and not callable(args[name]):
+            raise ValueError(f"`{name}`={args[name]!r} must be callable or None.")
 
 
 def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[int]:
