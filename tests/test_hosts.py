@@ -98,7 +98,7 @@ def _links(hosts: int, ranks_per_host: int, intra_gbps: float, inter_gbps: float
     (_links(1, 2, 20, 0), 1, None),  # PCIe, small gradient: nothing exposed
     (_links(1, 2, 20, 0), 500, CastCompression(dtype="bf16")),  # PCIe, 500 MB: 25 ms exposed
     (_links(2, 2, 250, 100), 500, NoCompression(hierarchical=True)),  # fast network: two-level fp32
-    (_links(2, 1, 0, 3.1), 500, PowerSGDCompression(rank=4, hierarchical=True)),  # 25 GbE, GPT-small-sized
+    (_links(2, 1, 0, 3.1), 500, CastCompression(dtype="bf16", hierarchical=True)),  # 25 GbE, GPT-small: lossless
     (_links(2, 1, 0, 1.25), 0.1, NoCompression(hierarchical=True)),  # 10 GbE but a tiny model
     (_links(2, 1, 0, 3.1), 90, CastCompression(dtype="bf16", hierarchical=True)),  # 29 ms fp32, 15 ms bf16
 ], ids=["nvlink", "pcie-small", "pcie-large", "fast-network", "25gbe-large", "10gbe-tiny", "25gbe-mid"])
@@ -116,6 +116,11 @@ def test_auto_choice_with_a_known_step_time_and_topk():
         dtype="bf16", hierarchical=True)
     assert isinstance(choose(AutoCompression(step_seconds=0.3, strong="topk"), links, 500_000_000)[0],
                       TopKCompression)
+    # The lossy methods are opt-in: by default an exposed Ethernet exchange gets bf16, with strong="powersgd" PowerSGD.
+    assert choose(AutoCompression(step_seconds=0.3), links, 500_000_000)[0] == CastCompression(
+        dtype="bf16", hierarchical=True)
+    assert choose(AutoCompression(step_seconds=0.3, strong="powersgd"), links, 500_000_000)[0] == PowerSGDCompression(
+        rank=4, hierarchical=True)
 
 
 def test_auto_is_parsed_and_validated():
