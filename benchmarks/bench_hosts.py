@@ -44,7 +44,16 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_lab import Indices, _emulated_ddp_class, _free_port, _lightning_module_class, _sync, solo_rate  # noqa: E402
+from bench_lab import (  # noqa: E402
+    Indices,
+    _emulated_ddp_class,
+    _free_port,
+    _lightning_module_class,
+    _sync,
+    format_detail,
+    format_table,
+    solo_rate,
+)
 
 LINKS = {"10gbe": 10.0, "25gbe": 25.0}
 # (host of each rank, SM share / speed of each rank): the workstation's card is a quarter of the server's.
@@ -315,8 +324,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         comp = r.get("compression")
         detail = r.get("error") or (comp[0] if comp else None) or r.get("solo_per_rank") or r.get("split") or ""
-        if isinstance(detail, list):
-            detail = "[" + ", ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in detail) + "]"
         lines.append([
             r["model"], r["link"], r["config"],
             f"{r['samples_per_s']:.1f}" if r.get("samples_per_s") else "-",
@@ -326,11 +333,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             str(r.get("timed_steps", "-")) + ("*" if r.get("stopped_early") else ""),
             f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "-",
             f"{100 * r['final_loss_vs_flat']:+.2f}%" if r.get("final_loss_vs_flat") is not None else "-",
-            str(detail),
+            format_detail(detail),
         ])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(headers)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+    return format_table(headers, lines)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:

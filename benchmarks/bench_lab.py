@@ -349,24 +349,34 @@ def finish(rows: list[dict[str, Any]]) -> None:
         row["ratio_to_ddp"] = value / ddp if ddp and value else None
 
 
+def format_detail(detail: Any) -> str:
+    """A table cell for a per-rank list (split, solo rates) or a message."""
+    if isinstance(detail, list):
+        return "[" + ", ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in detail) + "]"
+    return str(detail)
+
+
+def format_table(headers: list[str], lines: list[list[str]]) -> str:
+    """Left-aligned columns under a header and a rule."""
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     headers = ["scenario", "model", "config", "samples/s", "/ideal", "/ddp", "step ms", "setup s", "split / solo"]
     lines = []
     for r in rows:
         detail = r.get("error") or r.get("solo_per_rank") or r.get("split") or ""
-        if isinstance(detail, list):
-            detail = "[" + ", ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in detail) + "]"
         lines.append([
             r["scenario"], r["model"], r["config"], f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-",
             f"{r['ratio_to_ideal']:.2f}" if r.get("ratio_to_ideal") else "-",
             f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-",
             f"{1000 * r['step_s']:.1f}" if "step_s" in r else "-",
             f"{r['setup_s']:.1f}" if "setup_s" in r else "-",
-            str(detail),
+            format_detail(detail),
         ])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(headers)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+    return format_table(headers, lines)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
