@@ -76,7 +76,8 @@ class FaultyModel(TinyModel):
         if self.fault != "stuck_loader":
             return super().train_dataloader()
         dataset = StuckAfter(self.hparams.n, self.out_dir, self.fault_rank)
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True, num_workers=1)
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True, num_workers=1,
+                          multiprocessing_context="fork")
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault_rank: int, accelerator: str,
@@ -108,8 +109,12 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
 
 
 def _run_job(out_dir: str, fault: str, fault_rank: int = 1, world: int = 2, ranks: Optional[list[int]] = None,
-             accelerator: str = "cpu", timeout: float = TIMEOUT, start_method: str = "fork") -> dict:
-    """Start the job's ranks, wait (at most 90 s) for all of them to exit; kill anything left over."""
+             accelerator: str = "cpu", timeout: float = TIMEOUT, start_method: str = "forkserver") -> dict:
+    """Start the job's ranks, wait (at most 90 s) for all of them to exit; kill anything left over.
+
+    forkserver, not fork: in a pytest process that already ran a fork-launched fit, forked ranks of these hand-made
+    jobs stall in their first forward pass (measured: every fault test then fails at step 0; alone they pass).
+    """
     port = free_port()
     ctx = multiprocessing.get_context(start_method)
     procs = {r: ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fault, fault_rank,
