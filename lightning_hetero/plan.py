@@ -8,7 +8,6 @@ When samples differ in cost (sequence length), :func:`split_by_cost` cuts a glob
 not its sample count, is proportional to its capacity.
 """
 
-import bisect
 import math
 from collections.abc import Sequence
 from typing import Optional

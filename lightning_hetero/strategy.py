@@ -64,7 +64,6 @@ from lightning_hetero.emulation import (
     start_emulation,
 )
 from lightning_hetero.environments import PerNodeTorchElasticEnvironment
-from lightning_hetero.emulation import Emulator, lab_warning, parse_emulate, start_emulation
 from lightning_hetero.faults import FaultMonitor, rendezvous
 from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.microbatch import (
@@ -713,20 +712,9 @@ class HeteroDDPStrategy(DDPStrategy):
         return out
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._enter("optimizer")
-        return out
-
-    @override
     def barrier(self, name: Optional[str] = None) -> None:
         with self._in_phase("collective"):
             super().barrier(name)
-
-    @override
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        with self._in_phase("checkpoint"):
-            super().save_checkpoint(*args, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -797,7 +785,9 @@ class HeteroDDPStrategy(DDPStrategy):
         if self._pending_grads is not None:
             pending, self._pending_grads = self._pending_grads, None
             pending.restore()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._enter("optimizer")
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -833,7 +823,8 @@ class HeteroDDPStrategy(DDPStrategy):
             reopen_interrupted_epoch(
                 checkpoint, self._train_sampler.sampler.epoch, self._shares.position, trainer.num_training_batches
             )
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with self._in_phase("checkpoint"):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def teardown(self) -> None:

@@ -31,7 +31,7 @@ Example::
 """
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional
 
 import torch
