@@ -4,32 +4,19 @@ Two GPUs on two emulated hosts (NCCL_HOSTID: NCCL's socket transport between the
 the SMs, a paced 25 Gbit/s link; the strategy's two-level sync runs on a side stream.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from gpu_common import run_worker
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_worker.py")
-
-
-def _run(tmp_path, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, WORKER, *args, "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with open(tmp_path / "result.json") as f:
-        return json.load(f)
 
 
 def test_two_level_sync_across_emulated_hosts_equals_one_process(tmp_path):
-    result = _run(tmp_path, "--compression", "none-hierarchical")
+    result = run_worker("hosts_worker.py", tmp_path, "--compression", "none-hierarchical")
     assert result["hosts"] == {"server": [0], "ws": [1]}
     assert result["steps"][0] == result["steps"][1] == result["reference_steps"] > 0
     assert result["replicas_identical_every_step"]
@@ -37,7 +24,7 @@ def test_two_level_sync_across_emulated_hosts_equals_one_process(tmp_path):
 
 
 def test_auto_compression_measures_the_link_between_emulated_hosts(tmp_path):
-    result = _run(tmp_path, "--compression", "auto")
+    result = run_worker("hosts_worker.py", tmp_path, "--compression", "auto")
     print("\n" + result["table"])
     assert result["replicas_identical_every_step"]
     assert "between hosts" in result["columns"]["link (measured)"][0]

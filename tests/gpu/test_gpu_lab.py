@@ -4,28 +4,15 @@ Each test runs tests/gpu/gpu_worker.py in a subprocess (the strategy's launchers
 asserts on the JSON it writes.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from gpu_common import run_worker
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_worker.py")
-
-
-def _run(tmp_path, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, WORKER, *args, "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with open(tmp_path / "result.json") as f:
-        return json.load(f)
 
 
 @pytest.mark.parametrize(("emulate", "micro"), [(False, False), (True, False), (True, True)],
@@ -33,7 +20,8 @@ def _run(tmp_path, *args: str) -> dict:
 def test_unequal_batches_equal_one_process_on_the_global_batch(tmp_path, emulate, micro):
     """2 ranks, NCCL, fp32 (TF32 off), batches split [3, 1]: every step equals one process on the global batch,
     and the replicas are bit-identical after every step (``micro``: rank 0 runs its 12 samples as 3 micro-batches)."""
-    result = _run(tmp_path, "equivalence", *(["--emulate"] if emulate else []), *(["--micro"] if micro else []))
+    result = run_worker("gpu_worker.py", tmp_path, "equivalence", *(["--emulate"] if emulate else []),
+                        *(["--micro"] if micro else []))
     assert result["steps"][0] == result["steps"][1] == result["reference_steps"] > 0
     assert result["batch_sizes"][0] == [12, 4]  # G = 16 split 3 : 1
     assert result["same_global_batches"]
@@ -46,7 +34,7 @@ def test_unequal_batches_equal_one_process_on_the_global_batch(tmp_path, emulate
 def test_green_context_caps_the_whole_training_step(tmp_path):
     """A quarter of the SMs slows a matmul-bound Lightning training step ~4x. Were only the forward capped (the
     backward running on the full device), the step could slow at most ~2x."""
-    result = _run(tmp_path, "cap")
+    result = run_worker("gpu_worker.py", tmp_path, "cap")
     print(f"\ngreen-context cap ({result['summary']}): training step {result['slowdown']:.2f}x slower")
     assert "SMs" in result["summary"] and "all SMs" not in result["summary"]
     assert result["slowdown"] > 2.5, result

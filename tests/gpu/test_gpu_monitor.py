@@ -1,27 +1,16 @@
 """HeteroMonitor on 2 GPUs: ``python -m pytest -q tests/gpu/test_gpu_monitor.py -m gpu`` (skipped without them)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from gpu_common import run_worker
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "monitor_worker.py")
-
-
 def test_monitor_sees_the_wait_of_a_quarter_sm_rank_and_its_removal(tmp_path):
-    proc = subprocess.run([sys.executable, WORKER, "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with open(tmp_path / "result.json") as f:
-        result = json.load(f)
+    result = run_worker("monitor_worker.py", tmp_path, timeout=500)
     equal, profile = result["equal"], result["profile"]
     print(f"\nmonitor on GPUs: equal shares wait {equal['wait_fraction']}, profiled {profile['shares']} wait "
           f"{profile['wait_fraction']}, ideal fraction {profile['ideal_fraction']:.2f}, nvml {profile['nvml']}")
