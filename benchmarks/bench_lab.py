@@ -57,9 +57,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "same2": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "nvlink"},
 }
 CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
-# Not run by default: capacities="equal" (the strategy's overhead at DDP's split) and profiled shares with bf16
-# gradient compression (for communication-bound scenarios).
-EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16")
+# Not run by default: capacities="equal" (the strategy's overhead at DDP's split), profiled shares with bf16
+# gradient compression (for communication-bound scenarios), and hetero-explicit with HeteroMonitor on, logging through
+# a CSVLogger (the monitor's overhead: benchmarks/monitor_overhead.py alternates it with hetero-explicit).
+EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16", "hetero-monitor")
+MONITOR_EVERY = 10  # optimizer steps between the monitor's exchanges in "hetero-monitor"
 _TIMEOUT_S = 180  # a collective stuck this long fails the scenario instead of eating the device time
 
 
@@ -244,16 +246,26 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         strategy.emulator = emulator
     else:
         capacities: Any = {"hetero-explicit": solos, "hetero-peak": "peak", "hetero-profile": "profile",
-                           "hetero-equal": "equal", "hetero-profile-bf16": "profile"}[config]
+                           "hetero-equal": "equal", "hetero-profile-bf16": "profile", "hetero-monitor": solos}[config]
         compression = "bf16" if config.endswith("-bf16") else "none"
         strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs, print_table=False, timeout=_TIMEOUT_S,
                                      compression=compression)
     timer = _timer_class()(args.warmup, args.steps)
+    callbacks: list[Any] = [timer]
+    logger: Any = False
+    if args.csv_logger or config == "hetero-monitor":
+        from lightning.pytorch.loggers import CSVLogger
+
+        logger = CSVLogger(os.path.join(args.out, "logs"), name=f"{module.kind}-{config}")
+    if config == "hetero-monitor":
+        from lightning_hetero import HeteroMonitor
+
+        callbacks.append(HeteroMonitor(every_n_steps=MONITOR_EVERY, summary=False, warn=False))
     batch = args.batch[module.kind]
     trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,
-                      max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                      max_steps=args.warmup + args.steps, logger=logger, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, callbacks=[timer])
+                      limit_val_batches=0, callbacks=callbacks)
     module.prepare(args.accelerator == "gpu")
     n = batch * world * (args.warmup + args.steps + 1)
     trainer.fit(module, train_dataloaders=DataLoader(Indices(n), batch_size=batch, shuffle=False))
@@ -312,7 +324,7 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
                     dist.all_gather_object(gathered, rate)
                     solos = [float(r) for r in gathered]
                     row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos}
-                elif config == "hetero-explicit" and not solos:
+                elif config in ("hetero-explicit", "hetero-monitor") and not solos:
                     row = {"error": "needs the solo rates"}
                 else:
                     row = run_fit(config, module, args, world, specs, emulator, solos)
@@ -416,6 +428,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--resnet-batch", type=int, default=None, help="per-device batch (DDP meaning); default 128")
     p.add_argument("--gpt-batch", type=int, default=None, help="per-device batch of sequences; default 8")
     p.add_argument("--seq", type=int, default=1024, help="GPT sequence length (512-1024)")
+    p.add_argument("--csv-logger", action="store_true",
+                   help="every configuration logs to a CSVLogger under --out (hetero-monitor always does)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -426,7 +440,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         bad = [v for v in values if v not in known]
         if bad or not values:
             p.error(f"{name}: {bad or 'empty'} not in {list(known)}")
-    if "solo" not in args.configs and "hetero-explicit" in args.configs:
+    if "solo" not in args.configs and {"hetero-explicit", "hetero-monitor"} & set(args.configs):
         args.configs.insert(0, "solo")  # explicit capacities are the solo rates
     args.accelerator = "cpu" if args.accelerator == "cpu" else "gpu"
     if args.accelerator == "cpu" and "hetero-peak" in args.configs:

@@ -1,11 +1,26 @@
-"""Step time with HeteroMonitor on vs off, on the digits demo (CPU) or on GPUs.
+"""Step time with HeteroMonitor on vs off: the CPU demo, or an emulated mixed pair of GPUs.
 
-    python benchmarks/monitor_overhead.py                        # the CPU demo: 2 gloo ranks, rank 1 3x slower
-    python benchmarks/monitor_overhead.py --accelerator gpu --devices 2 --hidden 4096 --batch 512 --no-emulate --data random
+    python benchmarks/monitor_overhead.py                                   # CPU demo: 2 gloo ranks, rank 1 3x slower
+    python benchmarks/monitor_overhead.py --accelerator gpu --out $OUT      # 2 GPUs: bench_lab's mix2, GPT + ResNet-50
 
-Each repeat trains the same model twice, monitor off and on (alternating which goes first), and times rank 0's
-optimizer steps after a warm-up (wall clock between two steps' ends; on GPUs the timing callback synchronizes only at
-the first and the last timed step). Prints the median step time of each and the overhead in %.
+Both arms train the same split (fixed capacities): an A/B of two profiled runs would compare two different splits,
+whose step times differ by more than the monitor costs.
+
+CPU: the steps of a 2-rank gloo job on a small machine scatter by ±25 % between runs, far more than the monitor
+costs, so the arms are blocks of one run: one fit of the digits demo (rank 1 emulated 3x slower, capacities 3:1,
+a CSVLogger: a user has a logger either way) in which the monitor is added to the callbacks for one block of
+2 x ``--log-every`` steps (two of its exchanges) and taken out for the next, ``--repeats`` times each. A repeat is an
+off block and the on block after it; rank 0's wall time per step in each.
+
+GPU: one process per GPU runs ``bench_lab``'s configurations on one process group: the solo rates, then
+``hetero-explicit`` (capacities = solo rates) and ``hetero-monitor`` (the same plus ``HeteroMonitor`` logging to a
+CSVLogger every 10 steps) alternately, ``--repeats`` times each, per model; each timed between
+``torch.cuda.synchronize`` calls at its first and last timed step only (the monitor itself reads its CUDA events on
+logging steps, without a synchronize per step).
+
+Prints the median step time of each arm and the overhead: the median of on / off ratios of neighbours in time (CPU:
+an on block / the mean of the off blocks either side; GPU: the two runs of a repeat), so the machine's drift over the
+run cancels, with the smallest and largest ratio; JSON to ``--out``/monitor_overhead.json.
 """
 
 import argparse
@@ -18,93 +33,194 @@ import time
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
-from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-
-from train_digits import DigitsClassifier, DigitsDataModule  # noqa: E402
-
-from lightning_hetero import HeteroDDPStrategy  # noqa: E402
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-class _StepClock(Callback):
-    """Rank 0's wall time from the end of step ``warmup`` to the end of the last step."""
-
-    def __init__(self, path: str, warmup: int) -> None:
-        self.path, self.warmup, self.t0 = path, warmup, None
-
-    def _now(self, trainer: Trainer) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-        return time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.warmup:
-            self.t0 = self._now(trainer)
-
-    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if trainer.global_rank == 0 and self.t0 is not None:
-            steps = trainer.global_step - self.warmup
-            with open(self.path, "w") as f:
-                json.dump({"step_s": (self._now(trainer) - self.t0) / steps}, f)
+def alternating(repeats: int) -> list[bool]:
+    """Monitor off/on in the order off, on, on, off, off, on, ...: each arm goes first equally often."""
+    order: list[bool] = []
+    for repeat in range(repeats):
+        order += [False, True] if repeat % 2 == 0 else [True, False]
+    return order
 
 
-def run(args: argparse.Namespace, monitor: bool, out: str) -> float:
-    seed_everything(0)
-    path = os.path.join(out, f"step_{int(monitor)}.json")
+# -- CPU: the digits demo --------------------------------------------------------------------------------------------
+def _block_toggle_class() -> type:
+    from lightning.pytorch import Callback, Trainer
+
+    class BlockToggle(Callback):
+        """Every ``block`` optimizer steps after ``warmup``: time the block that ended, then add the monitor to the
+        Trainer's callbacks (just before this one, so its end-of-step hook runs inside the block) or take it out.
+        Toggling happens at the same step on every rank, and its own cost falls between two timed blocks."""
+
+        def __init__(self, monitor: Any, block: int, warmup: int) -> None:
+            self.monitor, self.block, self.warmup = monitor, block, warmup
+            self.on, self.began, self.last_step = False, None, -1
+            self.blocks: list[tuple[bool, float]] = []  # (monitor on, seconds per step)
+
+        def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            step = trainer.global_step
+            if step < self.warmup or (step - self.warmup) % self.block or step == self.last_step:
+                return  # (inserting the monitor before this callback makes Lightning call this hook again)
+            self.last_step = step
+            if self.began is not None:
+                self.blocks.append((self.on, (time.perf_counter() - self.began) / self.block))
+            if self.on:
+                trainer.callbacks.remove(self.monitor)
+                trainer.strategy.attach_monitor(None)
+                self.monitor.on_train_end(trainer, pl_module)  # nothing left to exchange: it stops watching
+            else:
+                self.monitor.setup(trainer, pl_module, "fit")
+                self.monitor.on_train_start(trainer, pl_module)
+                trainer.callbacks.insert(trainer.callbacks.index(self), self.monitor)
+            self.on = not self.on
+            self.began = time.perf_counter()
+
+    return BlockToggle
+
+
+def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    """One rank: one fit of the digits demo in which the monitor is on in every other block of steps."""
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+    from train_digits import DigitsClassifier, DigitsDataModule
+
+    from lightning_hetero import HeteroDDPStrategy, HeteroMonitor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
+    seed_everything(0, verbose=False)
     emulate = None if args.no_emulate else [None, {"slowdown": 3}] + [None] * (args.devices - 2)
-    strategy = HeteroDDPStrategy(capacities="profile", emulate=emulate, monitor=monitor, print_table=False,
-                                 start_method=args.start_method, timeout=300)
-    trainer = Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
-                      max_steps=args.warmup + args.steps, max_epochs=-1, log_every_n_steps=args.log_every,
-                      callbacks=[_StepClock(path, args.warmup)], logger=args.logger, default_root_dir=out,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0)
+    capacities: Any = "profile" if args.capacities == "profile" else [float(c) for c in args.capacities.split(",")]
+    # A block holds two of the monitor's exchanges (it exchanges every log_every_n_steps).
+    from lightning.pytorch import Callback
+
+    toggled = Callback() if args.empty_callback else HeteroMonitor(summary=False, warn=False)
+    toggle = _block_toggle_class()(toggled, 2 * args.log_every, args.warmup)
+    trainer = Trainer(accelerator="cpu", devices=args.devices,
+                      strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate, print_table=False,
+                                                 timeout=300),
+                      max_steps=args.warmup + 2 * args.repeats * toggle.block + 1, max_epochs=-1,
+                      log_every_n_steps=args.log_every, callbacks=[toggle], logger=CSVLogger(out, name="monitor"),
+                      default_root_dir=out, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    model = DigitsClassifier(hidden=args.hidden)
     if args.data == "digits":
-        trainer.fit(DigitsClassifier(hidden=args.hidden), datamodule=DigitsDataModule(batch_size=args.batch))
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=args.batch))
     else:  # the digits' shapes without scikit-learn: 64 features, 10 classes
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.rand(16384, 64, generator=g), torch.randint(0, 10, (16384,), generator=g))
-        trainer.fit(DigitsClassifier(hidden=args.hidden), train_dataloaders=DataLoader(data, batch_size=args.batch,
-                                                                                       shuffle=True))
-    if trainer.global_rank != 0:
-        return float("nan")  # popen children run the same sequence of fits; only rank 0 reports
-    with open(path) as f:
-        return json.load(f)["step_s"]
+        trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=args.batch, shuffle=True))
+    if rank == 0:
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump(toggle.blocks, f)
+
+
+def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+    from bench_lab import _free_port
+
+    out = tempfile.mkdtemp(prefix="monitor-bench-")
+    mp.start_processes(cpu_worker, args=(args, _free_port(), out), nprocs=args.devices, start_method="spawn")
+    with open(os.path.join(out, "times.json")) as f:
+        blocks = json.load(f)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for on, step_s in blocks:
+        times[on].append(step_s)
+    # Each on block against the mean of the off blocks on either side of it: a drift of the machine's speed over the
+    # run (linear over three blocks) cancels; blocks at either end of the run have one neighbour and are left out.
+    ratios = [step_s / ((blocks[i - 1][1] + blocks[i + 1][1]) / 2)
+              for i, (on, step_s) in enumerate(blocks) if on and 0 < i < len(blocks) - 1]
+    label = f"digits MLP (hidden {args.hidden}, {args.batch}/rank), capacities {args.capacities}" + (
+        "" if args.no_emulate else ", rank 1 emulated 3x slower") + (", EMPTY callback" if args.empty_callback else "")
+    return {"device": f"CPU ({os.cpu_count()} cores), {args.devices} gloo ranks", "heterogeneity": (
+        "none" if args.no_emulate else "emulated (CPU slowdown)"), "arms": {label: {**times, "ratios": ratios}}}
+
+
+# -- GPU: bench_lab's mix2 --------------------------------------------------------------------------------------------
+def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    import bench_lab
+
+    configs = ["solo"] + ["hetero-monitor" if on else "hetero-explicit" for on in alternating(args.repeats)]
+    argv = ["--scenarios", args.scenario, "--models", args.models, "--configs", ",".join(configs), "--csv-logger",
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", args.out]
+    rows = bench_lab.main(argv)
+    arms: dict[str, dict[Any, list[float]]] = {}
+    for row in rows:
+        if row["config"] in ("hetero-explicit", "hetero-monitor") and "step_s" in row:
+            arm = arms.setdefault(f"{row['model']} ({args.scenario}, split {row.get('split')})", {False: [], True: []})
+            arm[row["config"] == "hetero-monitor"].append(row["step_s"])
+    for arm in arms.values():  # the two runs of a repeat are neighbours in time, each arm first in every other one
+        if len(arm[False]) == len(arm[True]) == args.repeats:
+            arm["ratios"] = [on / off for off, on in zip(arm[False], arm[True])]
+    errors = [f"{r['model']}/{r['config']}: {r['error']}" for r in rows if "error" in r]
+    if errors:
+        print("[monitor_overhead] errors: " + "; ".join(errors))
+    return {"device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+            "heterogeneity": f"emulated ({args.scenario}: {bench_lab.SCENARIOS[args.scenario]})", "arms": arms}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32, help="per-rank batch of the loader (global = x devices)")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--logger", action="store_true", help="with Lightning's default logger (CSV/TensorBoard)")
-    parser.add_argument("--data", choices=("digits", "random"), default="digits",
-                        help="random: the digits' shapes without scikit-learn")
-    parser.add_argument("--no-emulate", action="store_true", help="real devices only (no 3x slower rank 1)")
-    parser.add_argument("--start-method", default=None, help="default: fork on CPU, popen on GPUs")
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each arm (default: CPU 5, GPU 3)")
+    parser.add_argument("--steps", type=int, default=None, help="GPU: timed steps per run (default 40)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default: CPU 20, GPU 10)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    cpu = parser.add_argument_group("CPU")
+    cpu.add_argument("--devices", type=int, default=2)
+    cpu.add_argument("--hidden", type=int, default=128)
+    cpu.add_argument("--batch", type=int, default=32, help="per-rank batch of the loader (global = x devices)")
+    cpu.add_argument("--capacities", default="3,1", help="comma-separated, or 'profile' (each run its own split)")
+    cpu.add_argument("--log-every", type=int, default=50,
+                     help="Trainer.log_every_n_steps (the monitor's exchange); a block is twice this")
+    cpu.add_argument("--data", choices=("digits", "random"), default="digits",
+                     help="random: the digits' shapes without scikit-learn")
+    cpu.add_argument("--no-emulate", action="store_true", help="no 3x slower rank 1")
+    cpu.add_argument("--empty-callback", action="store_true",
+                     help="toggle an empty Callback instead: what Lightning's calls of one more callback cost")
+    gpu = parser.add_argument_group("GPU")
+    gpu.add_argument("--scenario", default="mix2", help="bench_lab scenario")
+    gpu.add_argument("--models", default="gpt,resnet50", help="bench_lab models")
     args = parser.parse_args()
-    args.start_method = args.start_method or ("fork" if args.accelerator == "cpu" else "popen")
-    out = os.environ.setdefault("MONITOR_BENCH_DIR", tempfile.mkdtemp(prefix="monitor-bench-"))
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for repeat in range(args.repeats):
-        for monitor in ((False, True) if repeat % 2 == 0 else (True, False)):
-            times[monitor].append(run(args, monitor, out))
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0 or any(t != t for t in times[False]):
-        return
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else f"CPU ({os.cpu_count()} cores)"
-    print(f"{device}, {args.devices} ranks, hidden {args.hidden}, batch {args.batch}/rank, {args.steps} timed steps "
-          f"x {args.repeats}: monitor off {1000 * off:.3f} ms/step, on {1000 * on:.3f} ms/step, "
-          f"overhead {100 * (on / off - 1):+.2f}%")
-    print(json.dumps({"off_s": times[False], "on_s": times[True], "overhead": on / off - 1, **vars(args)}))
+    on_gpu = args.accelerator == "gpu"
+    args.repeats = args.repeats or (3 if on_gpu else 40)
+    args.steps = args.steps or 40
+    args.warmup = args.warmup or (10 if on_gpu else 20)
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 1:
+        parser.error("--repeats, --steps and --warmup must be >= 1")
+    if not on_gpu and args.capacities != "profile":
+        if len(args.capacities.split(",")) != args.devices:
+            parser.error(f"--capacities needs {args.devices} values (one per device), got {args.capacities!r}")
+    os.makedirs(args.out, exist_ok=True)
+    result = run_gpu(args) if on_gpu else run_cpu(args)
+    design = (f"{args.repeats} runs per arm of {args.steps} timed steps" if on_gpu else
+              f"{args.repeats} blocks per arm of {2 * args.log_every} steps in one run")
+    lines = [f"HeteroMonitor overhead on {result['device']}; heterogeneity: {result['heterogeneity']}; "
+             f"{design}, medians",
+             f"{'workload':<60} {'off ms/step':>12} {'on ms/step':>11} {'overhead':>9} [min, max ratio]"]
+    summary = {}
+    for label, times in result["arms"].items():
+        ratios = sorted(times.get("ratios") or [])
+        if not ratios:
+            lines.append(f"{label:<60} {'(a run failed)':>34}")
+            continue
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        overhead = statistics.median(ratios) - 1
+        summary[label] = {"off_s": times[False], "on_s": times[True], "ratios": ratios, "overhead": overhead}
+        lines.append(f"{label:<60} {1000 * off:>12.3f} {1000 * on:>11.3f} {100 * overhead:>+8.2f}% "
+                     f"[{100 * (ratios[0] - 1):+.1f}, {100 * (ratios[-1] - 1):+.1f}]")
+    with open(os.path.join(args.out, "monitor_overhead.json"), "w") as f:
+        json.dump({"device": result["device"], "heterogeneity": result["heterogeneity"], "arms": summary,
+                   "args": vars(args)}, f, indent=1)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

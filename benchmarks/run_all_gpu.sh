@@ -4,6 +4,8 @@
 #                                          # on GPUs 2,3 when present, the compression benchmark
 #   bash benchmarks/run_all_gpu.sh lab      # the lab benchmark: mix2 + same2 (+ mix4 with 4 GPUs, and with 4 GPUs
 #                                          # the GPU checks again on GPUs 0,1 while GPUs 2,3 benchmark)
+#   bash benchmarks/run_all_gpu.sh monitor  # the monitor's GPU test and its overhead A/B (mix2, GPT + ResNet-50)
+#   bash benchmarks/run_all_gpu.sh tokens   # token-balanced vs sample-count splits on a length-skewed set
 # Each step has its own time limit, so one hang cannot take the rest with it.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,6 +41,13 @@ case "${1:-checks}" in
         if [ "$pair2" = "0,1" ]; then
             step compression 430 0,1 python3 benchmarks/compression_bench.py --out "$OUT/compression"
         fi
+        ;;
+    monitor)
+        step gpu_monitor_test 200 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_monitor.py
+        step monitor_overhead 360 0,1 python3 benchmarks/monitor_overhead.py --accelerator gpu --out "$OUT/monitor"
+        ;;
+    tokens)
+        step token_balance 500 0,1 python3 benchmarks/token_balance.py --accelerator gpu --devices 2 --out "$OUT/tokens"
         ;;
     lab)
         # With 4 GPUs the 2-GPU scenarios run on GPUs 2,3 while GPUs 0,1 re-run the GPU checks; then mix4 on all.

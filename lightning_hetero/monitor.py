@@ -167,27 +167,53 @@ class HeteroMonitor(Callback):
                 pass
 
     def _watch_fetch(self, trainer: Trainer) -> None:
-        """Time the loader's fetches through the profiler actions Lightning's fetcher reports them by."""
-        profiler = trainer.profiler
-        start, stop = profiler.start, profiler.stop
+        """Time the loader's fetches: the training epoch loop brackets each one with ``_on_before_fetch`` /
+        ``_on_after_fetch`` (its fetcher calls them through the profiler action ``train_dataloader_next``). Wrapping
+        those two costs two calls a step; wrapping the profiler (the fallback) intercepts every profiled hook."""
+        began = self._fetch_began_now
 
-        def watched_start(action_name: str) -> None:
-            if action_name.endswith("train_dataloader_next"):
-                self._fetch_began = time.perf_counter()
-            start(action_name)
-
-        def watched_stop(action_name: str) -> None:
-            stop(action_name)
-            if action_name.endswith("train_dataloader_next") and self._fetch_began is not None:
+        def ended() -> None:
+            if self._fetch_began is not None:
                 self._fetch_s += time.perf_counter() - self._fetch_began
                 self._fetch_began = None
 
-        profiler.start, profiler.stop = watched_start, watched_stop  # type: ignore[method-assign]
+        loop = getattr(trainer.fit_loop, "epoch_loop", None)
+        if callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None)):
+            target, names = loop, ("_on_before_fetch", "_on_after_fetch")
+            before, after = loop._on_before_fetch, loop._on_after_fetch
+
+            def watched_before() -> None:
+                began()
+                before()
+
+            def watched_after() -> None:
+                after()
+                ended()
+        else:
+            target, names = trainer.profiler, ("start", "stop")
+            start, stop = trainer.profiler.start, trainer.profiler.stop
+
+            def watched_before(action_name: str) -> None:  # type: ignore[misc]
+                if action_name.endswith("train_dataloader_next"):
+                    began()
+                start(action_name)
+
+            def watched_after(action_name: str) -> None:  # type: ignore[misc]
+                stop(action_name)
+                if action_name.endswith("train_dataloader_next"):
+                    ended()
+
+        setattr(target, names[0], watched_before)
+        setattr(target, names[1], watched_after)
 
         def unwatch() -> None:
-            del profiler.start, profiler.stop  # back to the class's methods
+            for name in names:
+                delattr(target, name)  # back to the class's methods
 
         self._unwatch = unwatch
+
+    def _fetch_began_now(self) -> None:
+        self._fetch_began = time.perf_counter()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         start = self._mark()
@@ -306,7 +332,7 @@ class HeteroMonitor(Callback):
                       nvml={name: nvml[:, i].tolist() for i, name in enumerate(_NVML_FIELDS)})
         skip = max(0, self.warmup_steps - (self._steps_done - steps.shape[1]))  # steps of this run, not global
         if skip < steps.shape[1]:
-            kept = analyse(steps[:, skip:], first_step=window["first_step"] + skip)
+            kept = analyse(steps[:, skip:], first_step=window["first_step"] + skip) if skip else window
             self.totals = _accumulate(self.totals, kept)
         self.windows.append(window)
         self._log(trainer, window)
@@ -346,41 +372,48 @@ def analyse(steps: torch.Tensor, first_step: int = 0) -> dict[str, Any]:
     """Per-rank means per step of a window of records (rank, step, field) and the job-level figures.
 
     The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
-    communication; everything any rank spent in sync beyond it is waiting for slower ranks.
+    communication; everything any rank spent in sync beyond it is waiting for slower ranks. (Plain Python over the
+    table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
     """
-    cycle, data, sync, samples, tokens = (steps[..., i] for i in range(len(_STEP_FIELDS)))
-    comm = sync.min(dim=0).values.expand_as(sync)
-    wait = sync - comm
-    compute = (cycle - data - sync).clamp_min(0.0)
-    n = steps.shape[1]
-    wall = cycle.sum(dim=1).mean().item()  # the cycles agree across ranks up to clock skew: their mean
-    step_s = wall / n if n else 0.0
-    rank_compute = compute.sum(dim=1)
-    solo = [(s / c).item() if c > 0 else 0.0 for s, c in zip(samples.sum(dim=1), rank_compute)]
-    total_samples = samples.sum().item()
+    table = steps.tolist()  # [rank][step][field]
+    world, n = len(table), (len(table[0]) if table else 0)
+    comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
+    comm_total = sum(comm_steps)
+    cycle, data, wait, compute, samples, tokens = ([0.0] * world for _ in range(6))
+    for r, rows in enumerate(table):
+        for (c, d, sync, b, t), comm in zip(rows, comm_steps):
+            cycle[r] += c
+            data[r] += d
+            wait[r] += sync - comm
+            compute[r] += max(c - d - sync, 0.0)
+            samples[r] += b
+            tokens[r] += t
+    wall = sum(cycle) / world if world else 0.0  # the cycles agree across ranks up to clock skew: their mean
+    per_step = 1.0 / n if n else 0.0
+    solo = [s / c if c > 0 else 0.0 for s, c in zip(samples, compute)]
+    total_samples, total_tokens = sum(samples), sum(tokens)
     rate = total_samples / wall if wall > 0 else 0.0
     ideal = sum(solo)
-    slowest = rank_compute.max().item()
-    out = {
+    slowest = max(compute, default=0.0)
+    return {
         "first_step": int(first_step),
         "steps": int(n),
-        "compute": (rank_compute / n).tolist(),
-        "wait": (wait.sum(dim=1) / n).tolist(),
-        "data": (data.sum(dim=1) / n).tolist(),
-        "comm": (comm.sum(dim=1) / n).tolist(),
-        "cycle": (cycle.sum(dim=1) / n).tolist(),
-        "samples": samples.sum(dim=1).tolist(),
-        "tokens": tokens.sum(dim=1).tolist(),
-        "shares": (samples.sum(dim=1) / total_samples).tolist() if total_samples > 0 else None,  # as trained
-        "busy": [(c / t).item() if t > 0 else 0.0 for c, t in zip(rank_compute, cycle.sum(dim=1))],
+        "compute": [v * per_step for v in compute],
+        "wait": [v * per_step for v in wait],
+        "data": [v * per_step for v in data],
+        "comm": [comm_total * per_step] * world,
+        "cycle": [v * per_step for v in cycle],
+        "samples": samples,
+        "tokens": tokens,
+        "shares": [s / total_samples for s in samples] if total_samples > 0 else None,  # as trained
+        "busy": [c / t if t > 0 else 0.0 for c, t in zip(compute, cycle)],
         "solo": solo,
-        "step_s": step_s,
+        "step_s": wall * per_step,
         "samples_per_s": rate,
-        "tokens_per_s": tokens.sum().item() / wall if wall > 0 and tokens.sum() > 0 else None,
+        "tokens_per_s": total_tokens / wall if wall > 0 and total_tokens > 0 else None,
         "ideal_fraction": rate / ideal if ideal > 0 else None,
-        "comm_compute_ratio": comm[0].sum().item() / slowest if slowest > 0 else None,
+        "comm_compute_ratio": comm_total / slowest if slowest > 0 else None,
     }
-    return out
 
 
 def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:

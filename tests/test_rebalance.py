@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.rebalance import propose
+from lightning_hetero.rebalance import StepTimer, propose
 from tests.helpers import TinyModel, free_port
 
 
@@ -122,3 +122,51 @@ def test_rebalance_sees_the_cpu_emulator_slowdown() -> None:
     rank1 = [size for _, _, size, _ in records[0]["rows"]]
     assert rank1[0] == 8 and max(rank1[-6:]) <= 5, rank1
     _each_index_once_per_epoch(records, n, epochs)
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: logs which parameter's hook recorded it."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.current = log, "start"
+
+    def record(self) -> None:
+        self.log.append(self.current)
+
+
+def test_step_timer_records_the_cuda_end_event_once_per_step_at_the_last_parameter() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    pre = torch.nn.Linear(3, 3)  # on the input side when used: its gradients are accumulated after all of `net`'s
+    timer = StepTimer(torch.device("cpu"))
+    timer._cuda = True  # the CUDA branch, with fake events: which hooks record is what is tested
+    log: list = []
+    timer._start_event, timer._end_event = _FakeEvent([]), _FakeEvent(log)
+    named = [("net." + n, p) for n, p in net.named_parameters()] + [("pre." + n, p) for n, p in pre.named_parameters()]
+    names = {id(p): n for n, p in named}
+    order: list = []
+
+    def traced(param: torch.Tensor) -> None:
+        timer._end_event.current = names[id(param)]
+        order.append(names[id(param)])
+        timer._mark_end(param)
+
+    timer._handles = [p.register_post_accumulate_grad_hook(traced) for _, p in named]
+
+    def step(use_pre: bool = False) -> list:
+        order.clear()
+        log.clear()
+        timer.start()
+        x = torch.randn(5, 3)
+        net(pre(x) if use_pre else x).sum().backward()
+        return list(log)
+
+    assert step() == order and len(order) == 4  # learning: every hook records, the last one wins
+    last = order[-1]
+    for _ in range(3):
+        assert step() == [last] and timer.end_mark() is timer._end_event  # one record, at the last parameter
+    # `pre`'s parameters now finish after the remembered one: they record too, so the end is still the true last.
+    assert step(use_pre=True) == [last] + order[order.index(last) + 1:] and log[-1] == order[-1]
+    # The remembered parameter (now one of `pre`'s) takes no part: this step has no end, the next one learns afresh.
+    assert step() == [] and timer.end_mark() is None
+    assert step() == order
+    assert step() == [order[-1]]
