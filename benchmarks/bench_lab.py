@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import GPT, GPTConfig, resnet50, tiny_resnet  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     # one GPU at a quarter of the SMs with 24 GiB, on a PCIe-class link
@@ -392,12 +393,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     groups = sorted({(r["scenario"], r["model"]) for r in rows}, key=lambda g: [r["scenario"] for r in rows].index(g[0]))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)

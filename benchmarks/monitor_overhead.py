@@ -20,17 +20,19 @@ logging steps, without a synchronize per step).
 
 Prints the median step time of each arm and the overhead: the median of on / off ratios of neighbours in time (CPU:
 an on block / the mean of the off blocks either side; GPU: the two runs of a repeat), so the machine's drift over the
-run cancels, with the smallest and largest ratio; JSON to ``--out``/monitor_overhead.json.
+run cancels, with the smallest and largest ratio and a 95 % bootstrap interval of the median; JSON and a PNG (every
+run or block in order) to ``--out``.
 """
 
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -38,6 +40,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plotting import pyplot  # noqa: E402
 
 
 def alternating(repeats: int) -> list[bool]:
@@ -167,10 +171,36 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
             "heterogeneity": f"emulated ({args.scenario}: {bench_lab.SCENARIOS[args.scenario]})", "arms": arms}
 
 
+def bootstrap_interval(ratios: list[float], draws: int = 4000) -> tuple[float, float]:
+    """95 % interval of the median ratio, resampling the ratios (fixed seed: the same data give the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def plot(summary: dict[str, Any], device: str, path: str) -> Optional[str]:
+    """Per workload: every run (GPU) or block (CPU) of each arm in the order they ran, ms per step."""
+    plt = pyplot()
+    if plt is None or not summary:
+        return None
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.2 * len(summary), 3.4), squeeze=False)
+    for ax, (label, arm) in zip(axes[0], summary.items()):
+        for key, name, color in (("off_s", "monitor off", "#1f77b4"), ("on_s", "monitor on", "#d62728")):
+            ax.plot([1000 * t for t in arm[key]], "o-", color=color, label=name, markersize=3)
+        ax.set_title(f"{label[:48]}\noverhead {100 * arm['overhead']:+.2f}% ({device})", fontsize=8)
+        ax.set_xlabel("run / block, in order")
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
-    parser.add_argument("--repeats", type=int, default=None, help="runs of each arm (default: CPU 5, GPU 3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="CPU: blocks per arm (default 80: about +-1 %% at 95 %%); GPU: runs per arm (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="GPU: timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default: CPU 20, GPU 10)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -191,7 +221,7 @@ def main() -> None:
     gpu.add_argument("--models", default="gpt,resnet50", help="bench_lab models")
     args = parser.parse_args()
     on_gpu = args.accelerator == "gpu"
-    args.repeats = args.repeats or (3 if on_gpu else 40)
+    args.repeats = args.repeats or (3 if on_gpu else 80)
     args.steps = args.steps or 40
     args.warmup = args.warmup or (10 if on_gpu else 20)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 1:
@@ -214,9 +244,14 @@ def main() -> None:
             continue
         off, on = statistics.median(times[False]), statistics.median(times[True])
         overhead = statistics.median(ratios) - 1
-        summary[label] = {"off_s": times[False], "on_s": times[True], "ratios": ratios, "overhead": overhead}
+        low, high = bootstrap_interval(ratios)
+        summary[label] = {"off_s": times[False], "on_s": times[True], "ratios": ratios, "overhead": overhead,
+                          "overhead_95": [low - 1, high - 1]}
         lines.append(f"{label:<60} {1000 * off:>12.3f} {1000 * on:>11.3f} {100 * overhead:>+8.2f}% "
-                     f"[{100 * (ratios[0] - 1):+.1f}, {100 * (ratios[-1] - 1):+.1f}]")
+                     f"[{100 * (ratios[0] - 1):+.1f}, {100 * (ratios[-1] - 1):+.1f}]  "
+                     f"95 % CI of the median {100 * (low - 1):+.2f} .. {100 * (high - 1):+.2f}%")
+    png = plot(summary, result["device"], os.path.join(args.out, "monitor_overhead.png"))
+    lines.append(f"JSON: {os.path.join(args.out, 'monitor_overhead.json')}" + (f", plot: {png}" if png else ""))
     with open(os.path.join(args.out, "monitor_overhead.json"), "w") as f:
         json.dump({"device": result["device"], "heterogeneity": result["heterogeneity"], "arms": summary,
                    "args": vars(args)}, f, indent=1)

@@ -37,6 +37,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plotting import pyplot  # noqa: E402
 
 CONFIGS = ("samples", "tokens", "padded_tokens", "tokens+micro")
 _TIMEOUT_S = 600
@@ -238,8 +241,31 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     mp.spawn(worker, args=(args.devices, args, port, out_file), nprocs=args.devices, join=True)
     with open(out_file) as f:
         rows = json.load(f)
+    png = plot(rows, os.path.join(args.out, "token_balance.png"))
+    print(f"[token_balance] wrote {out_file}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
     print(table(rows), flush=True)
     return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
+    """Per configuration: each rank's mean compute ms (bars) and the step's wall ms (line)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    world = len(rows[0]["compute_ms_per_rank"]) if rows else 0
+    width = 0.8 / max(world, 1)
+    for r in range(world):
+        ax.bar([i + (r - (world - 1) / 2) * width for i in range(len(rows))], [row["compute_ms_per_rank"][r] for row in rows],
+               width, label=f"rank {r} compute")
+    ax.plot(range(len(rows)), [row["step_ms"] for row in rows], "ko-", label="step (wall)")
+    ax.set_xticks(range(len(rows)), [row["config"] for row in rows])
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"length-skewed batches, {world} ranks on {rows[0].get('device', '?')}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 if __name__ == "__main__":

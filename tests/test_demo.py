@@ -43,6 +43,8 @@ def test_demo_splits_a_3x_slower_rank_about_3_to_1(tmp_path) -> None:
     fast, slow = int(rows[0]["batch"]), int(rows[1]["batch"])
     print(f"\ndemo split: {fast}/{slow}; samples/s {rows[0]['samples/s']} / {rows[1]['samples/s']}")
     assert fast + slow == 64
-    # 3:1 is 48/16. The old profiler gave 63/1. Sub-millisecond steps on a 2-core VM still scatter the profiled ratio:
-    # 42/22 to 54/10 were seen in repeated runs of this configuration, so the band is that wide.
-    assert 9 <= slow <= 24, (fast, slow)
+    # 3:1 is 48/16 (the old profiler gave 63/1). Measured on a 2-core VM: 48/16 in 7 of 9 runs of the demo, 46/18 and
+    # 49/15 in the others; profiled ratios 3.07-3.36 in 10 runs beside busy loops, 2.1-2.5 in 3 of 5 beside a
+    # co-tenant multiplying matrices on both cores (it slows the fast rank, which the profile rightly sees). The band
+    # is a profiled ratio between 2.2 and 3.9.
+    assert 13 <= slow <= 20, (fast, slow)
