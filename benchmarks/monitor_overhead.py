@@ -10,7 +10,10 @@ CPU: the steps of a 2-rank gloo job on a small machine scatter by ±25 % between
 costs, so the arms are blocks of one run: one fit of the digits demo (rank 1 emulated 3x slower, capacities 3:1,
 a CSVLogger: a user has a logger either way) in which the monitor is added to the callbacks for one block of
 2 x ``--log-every`` steps (two of its exchanges) and taken out for the next, ``--repeats`` times each. A repeat is an
-off block and the on block after it; rank 0's wall time per step in each.
+off block and the on block after it; rank 0's wall time per step in each. Every rank also counts, per block, its
+thread CPU time and the emulator's timed step and slowdown pause: the table ends with what the monitor adds to each
+(with capacities matched to the slowdown both ranks are on the step's critical path, and the slowed rank pays its
+in-step share again as pause).
 
 GPU: one process per GPU runs ``bench_lab``'s configurations on one process group: the solo rates, then
 ``hetero-explicit`` (capacities = solo rates) and ``hetero-monitor`` (the same plus ``HeteroMonitor`` logging to a
@@ -65,6 +68,16 @@ def _block_toggle_class() -> type:
             self.monitor, self.block, self.warmup = monitor, block, warmup
             self.on, self.began, self.last_step = False, None, -1
             self.blocks: list[tuple[bool, float]] = []  # (monitor on, seconds per step)
+            self.costs: list[dict[str, float]] = []  # per block, per step: this rank's CPU and emulator seconds
+            self.counted: dict[str, float] = {}
+
+        @staticmethod
+        def _counters(trainer: Trainer) -> dict[str, float]:
+            """This rank's thread CPU time, and the emulator's timed step CPU and slowdown pause (0 when not slowed)."""
+            emulator = trainer.strategy.emulation
+            return {"cpu_s": time.thread_time(),
+                    "emulated_step_cpu_s": emulator.compute_seconds if emulator is not None else 0.0,
+                    "emulated_pause_s": emulator.slept_seconds if emulator is not None else 0.0}
 
         def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
@@ -74,6 +87,8 @@ def _block_toggle_class() -> type:
             self.last_step = step
             if self.began is not None:
                 self.blocks.append((self.on, (time.perf_counter() - self.began) / self.block))
+                now = self._counters(trainer)
+                self.costs.append({"on": self.on, **{k: (now[k] - self.counted[k]) / self.block for k in now}})
             if self.on:
                 trainer.callbacks.remove(self.monitor)
                 trainer.strategy.attach_monitor(None)
@@ -83,6 +98,7 @@ def _block_toggle_class() -> type:
                 self.monitor.on_train_start(trainer, pl_module)
                 trainer.callbacks.insert(trainer.callbacks.index(self), self.monitor)
             self.on = not self.on
+            self.counted = self._counters(trainer)
             self.began = time.perf_counter()
 
     return BlockToggle
@@ -125,6 +141,8 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
     if rank == 0:
         with open(os.path.join(out, "times.json"), "w") as f:
             json.dump(toggle.blocks, f)
+    with open(os.path.join(out, f"costs{rank}.json"), "w") as f:
+        json.dump(toggle.costs, f)
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,10 +160,21 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     # run (linear over three blocks) cancels; blocks at either end of the run have one neighbour and are left out.
     ratios = [step_s / ((blocks[i - 1][1] + blocks[i + 1][1]) / 2)
               for i, (on, step_s) in enumerate(blocks) if on and 0 < i < len(blocks) - 1]
+    # Where the time goes, per rank: what an on block adds per step to the thread's CPU time, to the part of it the
+    # emulator times as the slowed rank's step, and to the pause that slowdown adds (the same neighbour comparison).
+    costs = []
+    for rank in range(args.devices):
+        with open(os.path.join(out, f"costs{rank}.json")) as f:
+            rows = json.load(f)
+        added = {key: statistics.median(row[key] - (rows[i - 1][key] + rows[i + 1][key]) / 2
+                                        for i, row in enumerate(rows) if row["on"] and 0 < i < len(rows) - 1)
+                 for key in ("cpu_s", "emulated_step_cpu_s", "emulated_pause_s")}
+        costs.append(added)
     label = f"digits MLP (hidden {args.hidden}, {args.batch}/rank), capacities {args.capacities}" + (
         "" if args.no_emulate else ", rank 1 emulated 3x slower") + (", EMPTY callback" if args.empty_callback else "")
     return {"device": f"CPU ({os.cpu_count()} cores), {args.devices} gloo ranks", "heterogeneity": (
-        "none" if args.no_emulate else "emulated (CPU slowdown)"), "arms": {label: {**times, "ratios": ratios}}}
+        "none" if args.no_emulate else "emulated (CPU slowdown)"), "arms": {label: {**times, "ratios": ratios}},
+        "added_per_step": costs}
 
 
 # -- GPU: bench_lab's mix2 --------------------------------------------------------------------------------------------
@@ -250,11 +279,15 @@ def main() -> None:
         lines.append(f"{label:<60} {1000 * off:>12.3f} {1000 * on:>11.3f} {100 * overhead:>+8.2f}% "
                      f"[{100 * (ratios[0] - 1):+.1f}, {100 * (ratios[-1] - 1):+.1f}]  "
                      f"95 % CI of the median {100 * (low - 1):+.2f} .. {100 * (high - 1):+.2f}%")
+    for rank, added in enumerate(result.get("added_per_step", [])):
+        lines.append(f"rank {rank}: monitor adds {1e6 * added['cpu_s']:+.1f} us of thread CPU a step, "
+                     f"{1e6 * added['emulated_step_cpu_s']:+.1f} us of it inside the emulated step, "
+                     f"{1e6 * added['emulated_pause_s']:+.1f} us of slowdown pause (medians over blocks)")
     png = plot(summary, result["device"], os.path.join(args.out, "monitor_overhead.png"))
     lines.append(f"JSON: {os.path.join(args.out, 'monitor_overhead.json')}" + (f", plot: {png}" if png else ""))
     with open(os.path.join(args.out, "monitor_overhead.json"), "w") as f:
         json.dump({"device": result["device"], "heterogeneity": result["heterogeneity"], "arms": summary,
-                   "args": vars(args)}, f, indent=1)
+                   "added_per_step": result.get("added_per_step"), "args": vars(args)}, f, indent=1)
     print("\n".join(lines))
 
 

@@ -7,7 +7,7 @@ number of sequences but a random number of tokens, and the step waits for the ra
 longest sequence, which is what the padded batch computes. All use ``loss_denominator="tokens"`` (exact for a
 token-mean loss). Optional ``tokens+micro``: token balance with micro-batches of at most ``--micro`` sequences.
 
-Per configuration, per rank and step: compute seconds (``training_step`` start to the last parameter gradient, the
+Per configuration, per rank and step: compute seconds (``training_step`` start to the end of the local backward, the
 strategy's own ``StepTimer``: on CUDA with events), real and padded tokens; and the step's wall time. Printed: mean
 step ms, mean imbalance (slowest rank's compute / mean rank's compute, 1.0 = perfect), mean idle fraction of the
 ranks (waiting for the slowest), tokens per rank. JSON goes to ``--out``/token_balance.json.
@@ -109,7 +109,9 @@ def _recorder_class() -> type:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.timer = StepTimer(pl_module.device)
-            self.timer.attach(pl_module)
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self.timer.watch(loss)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if pl_module.device.type == "cuda":
@@ -125,9 +127,6 @@ def _recorder_class() -> type:
             if batch_idx >= self.warmup:
                 self.rows.append({"compute_s": compute, "wall_s": wall, "tokens": int((batch >= 0).sum()),
                                   "padded": int(batch.numel()), "samples": int(batch.shape[0])})
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.timer.detach()
 
     return Recorder
 

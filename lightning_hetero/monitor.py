@@ -19,9 +19,9 @@ collective of the step. Ranks exchange their per-step records only on logging st
 ``log_every_n_steps``), so the step itself gains no collective.
 
 Timing uses ``time.perf_counter`` on CPU and CUDA events on GPUs (recorded in the step, read on logging steps: no
-synchronize per step). The local backward's end is :class:`~lightning_hetero.rebalance.StepTimer`'s mark (the last
-parameter's gradient accumulation). With ``nvidia-ml-py`` installed (extra ``monitor``), GPU utilisation, memory,
-power, temperature, SM clock and thermal throttling come from NVML.
+synchronize per step). The local backward's end is :class:`~lightning_hetero.rebalance.StepTimer`'s mark (a callback
+autograd runs once the backward's last gradient is accumulated). With ``nvidia-ml-py`` installed (extra ``monitor``),
+GPU utilisation, memory, power, temperature, SM clock and thermal throttling come from NVML.
 
 Rank 0 logs, per logging window (``r`` = rank): ``monitor/compute_s_rank{r}``, ``wait_s``, ``data_s``, ``comm_s``
 (means per step), ``monitor/busy_rank{r}`` (compute ÷ step), ``monitor/solo_samples_per_s_rank{r}`` (samples ÷
@@ -64,6 +64,23 @@ BUSY_THRESHOLD = 0.85
 COMM_RATIO_THRESHOLD = 0.3
 
 
+class _Cycle:
+    """One optimizer step's marks on this rank (clock values or CUDA events), resolved on logging steps."""
+
+    __slots__ = ("origin", "release", "fb_end", "gaps", "colls", "excluded", "fetch", "samples", "tokens")
+
+    def __init__(self, origin: Any) -> None:
+        self.origin = origin  # the previous step's release: the cycle starts when the ranks were let go
+        self.release: Any = None  # after the closure: the gradient all-reduce is done
+        self.fb_end: Any = None  # the local backward's end
+        self.gaps: list[tuple[Any, Any]] = []  # from a batch's end to the next one's start
+        self.colls: list[tuple[Any, Any]] = []  # collectives inside the step
+        self.excluded: list[tuple[Any, Any]] = []  # validation runs
+        self.fetch = 0.0  # loader fetch seconds inside the gaps
+        self.samples = 0
+        self.tokens = 0
+
+
 class HeteroMonitor(Callback):
     """Per-rank compute, wait, data-loading and exposed communication time of every training step.
 
@@ -101,9 +118,12 @@ class HeteroMonitor(Callback):
 
     def _reset_run(self) -> None:
         self._timer: Optional[StepTimer] = None
+        self._marks_from_hook = False
+        self._strategy: Any = None
+        self._every = 1
         self._device = torch.device("cpu")
-        self._records: list[dict[str, Any]] = []  # one per optimizer step: marks, resolved on logging steps
-        self._current: Optional[dict[str, Any]] = None
+        self._records: list[_Cycle] = []  # one per optimizer step: marks, resolved on logging steps
+        self._current: Optional[_Cycle] = None
         self._last_release: Any = None
         self._last_end: Any = None
         self._steps_done = 0
@@ -118,6 +138,7 @@ class HeteroMonitor(Callback):
 
     # -- clock ------------------------------------------------------------------------------------------------------
     def _mark(self) -> Any:
+        """Now, on this rank's clock: ``time.perf_counter()`` on CPU, a recorded CUDA event on GPUs."""
         if self._device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -131,6 +152,10 @@ class HeteroMonitor(Callback):
             return a.elapsed_time(b) / 1000.0
         return b - a
 
+    @staticmethod
+    def _host_seconds(a: Optional[float], b: Optional[float]) -> float:
+        return 0.0 if a is None or b is None else b - a
+
     @contextmanager
     def collective(self) -> Iterator[None]:
         """Time inside is a collective issued from within the step (the strategy wraps its ``reduce`` in this)."""
@@ -141,7 +166,7 @@ class HeteroMonitor(Callback):
         try:
             yield
         finally:
-            self._current["colls"].append((begin, self._mark()))
+            self._current.colls.append((begin, self._mark()))
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -150,12 +175,21 @@ class HeteroMonitor(Callback):
         self._reset_run()
         self.windows, self.totals = [], None
         self._device = trainer.strategy.root_device
+        self.__dict__.pop("_mark", None)
+        self.__dict__.pop("_seconds", None)
+        if self._device.type != "cuda":  # host clock: no device check per call (five marks a step)
+            self._mark = time.perf_counter  # type: ignore[method-assign]
+            self._seconds = self._host_seconds  # type: ignore[method-assign]
         if hasattr(trainer.strategy, "attach_monitor"):
             trainer.strategy.attach_monitor(self)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._timer = StepTimer(self._device, fresh_events=True)
-        self._timer.attach(pl_module)
+        self._strategy = trainer.strategy
+        self._every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        # HeteroDDPStrategy's comm hook marks the backward's end for free; other strategies: a hook on the loss.
+        observe = getattr(trainer.strategy, "observe_backward_end", None)
+        self._marks_from_hook = bool(observe is not None and observe(self._timer.mark_end))
         self._watch_fetch(trainer)
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = _nvml_handle(self._device)
@@ -216,43 +250,50 @@ class HeteroMonitor(Callback):
         self._fetch_began = time.perf_counter()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # Runs every batch: plain attribute work only (a few microseconds on a 2-core VM).
         start = self._mark()
-        if self._current is None:
-            origin = self._last_release if self._last_release is not None else start
-            self._current = {"origin": origin, "gaps": [], "colls": [], "excluded": [], "samples": 0, "tokens": 0,
-                             "fb_end": None, "fetch": 0.0}
+        current = self._current
+        if current is None:
+            current = self._current = _Cycle(self._last_release if self._last_release is not None else start)
         if self._last_end is not None:
-            self._current["gaps"].append((self._last_end, start))
-            self._current["fetch"] += self._fetch_s
+            current.gaps.append((self._last_end, start))
+            current.fetch += self._fetch_s
+            self._last_end = None
         self._fetch_s = 0.0
-        self._last_end = None
-        self._current["colls"].extend(self._carry)
-        self._current["excluded"].extend(self._excluded)
-        self._carry, self._excluded = [], []
-        samples, tokens = _batch_counts(trainer.strategy, batch)
-        self._current["samples"] += samples
-        self._current["tokens"] += tokens
+        if self._carry:
+            current.colls += self._carry
+            self._carry = []
+        if self._excluded:
+            current.excluded += self._excluded
+            self._excluded = []
+        samples, tokens = _batch_counts(self._strategy, batch)
+        current.samples += samples
+        current.tokens += tokens
         if self._timer is not None:
             self._timer.start()
 
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._timer is not None and not self._marks_from_hook:
+            self._timer.watch(loss)
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Lightning calls this after the closure: forward, backward and DDP's gradient all-reduce are done.
-        if self._current is None or self._current.get("release") is not None:
+        current = self._current
+        if current is None or current.release is not None:
             return  # a second optimizer in the same step: the first one's release ends the cycle
-        self._current["release"] = self._mark()
-        self._current["fb_end"] = self._timer.end_mark() if self._timer is not None else None
+        current.release = self._mark()
+        current.fb_end = self._timer.end_mark() if self._timer is not None else None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._last_end = self._mark()
         current = self._current
-        if current is None or current.get("release") is None:
+        if current is None or current.release is None:
             return  # an accumulating micro-batch: the cycle goes on
         self._records.append(current)
-        self._last_release, self._current = current["release"], None
+        self._last_release, self._current = current.release, None
         self._steps_done += 1
-        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
-        if self._steps_done % every == 0:
+        if self._steps_done % self._every == 0:
             self._exchange(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -268,17 +309,17 @@ class HeteroMonitor(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._records:
             self._exchange(trainer)
-        self._stop_watching()
+        self._stop_watching(trainer)
         if self.summary and trainer.global_rank == 0 and self.totals is not None:
             print_summary(self.totals)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._stop_watching()
+        self._stop_watching(trainer)
 
-    def _stop_watching(self) -> None:
-        if self._timer is not None:
-            self._timer.detach()
-            self._timer = None
+    def _stop_watching(self, trainer: Trainer) -> None:
+        if self._timer is not None and self._marks_from_hook:
+            trainer.strategy.observe_backward_end(self._timer.mark_end, observe=False)
+        self._timer, self._marks_from_hook, self._strategy = None, False, None
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
@@ -288,19 +329,24 @@ class HeteroMonitor(Callback):
     def _local_rows(self) -> torch.Tensor:
         """This rank's records as a (steps, fields) tensor of seconds and counts (waits for the last CUDA event)."""
         if self._device.type == "cuda" and self._records:
-            self._records[-1]["release"].synchronize()
-        rows = []
+            self._records[-1].release.synchronize()
+        seconds = self._seconds
+        flat: list[float] = []  # row after row: one tensor from one flat list
         for rec in self._records:
-            excluded = sum(self._seconds(a, b) for a, b in rec["excluded"])
-            cycle = self._seconds(rec["origin"], rec["release"]) - excluded
-            gaps = max(0.0, sum(self._seconds(a, b) for a, b in rec["gaps"]) - excluded)
-            data = min(gaps, rec["fetch"])  # the rest of the gap: the loop's broadcast and bookkeeping
-            colls = sum(self._seconds(a, b) for a, b in rec["colls"])
-            tail = self._seconds(rec["fb_end"], rec["release"]) if rec["fb_end"] is not None else 0.0
-            rows.append([cycle, data, colls + max(tail, 0.0) + gaps - data, float(rec["samples"]),
-                         float(rec["tokens"])])
+            excluded = gaps = colls = 0.0
+            for a, b in rec.excluded:
+                excluded += seconds(a, b)
+            for a, b in rec.gaps:
+                gaps += seconds(a, b)
+            for a, b in rec.colls:
+                colls += seconds(a, b)
+            gaps = gaps - excluded if gaps > excluded else 0.0
+            data = gaps if gaps < rec.fetch else rec.fetch  # the rest of the gap: the loop's broadcast, bookkeeping
+            tail = seconds(rec.fb_end, rec.release) if rec.fb_end is not None else 0.0
+            flat += (seconds(rec.origin, rec.release) - excluded, data, colls + (tail if tail > 0.0 else 0.0) + gaps
+                     - data, rec.samples, rec.tokens)
         self._records = []
-        return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_STEP_FIELDS))
+        return torch.tensor(flat, dtype=torch.float64).reshape(-1, len(_STEP_FIELDS))
 
     def _exchange(self, trainer: Trainer) -> None:
         begin = self._mark()

@@ -6,8 +6,8 @@
   where in the epoch it stopped, or profiles the model (:mod:`lightning_hetero.profiling`) and applies the measured
   shares from batch 0;
 - with ``rebalance=True`` a :class:`StepTimer` measures each step's compute time (from ``training_step`` start to the
-  last parameter gradient, minus time blocked in collectives the strategy issues inside the step; data loading and the
-  gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
+  end of its local backward, minus time blocked in collectives the strategy issues inside the step; data loading and
+  the gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
   measurements in one ``all_gather``. Every rank then updates the same exponential moving average of per-rank
   throughput and takes the same decision (:func:`propose`): new shares only when they move more than
   ``rebalance_threshold`` of the global batch, keyed to a global-batch index past every rank's prefetched batches.
@@ -37,55 +37,45 @@ from lightning_hetero.sampler import HeteroBatchSampler
 class StepTimer:
     """Compute seconds of one training step on this rank, waits excluded.
 
-    The step's end is the last parameter's gradient accumulation (a post-accumulate-grad hook): DDP's all-reduce
-    wait comes after it. On CUDA the interval is taken with events on the stream the work runs on; an event is recorded
-    only from the hook of the parameter that finished last in the step before (and from any hook that fires after
-    it), not from every parameter's: each record costs the thread that launches the backward a few microseconds.
+    The step's compute ends where its local backward does. :meth:`watch` hooks the loss a backward starts from; that
+    hook queues a callback on autograd's engine, which runs once every gradient of the backward is accumulated and
+    before DDP's own end-of-backward callback waits for the gradient all-reduce (the engine runs them in the order
+    they were queued, DDP's when its last bucket is ready). Two Python calls a backward, whatever the number of
+    parameters or the order they finish in. On CUDA the engine runs the callback on the stream ``backward()`` was
+    called from, after syncing it with every stream the backward used, so one event recorded there marks the end.
     """
 
     def __init__(self, device: torch.device, fresh_events: bool = False) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._fresh = fresh_events  # new events every step: earlier marks stay readable (read later, no sync)
-        self._handles: list[Any] = []
         self._active = False
         self._start: Any = None
         self._end: Any = None
         self._excluded = 0.0
-        self._latest: Optional[torch.Tensor] = None  # the parameter whose gradient was accumulated last
-        self._last: Optional[torch.Tensor] = None  # ... in the step before this one (None: record at every hook)
-        self._past_last = False  # this step's backward has accumulated `_last`: every later hook records
-        if self._cuda:  # re-recorded each step; the end event by the gradient hooks, the last one wins
+        if self._cuda:  # re-recorded each step
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._end_event = torch.cuda.Event(enable_timing=True)
 
-    def attach(self, module: torch.nn.Module) -> None:
-        self.detach()
-        for p in module.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._mark_end))
+    def watch(self, loss: Any) -> None:
+        """Mark the end of the backward that ``loss`` will start (call before it does; ignored outside a step)."""
+        if self._active and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(self._on_loss_grad)
 
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._latest = self._last = None
+    def _on_loss_grad(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.mark_end)
 
-    def _mark_end(self, param: torch.Tensor) -> None:
-        if self._active:
-            self._latest = param
-            if self._cuda:
-                if self._last is None or self._past_last or param is self._last:
-                    self._past_last = self._last is not None
-                    self._end_event.record()  # on the stream autograd runs this parameter's backward on
-                    self._end = self._end_event
-            else:
-                self._end = time.perf_counter()
+    def mark_end(self) -> None:
+        """This step's backward ends now (the latest call of a step wins)."""
+        if not self._active:
+            return
+        if self._cuda:
+            self._end_event.record()  # a later backward of the same step (micro-batches) records it again
+            self._end = self._end_event
+        else:
+            self._end = time.perf_counter()
 
     def start(self) -> None:
-        # A step whose backward never reached the remembered parameter (it went unused) left no end: learn afresh.
-        self._last = self._latest if self._end is not None else None
-        self._latest, self._past_last = None, False
         self._active = True
         self._end, self._excluded = None, 0.0
         if self._cuda:
@@ -281,7 +271,6 @@ class ShareController:
             strategy.add_lab_columns({"mem cap": [str(c) for c in self.caps]})
         if self.rebalance and self.timer is None:
             self.timer = StepTimer(strategy.root_device)
-            self.timer.attach(strategy.lightning_module)
         self._skip_next = True
 
     def _run_profile(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> Optional[ProfileResult]:
@@ -375,6 +364,10 @@ class ShareController:
         if self.timer is not None:
             self.timer.start()
 
+    def backward_started(self, loss: Any) -> None:
+        if self.timer is not None:
+            self.timer.watch(loss)
+
     def excluded(self) -> Any:
         return self.timer.excluded() if self.timer is not None else _nothing()
 
@@ -451,9 +444,7 @@ class ShareController:
             )
 
     def teardown(self) -> None:
-        if self.timer is not None:
-            self.timer.detach()
-            self.timer = None
+        self.timer = None
 
 
 def _replan_reason(state: dict[str, Any], devices: list[str]) -> Optional[str]:

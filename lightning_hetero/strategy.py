@@ -495,6 +495,18 @@ class HeteroDDPStrategy(DDPStrategy):
         for sampler in self._eval_samplers.values():
             sampler.change_shares(capacities, first_batch=0)
 
+    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
+        """Call ``observer`` as each gradient bucket enters the comm hook, the last time once a synchronizing
+        backward has accumulated every gradient (``observe=False``: stop). False when there is no hook to watch."""
+        if self._weighting is None:
+            return False
+        observers = self._weighting.bucket_observers
+        if observe and observer not in observers:
+            observers.append(observer)
+        elif not observe and observer in observers:
+            observers.remove(observer)
+        return True
+
     def attach_monitor(self, monitor: Any) -> None:
         """The :class:`~lightning_hetero.monitor.HeteroMonitor` that times collectives issued inside a step."""
         self._monitor = monitor
@@ -785,6 +797,7 @@ class HeteroDDPStrategy(DDPStrategy):
         if self._pending_grads is not None:
             pending, self._pending_grads = self._pending_grads, None
             pending.restore()
+        self._shares.backward_started(closure_loss)
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._enter("optimizer")
         return out

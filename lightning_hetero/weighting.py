@@ -25,6 +25,9 @@ class WeightingState:
     """This rank's share of the current optimizer step, plus the hook it hands the weighted bucket to.
 
     ``inner_hook`` is any averaging comm hook (``None``: a plain sum all-reduce on ``process_group``).
+    ``bucket_observers`` are called as each bucket enters the hook: DDP calls it once the bucket's gradients are all
+    accumulated, in bucket order, so the last call of a backward marks where the local backward ended (the
+    monitor's timer reads it there at no extra Python call inside the backward).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class WeightingState:
         self.inner_state = inner_state
         self.local_samples = 0
         self.global_samples = 0
+        self.bucket_observers: list[Callable[[], None]] = []
 
     def add_step(self, local_samples: int, global_samples: int) -> None:
         """Count one micro-step's samples (this rank's, all ranks') into the current optimizer step."""
@@ -67,6 +71,8 @@ def weighted_allreduce_hook(state: WeightingState, bucket: dist.GradBucket) -> t
         >>> ddp_model.register_comm_hook(state, weighted_allreduce_hook)
         >>> # before each backward: state.add_step(local_batch, global_batch); after each optimizer step: reset()
     """
+    for observe in state.bucket_observers:
+        observe()
     buffer = bucket.buffer()
     if state.inner_hook is None:
         buffer.mul_(state.weight)

@@ -125,48 +125,81 @@ def test_rebalance_sees_the_cpu_emulator_slowdown() -> None:
 
 
 class _FakeEvent:
-    """Stands in for a CUDA event: logs which parameter's hook recorded it."""
+    """Stands in for a CUDA event: counts its records."""
 
-    def __init__(self, log: list) -> None:
-        self.log, self.current = log, "start"
+    def __init__(self) -> None:
+        self.records = 0
 
     def record(self) -> None:
-        self.log.append(self.current)
+        self.records += 1
 
 
-def test_step_timer_records_the_cuda_end_event_once_per_step_at_the_last_parameter() -> None:
+def test_step_timer_marks_the_end_of_backward_after_every_gradient_once_per_backward() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     pre = torch.nn.Linear(3, 3)  # on the input side when used: its gradients are accumulated after all of `net`'s
+    accumulated: list = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(time.perf_counter()))
+             for p in [*net.parameters(), *pre.parameters()]]
     timer = StepTimer(torch.device("cpu"))
-    timer._cuda = True  # the CUDA branch, with fake events: which hooks record is what is tested
-    log: list = []
-    timer._start_event, timer._end_event = _FakeEvent([]), _FakeEvent(log)
-    named = [("net." + n, p) for n, p in net.named_parameters()] + [("pre." + n, p) for n, p in pre.named_parameters()]
-    names = {id(p): n for n, p in named}
-    order: list = []
 
-    def traced(param: torch.Tensor) -> None:
-        timer._end_event.current = names[id(param)]
-        order.append(names[id(param)])
-        timer._mark_end(param)
-
-    timer._handles = [p.register_post_accumulate_grad_hook(traced) for _, p in named]
-
-    def step(use_pre: bool = False) -> list:
-        order.clear()
-        log.clear()
+    def step(use_pre: bool) -> Any:
+        accumulated.clear()
         timer.start()
         x = torch.randn(5, 3)
-        net(pre(x) if use_pre else x).sum().backward()
-        return list(log)
+        loss = net(pre(x) if use_pre else x).sum()
+        timer.watch(loss)
+        loss.backward()
+        return timer.end_mark()
 
-    assert step() == order and len(order) == 4  # learning: every hook records, the last one wins
-    last = order[-1]
-    for _ in range(3):
-        assert step() == [last] and timer.end_mark() is timer._end_event  # one record, at the last parameter
-    # `pre`'s parameters now finish after the remembered one: they record too, so the end is still the true last.
-    assert step(use_pre=True) == [last] + order[order.index(last) + 1:] and log[-1] == order[-1]
-    # The remembered parameter (now one of `pre`'s) takes no part: this step has no end, the next one learns afresh.
-    assert step() == [] and timer.end_mark() is None
-    assert step() == order
-    assert step() == [order[-1]]
+    for use_pre in (False, True, False):  # the parameter that finishes last changes from one step to the next
+        end = step(use_pre)
+        assert len(accumulated) == (6 if use_pre else 4) and end >= max(accumulated)
+    timer.start()
+    assert timer.end_mark() is None  # no backward yet
+    loss = net(torch.randn(2, 3)).sum()
+    timer.stop()
+    timer.watch(loss)  # outside a step: nothing is marked
+    loss.backward()
+    assert timer.end_mark() is None
+    for h in hooks:
+        h.remove()
+
+    # The CUDA branch, with a fake event: one record per backward, not one per parameter.
+    timer._cuda = True
+    timer._start_event, timer._end_event = _FakeEvent(), _FakeEvent()
+    timer.start()
+    for _ in range(2):  # two backwards in one step (micro-batches): the second one's record is the end
+        loss = net(pre(torch.randn(5, 3))).sum()
+        timer.watch(loss)
+        loss.backward()
+    assert timer._end_event.records == 2 and timer.end_mark() is timer._end_event
+
+
+def test_step_timer_marks_the_end_before_ddp_waits_for_the_all_reduce(tmp_path: Any) -> None:
+    """A comm hook whose all-reduce takes 0.3 s: the end mark is the local backward's, not the all-reduce's."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def slow_all_reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future: torch.futures.Future = torch.futures.Future()
+        threading.Timer(0.3, lambda: future.set_result(bucket.buffer())).start()
+        return future
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(8, 2))
+        model.register_comm_hook(None, slow_all_reduce)
+        timer = StepTimer(torch.device("cpu"))
+        for _ in range(2):  # DDP rebuilds its buckets after the first backward
+            timer.start()
+            loss = model(torch.randn(4, 8)).sum()
+            timer.watch(loss)
+            began = time.perf_counter()
+            loss.backward()
+            returned = time.perf_counter()
+            end = timer.end_mark()
+            assert returned - began >= 0.3 and began < end < returned - 0.25, (began, end, returned)
+    finally:
+        dist.destroy_process_group()
