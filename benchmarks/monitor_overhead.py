@@ -122,7 +122,14 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
     # A block holds two of the monitor's exchanges (it exchanges every log_every_n_steps).
     from lightning.pytorch import Callback
 
-    toggled = Callback() if args.empty_callback else HeteroMonitor(summary=False, warn=False)
+    if args.callback == "empty":
+        toggled = Callback()
+    elif args.callback == "throughput":  # Lightning's own per-step monitor, for scale (rank 0 only, no exchange)
+        from lightning.pytorch.callbacks import ThroughputMonitor
+
+        toggled = ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))
+    else:
+        toggled = HeteroMonitor(summary=False, warn=False)
     toggle = _block_toggle_class()(toggled, 2 * args.log_every, args.warmup)
     trainer = Trainer(accelerator="cpu", devices=args.devices,
                       strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate, print_table=False,
@@ -171,7 +178,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
                  for key in ("cpu_s", "emulated_step_cpu_s", "emulated_pause_s")}
         costs.append(added)
     label = f"digits MLP (hidden {args.hidden}, {args.batch}/rank), capacities {args.capacities}" + (
-        "" if args.no_emulate else ", rank 1 emulated 3x slower") + (", EMPTY callback" if args.empty_callback else "")
+        "" if args.no_emulate else ", rank 1 emulated 3x slower") + (
+        "" if args.callback == "monitor" else f", {args.callback.upper()} callback instead")
     return {"device": f"CPU ({os.cpu_count()} cores), {args.devices} gloo ranks", "heterogeneity": (
         "none" if args.no_emulate else "emulated (CPU slowdown)"), "arms": {label: {**times, "ratios": ratios}},
         "added_per_step": costs}
@@ -243,8 +251,9 @@ def main() -> None:
     cpu.add_argument("--data", choices=("digits", "random"), default="digits",
                      help="random: the digits' shapes without scikit-learn")
     cpu.add_argument("--no-emulate", action="store_true", help="no 3x slower rank 1")
-    cpu.add_argument("--empty-callback", action="store_true",
-                     help="toggle an empty Callback instead: what Lightning's calls of one more callback cost")
+    cpu.add_argument("--callback", choices=("monitor", "empty", "throughput"), default="monitor",
+                     help="what is toggled: HeteroMonitor; an empty Callback (Lightning's own cost of one more "
+                          "callback); Lightning's ThroughputMonitor (a per-step monitor of Lightning's, for scale)")
     gpu = parser.add_argument_group("GPU")
     gpu.add_argument("--scenario", default="mix2", help="bench_lab scenario")
     gpu.add_argument("--models", default="gpt,resnet50", help="bench_lab models")
@@ -280,7 +289,7 @@ def main() -> None:
                      f"[{100 * (ratios[0] - 1):+.1f}, {100 * (ratios[-1] - 1):+.1f}]  "
                      f"95 % CI of the median {100 * (low - 1):+.2f} .. {100 * (high - 1):+.2f}%")
     for rank, added in enumerate(result.get("added_per_step", [])):
-        lines.append(f"rank {rank}: monitor adds {1e6 * added['cpu_s']:+.1f} us of thread CPU a step, "
+        lines.append(f"rank {rank}: the callback adds {1e6 * added['cpu_s']:+.1f} us of thread CPU a step, "
                      f"{1e6 * added['emulated_step_cpu_s']:+.1f} us of it inside the emulated step, "
                      f"{1e6 * added['emulated_pause_s']:+.1f} us of slowdown pause (medians over blocks)")
     png = plot(summary, result["device"], os.path.join(args.out, "monitor_overhead.png"))
