@@ -43,8 +43,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -81,6 +80,26 @@ class _Cycle:
         self.tokens = 0
 
 
+class _InStepCollective:
+    """The context manager :meth:`HeteroMonitor.collective` returns: one object, entered every step (a generator-based
+    one would cost several calls more, inside the step)."""
+
+    __slots__ = ("monitor", "begin")
+
+    def __init__(self, monitor: "HeteroMonitor") -> None:
+        self.monitor = monitor
+        self.begin: Any = None
+
+    def __enter__(self) -> None:
+        self.begin = self.monitor._mark() if self.monitor._current is not None else None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        current = self.monitor._current
+        if self.begin is not None and current is not None:
+            current.colls.append((self.begin, self.monitor._mark()))
+        self.begin = None
+
+
 class HeteroMonitor(Callback):
     """Per-rank compute, wait, data-loading and exposed communication time of every training step.
 
@@ -114,6 +133,7 @@ class HeteroMonitor(Callback):
         self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
         self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
         self._warned: set[str] = set()
+        self._in_step_collective = _InStepCollective(self)
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -156,17 +176,10 @@ class HeteroMonitor(Callback):
     def _host_seconds(a: Optional[float], b: Optional[float]) -> float:
         return 0.0 if a is None or b is None else b - a
 
-    @contextmanager
-    def collective(self) -> Iterator[None]:
-        """Time inside is a collective issued from within the step (the strategy wraps its ``reduce`` in this)."""
-        if self._current is None:
-            yield
-            return
-        begin = self._mark()
-        try:
-            yield
-        finally:
-            self._current.colls.append((begin, self._mark()))
+    def collective(self) -> "_InStepCollective":
+        """``with monitor.collective():`` times a collective issued from within the step (the strategy wraps its
+        ``reduce`` in this)."""
+        return self._in_step_collective
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -216,13 +229,16 @@ class HeteroMonitor(Callback):
             target, names = loop, ("_on_before_fetch", "_on_after_fetch")
             before, after = loop._on_before_fetch, loop._on_after_fetch
 
+            # Called every batch: the clock is read right here rather than through `began` / `ended`.
             def watched_before() -> None:
-                began()
+                self._fetch_began = time.perf_counter()
                 before()
 
             def watched_after() -> None:
                 after()
-                ended()
+                if self._fetch_began is not None:
+                    self._fetch_s += time.perf_counter() - self._fetch_began
+                    self._fetch_began = None
         else:
             target, names = trainer.profiler, ("start", "stop")
             start, stop = trainer.profiler.start, trainer.profiler.stop
