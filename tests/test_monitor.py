@@ -180,3 +180,35 @@ def test_doctor_model_command(tmp_path) -> None:
         dry_run_command(config, steps=1)
     with pytest.raises(ValueError, match="config"):
         dry_run_command(str(tmp_path / "missing.yaml"))
+
+
+class QuietSleepyModel(SleepyModel):
+    """No ``self.log(..., sync_dist=True)``: the gradient all-reduce is the step's only collective."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize("strategy_name", ["lightning_ddp", "hetero_ddp"])
+def test_the_wait_in_the_gradient_all_reduce_follows_the_backward_end_mark(tmp_path, strategy_name: str) -> None:
+    """The fast rank's wait is all in the gradient all-reduce, after the backward's end mark (without that mark it
+    would be counted as compute). Under HeteroDDPStrategy the mark comes from its comm hook, under Lightning's DDP
+    from a hook on the loss."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = (DDPStrategy(start_method="fork") if strategy_name == "lightning_ddp" else
+                HeteroDDPStrategy(start_method="fork", capacities="equal", print_table=False, timeout=120))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=7, log_every_n_steps=3,
+                      callbacks=[HeteroMonitor(summary=False, warn=False)], logger=CSVLogger(str(tmp_path)),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(QuietSleepyModel(batch_size=8, n=16 * 7))
+    (sidecar,) = glob.glob(os.path.join(str(tmp_path), "**", SIDECAR), recursive=True)
+    with open(sidecar) as f:
+        windows = [json.loads(line) for line in f]
+    assert sum(w["steps"] for w in windows) == 7
+    fast_wait = _fraction(windows, "wait", 0)
+    print(f"\n{strategy_name}, equal batches, rank 1 3x slower: fast rank waits {fast_wait:.1%} of its step")
+    assert fast_wait == pytest.approx(2 / 3, abs=0.1)
+    assert _fraction(windows, "wait", 1) < 0.05
