@@ -56,6 +56,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mix4": {"shares": [1.0, 1.0, 0.5, 0.25], "memory_gib": [None, None, 48, 24], "link": "pcie"},
     # two identical GPUs on NVLink: the strategy's overhead over DDP
     "same2": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "nvlink"},
+    # one whole GPU (world size 1): the host-side cost of a configuration with nobody to wait for
+    "one": {"shares": [1.0], "memory_gib": [None], "link": "nvlink"},
 }
 CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
 # Not run by default: capacities="equal" (the strategy's overhead at DDP's split), profiled shares with bf16

@@ -91,7 +91,6 @@ def _block_toggle_class() -> type:
                 self.costs.append({"on": self.on, **{k: (now[k] - self.counted[k]) / self.block for k in now}})
             if self.on:
                 trainer.callbacks.remove(self.monitor)
-                trainer.strategy.attach_monitor(None)
                 self.monitor.on_train_end(trainer, pl_module)  # nothing left to exchange: it stops watching
             else:
                 self.monitor.setup(trainer, pl_module, "fit")
@@ -204,8 +203,10 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     errors = [f"{r['model']}/{r['config']}: {r['error']}" for r in rows if "error" in r]
     if errors:
         print("[monitor_overhead] errors: " + "; ".join(errors))
+    scenario = bench_lab.SCENARIOS[args.scenario]
+    whole = all(s == 1.0 for s in scenario["shares"]) and not any(scenario["memory_gib"])
     return {"device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
-            "heterogeneity": f"emulated ({args.scenario}: {bench_lab.SCENARIOS[args.scenario]})", "arms": arms}
+            "heterogeneity": "none (whole GPUs)" if whole else f"emulated ({args.scenario}: {scenario})", "arms": arms}
 
 
 def bootstrap_interval(ratios: list[float], draws: int = 4000) -> tuple[float, float]:
@@ -255,7 +256,7 @@ def main() -> None:
                      help="what is toggled: HeteroMonitor; an empty Callback (Lightning's own cost of one more "
                           "callback); Lightning's ThroughputMonitor (a per-step monitor of Lightning's, for scale)")
     gpu = parser.add_argument_group("GPU")
-    gpu.add_argument("--scenario", default="mix2", help="bench_lab scenario")
+    gpu.add_argument("--scenario", default="mix2", help="bench_lab scenario ('one': a single whole GPU)")
     gpu.add_argument("--models", default="gpt,resnet50", help="bench_lab models")
     args = parser.parse_args()
     on_gpu = args.accelerator == "gpu"

@@ -19,8 +19,10 @@ collective of the step. Ranks exchange their per-step records only on logging st
 ``log_every_n_steps``), so the step itself gains no collective.
 
 Timing uses ``time.perf_counter`` on CPU and CUDA events on GPUs (recorded in the step, read on logging steps: no
-synchronize per step). The local backward's end is :class:`~lightning_hetero.rebalance.StepTimer`'s mark (a callback
-autograd runs once the backward's last gradient is accumulated). With ``nvidia-ml-py`` installed (extra ``monitor``),
+synchronize per step). The step's hooks only append marks to an event log, turned into per-step rows on logging
+steps. The local backward's end is marked by HeteroDDPStrategy's comm hook as the last bucket enters it, or under
+other strategies by a callback autograd runs once the backward's last gradient is accumulated
+(:func:`~lightning_hetero.rebalance.when_backward_ends`). With ``nvidia-ml-py`` installed (extra ``monitor``),
 GPU utilisation, memory, power, temperature, SM clock and thermal throttling come from NVML.
 
 Rank 0 logs, per logging window (``r`` = rank): ``monitor/compute_s_rank{r}``, ``wait_s``, ``data_s``, ``comm_s``
@@ -44,15 +46,14 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import IO, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_hetero.rebalance import StepTimer
+from lightning_hetero.rebalance import when_backward_ends
 
 SIDECAR = "hetero_monitor.jsonl"
 # Per-step record columns (seconds, counts), exchanged on logging steps.
@@ -62,42 +63,91 @@ _NVML_FIELDS = ("gpu_util", "mem_gib", "power_w", "temp_c", "sm_clock_mhz", "the
 BUSY_THRESHOLD = 0.85
 COMM_RATIO_THRESHOLD = 0.3
 
+# The step's hooks only read the clock and append one tuple to the rank's event log; :class:`_StepRows` turns the log
+# into rows on logging steps. (In a 2-core VM's training loop every Python call or object a hook makes costs several
+# microseconds, on both ranks' critical path: work that can wait for the logging step does.)
+_START = 0  # (kind, mark, samples, tokens, loader fetch seconds since the previous batch start): a batch starts
+_BACKWARD_END = 1  # (kind, mark): a backward has accumulated every gradient (the last one in a step counts)
+_RELEASE = 2  # (kind, mark): after the closure: the gradient all-reduce is done
+_END = 3  # (kind, mark): the batch ends
+_COLLECTIVE = 4  # (kind, begin, end): a collective issued from within the step
+_EXCLUDED = 5  # (kind, begin, end): validation inside training, part of no step
+_EXCHANGE = 6  # (kind, begin, end): the monitor's own exchange, counted as sync of the next step
+_INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE)
 
-class _Cycle:
-    """One optimizer step's marks on this rank (clock values or CUDA events), resolved on logging steps."""
 
-    __slots__ = ("origin", "release", "fb_end", "gaps", "colls", "excluded", "fetch", "samples", "tokens")
+class _Step:
+    """One optimizer step of this rank being assembled from the event log (seconds and counts)."""
+
+    __slots__ = ("origin", "release", "backward_end", "gaps", "fetch", "colls", "excluded", "samples", "tokens")
 
     def __init__(self, origin: Any) -> None:
-        self.origin = origin  # the previous step's release: the cycle starts when the ranks were let go
-        self.release: Any = None  # after the closure: the gradient all-reduce is done
-        self.fb_end: Any = None  # the local backward's end
-        self.gaps: list[tuple[Any, Any]] = []  # from a batch's end to the next one's start
-        self.colls: list[tuple[Any, Any]] = []  # collectives inside the step
-        self.excluded: list[tuple[Any, Any]] = []  # validation runs
-        self.fetch = 0.0  # loader fetch seconds inside the gaps
-        self.samples = 0
-        self.tokens = 0
+        self.origin = origin  # the previous step's release: the step starts when the ranks were let go
+        self.release: Any = None
+        self.backward_end: Any = None
+        self.gaps = self.fetch = self.colls = self.excluded = 0.0
+        self.samples = self.tokens = 0
+
+    def row(self, seconds: Callable[[Any, Any], float]) -> tuple[float, ...]:
+        gaps = self.gaps - self.excluded if self.gaps > self.excluded else 0.0
+        data = gaps if gaps < self.fetch else self.fetch  # the rest of the gap: Lightning's broadcast, bookkeeping
+        tail = seconds(self.backward_end, self.release) if self.backward_end is not None else 0.0
+        sync = self.colls + (tail if tail > 0.0 else 0.0) + gaps - data
+        return (seconds(self.origin, self.release) - self.excluded, data, sync, self.samples, self.tokens)
 
 
-class _InStepCollective:
-    """The context manager :meth:`HeteroMonitor.collective` returns: one object, entered every step (a generator-based
-    one would cost several calls more, inside the step)."""
+class _StepRows:
+    """Replays the event log into one row (``_STEP_FIELDS``) per completed optimizer step. What spans two logging
+    windows stays here: the last release and batch end, intervals owed to the next step, a step still open."""
 
-    __slots__ = ("monitor", "begin")
+    def __init__(self, seconds: Callable[[Any, Any], float]) -> None:
+        self.seconds = seconds
+        self.last_release: Any = None
+        self.last_end: Any = None
+        self.owed_sync = 0.0  # exchanges since the last batch end: sync of the next step
+        self.owed_excluded = 0.0  # validation since the last batch end
+        self.backward_end: Any = None  # the last backward-end mark since the batch started
+        self.open: Optional[_Step] = None
 
-    def __init__(self, monitor: "HeteroMonitor") -> None:
-        self.monitor = monitor
-        self.begin: Any = None
-
-    def __enter__(self) -> None:
-        self.begin = self.monitor._mark() if self.monitor._current is not None else None
-
-    def __exit__(self, *exc_info: Any) -> None:
-        current = self.monitor._current
-        if self.begin is not None and current is not None:
-            current.colls.append((self.begin, self.monitor._mark()))
-        self.begin = None
+    def rows(self, events: Sequence[tuple]) -> list[float]:
+        """Row after row, flat, for the steps the events complete."""
+        seconds, step, flat = self.seconds, self.open, []
+        for event in events:
+            kind = event[0]
+            if kind == _START:
+                _, mark, samples, tokens, fetch = event
+                if step is None:
+                    step = _Step(self.last_release if self.last_release is not None else mark)
+                if self.last_end is not None:
+                    step.gaps += seconds(self.last_end, mark)
+                    step.fetch += fetch
+                    self.last_end = None
+                step.colls += self.owed_sync
+                step.excluded += self.owed_excluded
+                self.owed_sync = self.owed_excluded = 0.0
+                step.samples += samples
+                step.tokens += tokens
+                self.backward_end = None
+            elif kind == _BACKWARD_END:
+                self.backward_end = event[1]
+            elif kind == _RELEASE:
+                if step is not None and step.release is None:  # a second optimizer: the first one's release counts
+                    step.release, step.backward_end = event[1], self.backward_end
+            elif kind == _END:
+                self.last_end = event[1]
+                if step is not None and step.release is not None:  # else an accumulating batch: the step goes on
+                    flat += step.row(seconds)
+                    self.last_release, step = step.release, None
+            elif kind == _COLLECTIVE:
+                if step is not None:  # between batches it is part of the gap, which counts as sync anyway
+                    step.colls += seconds(event[1], event[2])
+            elif kind == _EXCLUDED:
+                self.owed_excluded += seconds(event[1], event[2])
+            elif kind == _EXCHANGE and self.last_end is not None:
+                self.owed_sync += seconds(event[1], event[2])
+                self.last_end = event[2]
+        self.open = step
+        return flat
 
 
 class HeteroMonitor(Callback):
@@ -133,24 +183,24 @@ class HeteroMonitor(Callback):
         self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
         self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
         self._warned: set[str] = set()
-        self._in_step_collective = _InStepCollective(self)
         self._reset_run()
 
     def _reset_run(self) -> None:
-        self._timer: Optional[StepTimer] = None
-        self._marks_from_hook = False
+        self._running = False
+        self._marks_from_hook = False  # the strategy's comm hook marks the backward's end (else a hook on the loss)
         self._strategy: Any = None
         self._every = 1
         self._device = torch.device("cpu")
-        self._records: list[_Cycle] = []  # one per optimizer step: marks, resolved on logging steps
-        self._current: Optional[_Cycle] = None
-        self._last_release: Any = None
-        self._last_end: Any = None
+        self._events: list[tuple] = []  # this window's events (see _START ...), replayed on logging steps
+        self._push = self._events.append
+        self._rows = _StepRows(self._seconds)
+        self._released = False  # an optimizer step was taken in this batch
         self._steps_done = 0
+        self._unexchanged = 0  # completed steps not yet exchanged
+        self._count_tokens = True  # until the first batch shows whether its first tensor holds token ids
+        self._path: Optional[tuple[Any, ...]] = None  # keys from a batch to its first tensor
         self._nvml_handle: Any = None
-        self._sidecar: Optional[str] = None
-        self._carry: list[tuple[Any, Any]] = []  # the last exchange's interval, counted in the next cycle
-        self._excluded: list[tuple[Any, Any]] = []  # validation inside training: not part of any step
+        self._sidecar: Optional[IO[str]] = None
         self._validation_began: Any = None
         self._fetch_began: Optional[float] = None
         self._fetch_s = 0.0  # loader fetch seconds since the last batch start (host clock)
@@ -176,10 +226,13 @@ class HeteroMonitor(Callback):
     def _host_seconds(a: Optional[float], b: Optional[float]) -> float:
         return 0.0 if a is None or b is None else b - a
 
-    def collective(self) -> "_InStepCollective":
-        """``with monitor.collective():`` times a collective issued from within the step (the strategy wraps its
-        ``reduce`` in this)."""
-        return self._in_step_collective
+    def timed_collective(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``collective(*args, **kwargs)``, a collective issued from within the step, timed as sync (the strategy
+        runs its weighted ``reduce`` through this)."""
+        begin = self._mark()
+        out = collective(*args, **kwargs)
+        self._push((_COLLECTIVE, begin, self._mark()))
+        return out
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -190,140 +243,134 @@ class HeteroMonitor(Callback):
         self._device = trainer.strategy.root_device
         self.__dict__.pop("_mark", None)
         self.__dict__.pop("_seconds", None)
-        if self._device.type != "cuda":  # host clock: no device check per call (five marks a step)
+        if self._device.type != "cuda":  # host clock: no device check per mark
             self._mark = time.perf_counter  # type: ignore[method-assign]
             self._seconds = self._host_seconds  # type: ignore[method-assign]
-        if hasattr(trainer.strategy, "attach_monitor"):
-            trainer.strategy.attach_monitor(self)
+        self._rows = _StepRows(self._seconds)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._timer = StepTimer(self._device, fresh_events=True)
+        self._running = True
         self._strategy = trainer.strategy
         self._every = self.every_n_steps or max(1, trainer.log_every_n_steps)
         # HeteroDDPStrategy's comm hook marks the backward's end for free; other strategies: a hook on the loss.
         observe = getattr(trainer.strategy, "observe_backward_end", None)
-        self._marks_from_hook = bool(observe is not None and observe(self._timer.mark_end))
+        self._marks_from_hook = bool(observe is not None and observe(self._backward_ended))
+        if hasattr(trainer.strategy, "attach_monitor"):
+            trainer.strategy.attach_monitor(self)
         self._watch_fetch(trainer)
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = _nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
             os.makedirs(log_dir, exist_ok=True)
-            self._sidecar = os.path.join(log_dir, SIDECAR)
-            with open(self._sidecar, "w"):
-                pass
+            self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")  # written and flushed once a window
 
     def _watch_fetch(self, trainer: Trainer) -> None:
         """Time the loader's fetches: the training epoch loop brackets each one with ``_on_before_fetch`` /
-        ``_on_after_fetch`` (its fetcher calls them through the profiler action ``train_dataloader_next``). Wrapping
-        those two costs two calls a step; wrapping the profiler (the fallback) intercepts every profiled hook."""
-        began = self._fetch_began_now
-
-        def ended() -> None:
-            if self._fetch_began is not None:
-                self._fetch_s += time.perf_counter() - self._fetch_began
-                self._fetch_began = None
-
+        ``_on_after_fetch`` (its data fetcher holds them from the epoch's start on, so the running fetcher's copies
+        are swapped too). Wrapping those two costs two calls a step; wrapping the profiler (the fallback) intercepts
+        every profiled hook."""
+        perf_counter = time.perf_counter
         loop = getattr(trainer.fit_loop, "epoch_loop", None)
         if callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None)):
-            target, names = loop, ("_on_before_fetch", "_on_after_fetch")
             before, after = loop._on_before_fetch, loop._on_after_fetch
 
-            # Called every batch: the clock is read right here rather than through `began` / `ended`.
             def watched_before() -> None:
-                self._fetch_began = time.perf_counter()
+                self._fetch_began = perf_counter()
                 before()
 
             def watched_after() -> None:
                 after()
-                if self._fetch_began is not None:
-                    self._fetch_s += time.perf_counter() - self._fetch_began
+                began = self._fetch_began
+                if began is not None:
+                    self._fetch_s += perf_counter() - began
                     self._fetch_began = None
-        else:
-            target, names = trainer.profiler, ("start", "stop")
-            start, stop = trainer.profiler.start, trainer.profiler.stop
 
-            def watched_before(action_name: str) -> None:  # type: ignore[misc]
+            loop._on_before_fetch, loop._on_after_fetch = watched_before, watched_after
+            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+            swap = fetcher is not None and getattr(fetcher, "_start_profiler", None) == before
+            if swap:
+                fetcher._start_profiler, fetcher._stop_profiler = watched_before, watched_after
+
+            def unwatch() -> None:
+                del loop._on_before_fetch, loop._on_after_fetch  # back to the class's methods
+                if swap and fetcher._start_profiler is watched_before:
+                    fetcher._start_profiler, fetcher._stop_profiler = loop._on_before_fetch, loop._on_after_fetch
+        else:
+            profiler = trainer.profiler
+            start, stop = profiler.start, profiler.stop
+
+            def watched_start(action_name: str) -> None:
                 if action_name.endswith("train_dataloader_next"):
-                    began()
+                    self._fetch_began = perf_counter()
                 start(action_name)
 
-            def watched_after(action_name: str) -> None:  # type: ignore[misc]
+            def watched_stop(action_name: str) -> None:
                 stop(action_name)
-                if action_name.endswith("train_dataloader_next"):
-                    ended()
+                if action_name.endswith("train_dataloader_next") and self._fetch_began is not None:
+                    self._fetch_s += perf_counter() - self._fetch_began
+                    self._fetch_began = None
 
-        setattr(target, names[0], watched_before)
-        setattr(target, names[1], watched_after)
+            profiler.start, profiler.stop = watched_start, watched_stop
 
-        def unwatch() -> None:
-            for name in names:
-                delattr(target, name)  # back to the class's methods
+            def unwatch() -> None:
+                del profiler.start, profiler.stop
 
         self._unwatch = unwatch
 
-    def _fetch_began_now(self) -> None:
-        self._fetch_began = time.perf_counter()
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # Runs every batch: plain attribute work only (a few microseconds on a 2-core VM).
-        start = self._mark()
-        current = self._current
-        if current is None:
-            current = self._current = _Cycle(self._last_release if self._last_release is not None else start)
-        if self._last_end is not None:
-            current.gaps.append((self._last_end, start))
-            current.fetch += self._fetch_s
-            self._last_end = None
+        samples = getattr(self._strategy, "_train_step_size", None)
+        tokens = 0
+        if samples is None or self._count_tokens:
+            samples, tokens = self._counts(batch, samples)
+        self._push((_START, self._mark(), samples, tokens, self._fetch_s))
         self._fetch_s = 0.0
-        if self._carry:
-            current.colls += self._carry
-            self._carry = []
-        if self._excluded:
-            current.excluded += self._excluded
-            self._excluded = []
-        samples, tokens = _batch_counts(self._strategy, batch)
-        current.samples += samples
-        current.tokens += tokens
-        if self._timer is not None:
-            self._timer.start()
+
+    def _counts(self, batch: Any, samples: Optional[int]) -> tuple[int, int]:
+        """(samples, tokens) from the batch's first tensor, searched for once and looked up by its keys after."""
+        first = _at(batch, self._path)
+        if first is None:
+            self._path = _first_tensor_path(batch)
+            first = _at(batch, self._path)
+        samples, tokens = _counts_of(first, samples)
+        if self._path is not None and first is not None:
+            self._count_tokens = tokens > 0  # by the first batch: a loader yields batches of one structure
+        return samples, tokens
+
+    def _backward_ended(self) -> None:
+        self._push((_BACKWARD_END, self._mark()))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        if self._timer is not None and not self._marks_from_hook:
-            self._timer.watch(loss)
+        if self._running and not self._marks_from_hook and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            when_backward_ends(loss, self._backward_ended)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Lightning calls this after the closure: forward, backward and DDP's gradient all-reduce are done.
-        current = self._current
-        if current is None or current.release is not None:
-            return  # a second optimizer in the same step: the first one's release ends the cycle
-        current.release = self._mark()
-        current.fb_end = self._timer.end_mark() if self._timer is not None else None
+        self._push((_RELEASE, self._mark()))
+        self._released = True
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._last_end = self._mark()
-        current = self._current
-        if current is None or current.release is None:
-            return  # an accumulating micro-batch: the cycle goes on
-        self._records.append(current)
-        self._last_release, self._current = current.release, None
-        self._steps_done += 1
-        if self._steps_done % self._every == 0:
-            self._exchange(trainer)
+        self._push((_END, self._mark()))
+        if self._released:  # else an accumulating batch: the step goes on
+            self._released = False
+            self._steps_done += 1
+            self._unexchanged += 1
+            if self._steps_done % self._every == 0:
+                self._exchange(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._timer is not None and not trainer.sanity_checking:
+        if self._running and not trainer.sanity_checking:
             self._validation_began = self._mark()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Validation runs between two training batches: its time belongs to no step.
         if self._validation_began is not None:
-            self._excluded.append((self._validation_began, self._mark()))
+            self._push((_EXCLUDED, self._validation_began, self._mark()))
             self._validation_began = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._records:
+        if self._unexchanged:
             self._exchange(trainer)
         self._stop_watching(trainer)
         if self.summary and trainer.global_rank == 0 and self.totals is not None:
@@ -333,75 +380,68 @@ class HeteroMonitor(Callback):
         self._stop_watching(trainer)
 
     def _stop_watching(self, trainer: Trainer) -> None:
-        if self._timer is not None and self._marks_from_hook:
-            trainer.strategy.observe_backward_end(self._timer.mark_end, observe=False)
-        self._timer, self._marks_from_hook, self._strategy = None, False, None
+        if self._running:
+            if self._marks_from_hook:
+                trainer.strategy.observe_backward_end(self._backward_ended, observe=False)
+            if hasattr(trainer.strategy, "attach_monitor"):
+                trainer.strategy.attach_monitor(None)
+        self._running, self._marks_from_hook, self._strategy = False, False, None
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
+        if self._sidecar is not None:
+            self._sidecar.close()
+            self._sidecar = None
         self._nvml_handle = None  # not picklable (the spawn launcher pickles the strategy that holds this callback)
 
     # -- the exchange on logging steps ------------------------------------------------------------------------------
-    def _local_rows(self) -> torch.Tensor:
-        """This rank's records as a (steps, fields) tensor of seconds and counts (waits for the last CUDA event)."""
-        if self._device.type == "cuda" and self._records:
-            self._records[-1].release.synchronize()
-        seconds = self._seconds
-        flat: list[float] = []  # row after row: one tensor from one flat list
-        for rec in self._records:
-            excluded = gaps = colls = 0.0
-            for a, b in rec.excluded:
-                excluded += seconds(a, b)
-            for a, b in rec.gaps:
-                gaps += seconds(a, b)
-            for a, b in rec.colls:
-                colls += seconds(a, b)
-            gaps = gaps - excluded if gaps > excluded else 0.0
-            data = gaps if gaps < rec.fetch else rec.fetch  # the rest of the gap: the loop's broadcast, bookkeeping
-            tail = seconds(rec.fb_end, rec.release) if rec.fb_end is not None else 0.0
-            flat += (seconds(rec.origin, rec.release) - excluded, data, colls + (tail if tail > 0.0 else 0.0) + gaps
-                     - data, rec.samples, rec.tokens)
-        self._records = []
-        return torch.tensor(flat, dtype=torch.float64).reshape(-1, len(_STEP_FIELDS))
+    def _local_rows(self) -> list[float]:
+        """This rank's steps since the last exchange, row after row (waits for the window's last CUDA event)."""
+        events = self._events
+        if self._device.type == "cuda" and events:
+            last = events[-1]
+            (last[2] if last[0] in _INTERVALS else last[1]).synchronize()
+        flat = self._rows.rows(events)
+        events.clear()
+        self._unexchanged = 0
+        return flat
 
     def _exchange(self, trainer: Trainer) -> None:
         begin = self._mark()
-        rows = self._local_rows()
-        readings = torch.tensor(_nvml_readings(self._nvml_handle), dtype=torch.float64)
-        packed = torch.cat([rows.reshape(-1), readings]).to(self._device, torch.float32 if self._device.type ==
-                                                            "cuda" else torch.float64)
+        flat = self._local_rows()
+        steps = len(flat) // len(_STEP_FIELDS)
+        flat += _nvml_readings(self._nvml_handle)
         world = trainer.world_size
         if world > 1 and dist.is_available() and dist.is_initialized():
+            packed = torch.tensor(flat, dtype=torch.float32 if self._device.type == "cuda" else torch.float64,
+                                  device=self._device)
             parts = [torch.empty_like(packed) for _ in range(world)]
             dist.all_gather(parts, packed)
-            gathered = torch.stack(parts).double().cpu()
+            gathered = [part.tolist() for part in parts]
         else:
-            gathered = packed.reshape(1, -1).double().cpu()
-        n = rows.numel()
-        steps = gathered[:, :n].reshape(world, -1, len(_STEP_FIELDS))  # (rank, step, field)
-        nvml = gathered[:, n:]
-        # The exchange is a collective too: the next cycle counts it as sync, not as data loading.
-        if self._last_end is not None:
-            end = self._mark()
-            self._carry.append((begin, end))
-            self._last_end = end
-        if trainer.global_rank == 0 and steps.shape[1] > 0:
-            self._record_window(trainer, steps, nvml)
+            gathered = [flat]
+        # The exchange is a collective too: the next step counts it as sync, not as data loading.
+        self._push((_EXCHANGE, begin, self._mark()))
+        if trainer.global_rank == 0 and steps > 0:
+            width = len(_STEP_FIELDS)
+            table = [[values[i * width:(i + 1) * width] for i in range(steps)] for values in gathered]
+            self._record_window(trainer, table, [values[steps * width:] for values in gathered])
 
-    def _record_window(self, trainer: Trainer, steps: torch.Tensor, nvml: torch.Tensor) -> None:
-        window = analyse(steps, first_step=trainer.global_step - steps.shape[1])
+    def _record_window(self, trainer: Trainer, steps: list[list[list[float]]], nvml: list[list[float]]) -> None:
+        n = len(steps[0])
+        window = analyse(steps, first_step=trainer.global_step - n)
         window.update(step=int(trainer.global_step),
-                      nvml={name: nvml[:, i].tolist() for i, name in enumerate(_NVML_FIELDS)})
-        skip = max(0, self.warmup_steps - (self._steps_done - steps.shape[1]))  # steps of this run, not global
-        if skip < steps.shape[1]:
-            kept = analyse(steps[:, skip:], first_step=window["first_step"] + skip) if skip else window
+                      nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(_NVML_FIELDS)})
+        skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
+        if skip < n:
+            kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip) if skip else window
             self.totals = _accumulate(self.totals, kept)
         self.windows.append(window)
         self._log(trainer, window)
         if self._sidecar is not None:
-            with open(self._sidecar, "a") as f:
-                f.write(json.dumps(_jsonable(window)) + "\n")
-        if self.warn and skip < steps.shape[1]:
+            self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
+            self._sidecar.flush()  # a crash loses no logged window
+        if self.warn and skip < n:
             for key, message in advice(window, nvml_util=window["nvml"]["gpu_util"]):
                 if key not in self._warned:
                     self._warned.add(key)
@@ -430,14 +470,15 @@ class HeteroMonitor(Callback):
         trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def analyse(steps: torch.Tensor, first_step: int = 0) -> dict[str, Any]:
-    """Per-rank means per step of a window of records (rank, step, field) and the job-level figures.
+def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0) -> dict[str, Any]:
+    """Per-rank means per step of a window of records (rank, step, field: ``_STEP_FIELDS``) and the job-level
+    figures.
 
     The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
     communication; everything any rank spent in sync beyond it is waiting for slower ranks. (Plain Python over the
     table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
     """
-    table = steps.tolist()  # [rank][step][field]
+    table = steps.tolist() if isinstance(steps, torch.Tensor) else steps  # [rank][step][field]
     world, n = len(table), (len(table[0]) if table else 0)
     comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
     comm_total = sum(comm_steps)
@@ -588,36 +629,52 @@ def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
 
 
 def _batch_counts(strategy: Any, batch: Any) -> tuple[int, int]:
-    """(samples, tokens) of this rank's batch: the strategy's own count when it has one; tokens when the first
-    tensor is an integer tensor of two or more dimensions (token ids: batch × sequence)."""
-    samples = getattr(strategy, "_train_step_size", None)
-    if samples is None:
-        try:
-            samples = extract_batch_size(batch)
-        except Exception:
-            samples = 0
-    first = _first_tensor(batch)
+    """(samples, tokens) of this rank's batch: the strategy's own count when it has one, else the first tensor's
+    length; tokens when the first tensor is an integer tensor of two or more dimensions (token ids: batch ×
+    sequence)."""
+    return _counts_of(_at(batch, _first_tensor_path(batch)), getattr(strategy, "_train_step_size", None))
+
+
+def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:
     tokens = 0
     if first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex() \
             and first.dtype != torch.bool:
         tokens = int(first.shape[0] * first.shape[1])
+    if samples is None:
+        samples = (int(first.shape[0]) if first.dim() else 1) if first is not None else 0
     return int(samples), tokens
 
 
-def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+def _first_tensor_path(batch: Any) -> Optional[tuple[Any, ...]]:
+    """Keys and indices that lead from ``batch`` to its first tensor (token ids first in a mapping), or ``None``."""
     if isinstance(batch, torch.Tensor):
-        return batch
+        return ()
     if isinstance(batch, Mapping):
         for key in ("input_ids", "tokens", "input"):
             if isinstance(batch.get(key), torch.Tensor):
-                return batch[key]
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
+                return (key,)
+        items: Any = batch.items()
+    elif isinstance(batch, (list, tuple)):
+        items = enumerate(batch)
+    else:
+        return None
+    for key, item in items:
+        rest = _first_tensor_path(item)
+        if rest is not None:
+            return (key, *rest)
     return None
+
+
+def _at(batch: Any, path: Optional[tuple[Any, ...]]) -> Optional[torch.Tensor]:
+    """The tensor at ``path`` in ``batch``; ``None`` when the batch has another structure."""
+    if path is None:
+        return None
+    try:
+        for key in path:
+            batch = batch[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return batch if isinstance(batch, torch.Tensor) else None
 
 
 def _nvml_handle(device: torch.device) -> Any:

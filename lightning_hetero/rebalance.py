@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,21 +34,30 @@ from lightning_hetero.profiling import ProfileResult, profile_lightning_module, 
 from lightning_hetero.sampler import HeteroBatchSampler
 
 
+def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once the backward that ``loss`` will start has accumulated every gradient (register before
+    it starts). A hook on the loss queues it on autograd's engine, which runs queued callbacks after the backward's
+    last gradient and before DDP's own end-of-backward callback waits for the gradient all-reduce (in the order they
+    were queued, DDP's when its last bucket is ready). On CUDA the engine runs it on the stream ``backward()`` was
+    called from, after syncing it with every stream the backward used. Two Python calls a backward, whatever the
+    number of parameters or the order they finish in."""
+
+    def queue(grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    loss.register_hook(queue)
+
+
 class StepTimer:
     """Compute seconds of one training step on this rank, waits excluded.
 
-    The step's compute ends where its local backward does. :meth:`watch` hooks the loss a backward starts from; that
-    hook queues a callback on autograd's engine, which runs once every gradient of the backward is accumulated and
-    before DDP's own end-of-backward callback waits for the gradient all-reduce (the engine runs them in the order
-    they were queued, DDP's when its last bucket is ready). Two Python calls a backward, whatever the number of
-    parameters or the order they finish in. On CUDA the engine runs the callback on the stream ``backward()`` was
-    called from, after syncing it with every stream the backward used, so one event recorded there marks the end.
+    The step's compute ends where its local backward does: :meth:`watch` marks it with :func:`when_backward_ends`
+    (on CUDA one event recorded on the stream the backward was called from).
     """
 
-    def __init__(self, device: torch.device, fresh_events: bool = False) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
-        self._fresh = fresh_events  # new events every step: earlier marks stay readable (read later, no sync)
         self._active = False
         self._start: Any = None
         self._end: Any = None
@@ -60,10 +69,7 @@ class StepTimer:
     def watch(self, loss: Any) -> None:
         """Mark the end of the backward that ``loss`` will start (call before it does; ignored outside a step)."""
         if self._active and isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.register_hook(self._on_loss_grad)
-
-    def _on_loss_grad(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.mark_end)
+            when_backward_ends(loss, self.mark_end)
 
     def mark_end(self) -> None:
         """This step's backward ends now (the latest call of a step wins)."""
@@ -79,9 +85,6 @@ class StepTimer:
         self._active = True
         self._end, self._excluded = None, 0.0
         if self._cuda:
-            if self._fresh:
-                self._start_event = torch.cuda.Event(enable_timing=True)
-                self._end_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
             self._start = self._start_event
         else:

@@ -17,7 +17,7 @@ def test_cuda_end_mark_closes_the_backward_on_the_stream_it_ran_on() -> None:
     torch.cuda.set_device(device)
     model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(device)
     x = torch.randn(2048, 4096, device=device)
-    timer = StepTimer(device, fresh_events=True)
+    timer = StepTimer(device)
     side = torch.cuda.Stream(device)
     for _ in range(4):  # the last repeat is measured
         with torch.cuda.stream(side):
