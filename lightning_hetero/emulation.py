@@ -36,7 +36,9 @@ On CPU there are no SMs: a profile's ``slowdown`` makes the rank pause ``(slowdo
 training thread spent in each step (Lightning's launchers give each CPU rank cores / ranks intra-op threads; with
 more than one, work on the other threads is not counted), and presets calibrate to
 ``slowdown = fastest preset's rate / this preset's rate``. CPU time, not wall time: a rank blocked waiting for a
-slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other. The
+slower rank's all-reduce would otherwise sleep for that wait too, and slowed ranks would inflate each other. The CPU
+that collectives inside the step burn (the strategy's weighted ``reduce``; DDP's wait for the gradient all-reduce
+after the last bucket) is left out too: a slower card computes slower, its communication is not slowed. The
 pause sleeps except for its last millisecond, which is busy-waited: a core that slept comes back cold and slow, and
 that would be multiplied by the slowdown again (a 3x rank measured 5-6x on a millisecond step).
 
@@ -434,6 +436,10 @@ class Emulator:
         self._depth = 0
         self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
         self.slept_seconds = 0.0
+        # CPU: collectives are communication, not the card's compute (see `collective_began`).
+        self._cpu_slowed = device.slowdown > 1.0 and root_device.type != "cuda"
+        self._collective_cpu = 0.0  # this step's CPU seconds inside collectives
+        self._bucket_cpu: Optional[float] = None  # the clock when the last gradient bucket went to the comm hook
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -485,13 +491,14 @@ class Emulator:
                 stream.wait_stream(outer)  # the batch was copied on the outer stream
             slowed = self.device.slowdown > 1.0
             start = self._clock() if slowed else 0.0  # the clock synchronizes on CUDA: only when it is needed
+            self._collective_cpu, self._bucket_cpu = 0.0, None
             if stream is not None:
                 with torch.cuda.stream(stream):
                     yield
             else:
                 yield
             if slowed:
-                elapsed = self._clock() - start
+                elapsed = max(self._clock() - start - self._collective_cpu, 0.0)
                 self.compute_seconds += elapsed
                 # Every step pauses what it owes. A late wake-up (a busy host) is host noise, as on any rank; credited
                 # against later steps it would leave those unslowed, and the fastest of a few profiled steps would
@@ -503,6 +510,30 @@ class Emulator:
             if stream is not None:
                 outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
+
+    def collective_began(self) -> Optional[float]:
+        """Before a collective issued inside a step: the CPU clock when a CPU slowdown must leave it out, else
+        ``None``. Pass it to :meth:`collective_ended`. A slower card does not slow its collectives (on GPUs NCCL runs
+        outside the green context too), yet gloo burns CPU in each one (70-170 us per small all-reduce on a 2-core VM,
+        the more the further apart the ranks arrive): slowed, that would turn every shift in arrival times into
+        pause."""
+        return time.thread_time() if self._cpu_slowed and self._depth else None
+
+    def collective_ended(self, began: Optional[float]) -> None:
+        if began is not None:
+            self._collective_cpu += time.thread_time() - began
+
+    def bucket_ready(self) -> None:
+        """A gradient bucket went to the comm hook (a bucket observer of the strategy's weighting hook): the
+        backward's compute is done when the last one does; what follows until :meth:`backward_returned` is DDP
+        waiting for the gradient all-reduce."""
+        if self._cpu_slowed and self._depth:
+            self._bucket_cpu = time.thread_time()
+
+    def backward_returned(self) -> None:
+        if self._bucket_cpu is not None:
+            self._collective_cpu += time.thread_time() - self._bucket_cpu
+            self._bucket_cpu = None
 
     def reset_stats(self) -> None:
         """Start counting ``compute_seconds`` / ``slept_seconds`` afresh."""

@@ -508,7 +508,8 @@ class HeteroDDPStrategy(DDPStrategy):
         return True
 
     def attach_monitor(self, monitor: Any) -> None:
-        """The :class:`~lightning_hetero.monitor.HeteroMonitor` that times collectives issued inside a step."""
+        """The :class:`~lightning_hetero.monitor.HeteroMonitor` that times collectives issued inside a step (``None``:
+        none). A monitor attaches itself while it watches training."""
         self._monitor = monitor
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
@@ -652,6 +653,8 @@ class HeteroDDPStrategy(DDPStrategy):
         inner_hook, inner_state = self._inner_comm_hook()
         self._weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
         self.model.register_comm_hook(self._weighting, weighted_allreduce_hook)
+        if self._emulator is not None:
+            self.observe_backward_end(self._emulator.bucket_ready)
 
     def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
         """The averaging hook that receives the weighted bucket: the user's, wrapped if asked; else a plain sum."""
@@ -799,6 +802,8 @@ class HeteroDDPStrategy(DDPStrategy):
             pending.restore()
         self._shares.backward_started(closure_loss)
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._emulator is not None:
+            self._emulator.backward_returned()
         self._enter("optimizer")
         return out
 
@@ -860,9 +865,16 @@ class HeteroDDPStrategy(DDPStrategy):
         values = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32).reshape(-1)
         weight = torch.tensor([float(self._logging_batch_size)], dtype=values.dtype, device=values.device)
         packed = torch.cat([values * weight, weight])
-        # Waiting for other ranks is not this rank's compute time.
-        with self._shares.excluded(), (self._monitor.collective() if self._monitor is not None else nullcontext()):
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        # Waiting for other ranks is not this rank's compute (rebalancing, the CPU emulator); it is sync (monitor).
+        emulator = self._emulator
+        began = emulator.collective_began() if emulator is not None else None
+        with self._shares.excluded():
+            if self._monitor is None:
+                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+            else:
+                self._monitor.timed_collective(dist.all_reduce, packed, op=dist.ReduceOp.SUM, group=group)
+        if began is not None:
+            emulator.collective_ended(began)
         mean = packed[:-1] / packed[-1].clamp_min(1e-12)
         return mean.reshape(tensor.shape).to(tensor.dtype)
 
