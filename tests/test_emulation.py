@@ -219,6 +219,29 @@ class _LocalWorkTimer(Callback):
             json.dump(record, f)
 
 
+def test_cpu_slowdown_leaves_collectives_in_the_step_unslowed():
+    """CPU burnt inside a collective (the strategy's reduce; DDP's wait after the last gradient bucket) is not the
+    card's compute: it is not counted, so it adds no pause."""
+    emulator = Emulator(resolve(EmulationSpec(slowdown=3.0), CPU), torch.device("cpu"), "nvlink")
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    assert emulator.collective_began() is None  # outside a step: nothing to leave out
+    with emulator.work():
+        burn(0.02)  # compute
+        began = emulator.collective_began()
+        burn(0.03)  # a collective
+        emulator.collective_ended(began)
+        emulator.bucket_ready()  # the backward's last bucket went to the comm hook ...
+        burn(0.03)  # ... DDP waits for the gradient all-reduce
+        emulator.backward_returned()
+    assert 0.02 <= emulator.compute_seconds < 0.035, emulator.compute_seconds
+    assert 2 * emulator.compute_seconds <= emulator.slept_seconds < 2 * emulator.compute_seconds + 0.05
+
+
 def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
     os.environ["MASTER_PORT"] = str(free_port())
     strategy = HeteroDDPStrategy(capacities="equal", start_method="fork", print_table=False, timeout=120,
