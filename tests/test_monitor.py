@@ -60,17 +60,17 @@ def test_summary_and_token_rate() -> None:
 
 def test_event_log_replays_into_step_rows_across_windows() -> None:
     """The hooks' event log becomes one row per optimizer step: gaps with loader time, a collective inside the step,
-    the wait after the backward's end, an accumulating batch, validation left out, the monitor's own exchange counted
-    as sync of the next step, a second optimizer's release ignored; the same rows when a window ends mid-step."""
-    from lightning_hetero.monitor import (
-        _BACKWARD_END, _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _RELEASE, _START, _StepRows)
+    the wait after the backward's end (carried by the release), an accumulating batch, validation left out, the
+    monitor's own exchange counted as sync of the next step, a second optimizer's release ignored; the same rows when
+    a window ends mid-step."""
+    from lightning_hetero.monitor import _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _RELEASE, _START, _StepRows
 
     events = [
-        (_START, 0.0, 4, 0, 0.0), (_COLLECTIVE, 0.2, 0.3), (_BACKWARD_END, 0.6), (_RELEASE, 1.0), (_END, 1.1),
+        (_START, 0.0, 4, 0, 0.0), (_COLLECTIVE, 0.2, 0.3), (_RELEASE, 1.0, 0.6), (_END, 1.1),
         (_EXCHANGE, 1.1, 1.3), (_EXCLUDED, 1.3, 1.8),  # the exchange after step 1, then validation
-        (_START, 2.0, 4, 64, 0.3), (_BACKWARD_END, 2.5), (_END, 2.6),  # accumulating: no release
-        (_START, 2.7, 4, 64, 0.05), (_COLLECTIVE, 2.71, 2.72), (_BACKWARD_END, 3.0), (_RELEASE, 3.4),
-        (_RELEASE, 3.5), (_END, 3.6),
+        (_START, 2.0, 4, 64, 0.3), (_END, 2.6),  # accumulating: no release
+        (_START, 2.7, 4, 64, 0.05), (_COLLECTIVE, 2.71, 2.72), (_RELEASE, 3.4, 3.0),
+        (_RELEASE, 3.5, 3.45), (_END, 3.6),
     ]
     step1 = [1.0, 0.0, 0.1 + 0.4, 4, 0]  # cycle, data, sync (collective + wait after the backward), samples, tokens
     # Step 2 runs from step 1's release to its own, less validation (0.5 s); its gaps (0.7 + 0.1 s, 0.5 of them
@@ -78,7 +78,7 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
     step2 = [3.4 - 1.0 - 0.5, 0.3, 0.2 + 0.01 + 0.4, 8, 128]
     whole = _StepRows(lambda a, b: b - a).rows(events)
     assert whole == pytest.approx(step1 + step2)
-    for cut in (6, 9, 12):
+    for cut in (5, 8, 11):
         rows = _StepRows(lambda a, b: b - a)
         assert rows.rows(events[:cut]) + rows.rows(events[cut:]) == pytest.approx(step1 + step2), cut
 
