@@ -511,6 +511,11 @@ class Emulator:
                 outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
 
+    @property
+    def slows_cpu(self) -> bool:
+        """This rank pauses after each step in proportion to its CPU time (a CPU rank with ``slowdown`` > 1)."""
+        return self._cpu_slowed
+
     def collective_began(self) -> Optional[float]:
         """Before a collective issued inside a step: the CPU clock when a CPU slowdown must leave it out, else
         ``None``. Pass it to :meth:`collective_ended`. A slower card does not slow its collectives (on GPUs NCCL runs

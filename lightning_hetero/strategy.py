@@ -653,7 +653,7 @@ class HeteroDDPStrategy(DDPStrategy):
         inner_hook, inner_state = self._inner_comm_hook()
         self._weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
         self.model.register_comm_hook(self._weighting, weighted_allreduce_hook)
-        if self._emulator is not None:
+        if self._emulator is not None and self._emulator.slows_cpu:
             self.observe_backward_end(self._emulator.bucket_ready)
 
     def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
