@@ -83,6 +83,36 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
         assert rows.rows(events[:cut]) + rows.rows(events[cut:]) == pytest.approx(step1 + step2), cut
 
 
+def test_fetch_timing_swaps_into_the_running_data_fetcher_and_back() -> None:
+    """Lightning's data fetcher holds the epoch loop's fetch callbacks from the epoch's start on: a monitor that starts
+    (or stops) mid-epoch must swap them there too, or it misses loads until the next epoch (or keeps timing them)."""
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+
+    class Loop:
+        def _on_before_fetch(self) -> None:
+            calls.append("before")
+
+        def _on_after_fetch(self) -> None:
+            calls.append("after")
+
+    loop = Loop()
+    fetcher = SimpleNamespace(_start_profiler=loop._on_before_fetch, _stop_profiler=loop._on_after_fetch)
+    monitor = HeteroMonitor()
+    monitor._watch_fetch(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop, _data_fetcher=fetcher)))
+    fetcher._start_profiler()
+    time.sleep(0.01)
+    fetcher._stop_profiler()
+    assert calls == ["before", "after"] and monitor._fetch_s >= 0.01
+    monitor._unwatch()
+    assert "_on_before_fetch" not in vars(loop) and fetcher._start_profiler == loop._on_before_fetch
+    timed = monitor._fetch_s
+    fetcher._start_profiler()
+    fetcher._stop_profiler()
+    assert monitor._fetch_s == timed and calls == ["before", "after"] * 2
+
+
 PER_SAMPLE = 0.012
 
 
