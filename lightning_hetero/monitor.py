@@ -237,11 +237,12 @@ class HeteroMonitor(Callback):
         self._reset_run()
         self.windows, self.totals = [], None
         self._device = trainer.strategy.root_device
-        self.__dict__.pop("_mark", None)
-        self.__dict__.pop("_seconds", None)
+        for name in ("_mark", "_seconds", "_backward_ended"):
+            self.__dict__.pop(name, None)
         if self._device.type != "cuda":  # host clock: no device check per mark
             self._mark = time.perf_counter  # type: ignore[method-assign]
             self._seconds = self._host_seconds  # type: ignore[method-assign]
+            self._backward_ended = self._backward_ended_on_host  # type: ignore[method-assign]
         self._rows = _StepRows(self._seconds)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -337,12 +338,12 @@ class HeteroMonitor(Callback):
     def _backward_ended(self) -> None:
         """Called as each gradient bucket is ready (or once at the backward's end): the last call of a batch counts.
         On CUDA one event per batch is recorded again (a new event per bucket cost ~3 ms a step on GPT-2 small)."""
-        if self._device.type == "cuda":
-            if self._backward_end is None:
-                self._backward_end = torch.cuda.Event(enable_timing=True)
-            self._backward_end.record()
-        else:
-            self._backward_end = time.perf_counter()
+        if self._backward_end is None:
+            self._backward_end = torch.cuda.Event(enable_timing=True)
+        self._backward_end.record()
+
+    def _backward_ended_on_host(self) -> None:
+        self._backward_end = time.perf_counter()
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self._running and not self._marks_from_hook and isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -632,14 +633,9 @@ def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
     Console().print(table)
 
 
-def _batch_counts(strategy: Any, batch: Any) -> tuple[int, int]:
-    """(samples, tokens) of this rank's batch: the strategy's own count when it has one, else the first tensor's
-    length; tokens when the first tensor is an integer tensor of two or more dimensions (token ids: batch ×
-    sequence)."""
-    return _counts_of(_at(batch, _first_tensor_path(batch)), getattr(strategy, "_train_step_size", None))
-
-
 def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:
+    """(samples, tokens): ``samples`` when the strategy counted them, else the first tensor's length; tokens when the
+    first tensor is an integer tensor of two or more dimensions (token ids: batch × sequence)."""
     tokens = 0
     if first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex() \
             and first.dtype != torch.bool:

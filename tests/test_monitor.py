@@ -45,13 +45,20 @@ def test_analyse_splits_sync_into_wait_and_exposed_comm() -> None:
 def test_summary_and_token_rate() -> None:
     w = _window([[2.0, 0.0, 0.5, 4, 512]], [[2.0, 0.0, 0.5, 4, 512]])
     assert w["tokens_per_s"] == pytest.approx(1024 / 2.0)
-    from lightning_hetero.monitor import _accumulate, _batch_counts
+    from lightning_hetero.monitor import _accumulate
 
     rows, foot = summary_text(_accumulate(None, w))
     assert rows[0][0] == "0" and rows[0][1] == "50.0%" and "tokens/s" in foot and "of ideal" in foot
     ids = torch.zeros(4, 128, dtype=torch.long)
-    assert _batch_counts(None, {"input_ids": ids, "labels": ids}) == (4, 512)
-    assert _batch_counts(None, (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))) == (4, 0)
+    tokens = HeteroMonitor()
+    assert tokens._counts({"input_ids": ids, "labels": ids}, None) == (4, 512)
+    assert tokens._path == ("input_ids",) and tokens._count_tokens
+    assert tokens._counts({"input_ids": ids[:2, :8]}, None) == (2, 16)  # looked up by its key
+    assert tokens._counts([ids[:3]], None) == (3, 384)  # another structure: searched again
+    features = HeteroMonitor()
+    assert features._counts((torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)), None) == (4, 0)
+    assert not features._count_tokens  # no token ids: with the strategy's sample count the batch is not read again
+    assert features._counts((torch.zeros(6, 8),), 5) == (5, 0)  # the strategy's count wins
     with pytest.raises(ValueError, match="every_n_steps"):
         HeteroMonitor(every_n_steps=0)
     with pytest.raises(ValueError, match="monitor"):
