@@ -128,7 +128,7 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
 
         toggled = ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))
     else:
-        toggled = HeteroMonitor(summary=False, warn=False)
+        toggled = HeteroMonitor(summary=False, warn=False, every_n_steps=args.exchange_every)
     toggle = _block_toggle_class()(toggled, 2 * args.log_every, args.warmup)
     trainer = Trainer(accelerator="cpu", devices=args.devices,
                       strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate, print_table=False,
@@ -178,7 +178,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         costs.append(added)
     label = f"digits MLP (hidden {args.hidden}, {args.batch}/rank), capacities {args.capacities}" + (
         "" if args.no_emulate else ", rank 1 emulated 3x slower") + (
-        "" if args.callback == "monitor" else f", {args.callback.upper()} callback instead")
+        "" if args.callback == "monitor" else f", {args.callback.upper()} callback instead") + (
+        f", monitor exchanging every {args.exchange_every} steps" if args.exchange_every else "")
     return {"device": f"CPU ({os.cpu_count()} cores), {args.devices} gloo ranks", "heterogeneity": (
         "none" if args.no_emulate else "emulated (CPU slowdown)"), "arms": {label: {**times, "ratios": ratios}},
         "added_per_step": costs}
@@ -251,6 +252,9 @@ def main() -> None:
                      help="Trainer.log_every_n_steps (the monitor's exchange); a block is twice this")
     cpu.add_argument("--data", choices=("digits", "random"), default="digits",
                      help="random: the digits' shapes without scikit-learn")
+    cpu.add_argument("--exchange-every", type=int, default=None,
+                     help="the monitor's every_n_steps (default: log_every): a value beyond the run leaves only the "
+                          "per-step hooks, to tell their cost from the exchange's")
     cpu.add_argument("--no-emulate", action="store_true", help="no 3x slower rank 1")
     cpu.add_argument("--callback", choices=("monitor", "empty", "throughput"), default="monitor",
                      help="what is toggled: HeteroMonitor; an empty Callback (Lightning's own cost of one more "
@@ -265,6 +269,8 @@ def main() -> None:
     args.warmup = args.warmup or (10 if on_gpu else 20)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 1:
         parser.error("--repeats, --steps and --warmup must be >= 1")
+    if args.exchange_every is not None and args.exchange_every < 1:
+        parser.error(f"--exchange-every must be >= 1, got {args.exchange_every}")
     if not on_gpu and args.capacities != "profile":
         if len(args.capacities.split(",")) != args.devices:
             parser.error(f"--capacities needs {args.devices} values (one per device), got {args.capacities!r}")
