@@ -10,7 +10,7 @@
   the gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
   measurements in one ``all_gather``. Every rank then updates the same exponential moving average of per-rank
   throughput and takes the same decision (:func:`propose`): new shares only when they move more than
-  ``rebalance_threshold`` of the global batch, keyed to a global-batch index past every rank's prefetched batches.
+  ``rebalance_threshold`` of the global batch and the measured rates predict a shorter step, keyed to a global-batch index past every rank's prefetched batches.
 
 Example::
 
@@ -155,11 +155,25 @@ def propose(
     threshold: float,
 ) -> Optional[tuple[list[int], list[int], float]]:
     """(old split, new split, moved fraction) when splitting by ``throughput`` moves more than ``threshold`` of the
-    global batch away from the split by ``current`` capacities; else ``None`` (hysteresis: noise moves little)."""
+    global batch away from the split by ``current`` capacities (hysteresis: noise moves little) and the measured
+    ``throughput`` predicts the new split's step to be shorter; else ``None``.
+
+    The second test stops flip-flops between neighbouring splits: rounding to whole samples can make the split
+    proportional to the measured rates slower than the current one (16 samples at 2.6:1 round to 11/5, whose slow rank
+    takes longer than the fast rank at 12/4), and a rate ratio that wanders around the rounding point would otherwise
+    move a sample back and forth at every exchange.
+    """
     old = split_batch(global_batch_size, current, caps)
     new = split_batch(global_batch_size, throughput, caps)
     moved = sum(max(0, n - o) for n, o in zip(new, old)) / global_batch_size
-    return (old, new, moved) if moved > threshold else None
+    if moved <= threshold or predicted_step(new, throughput) >= predicted_step(old, throughput):
+        return None
+    return old, new, moved
+
+
+def predicted_step(split: Sequence[int], throughput: Sequence[float]) -> float:
+    """Seconds the slowest rank takes for its share at the given samples/s: the step time of a synchronous step."""
+    return max(b / rate for b, rate in zip(split, throughput))
 
 
 def gather_measurements(values: Sequence[float], device: torch.device) -> list[list[float]]:
