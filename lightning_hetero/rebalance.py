@@ -9,8 +9,9 @@
   end of its local backward, minus time blocked in collectives the strategy issues inside the step; data loading and
   the gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
   measurements in one ``all_gather``. Every rank then updates the same exponential moving average of per-rank
-  throughput and takes the same decision (:func:`propose`): new shares only when they move more than
-  ``rebalance_threshold`` of the global batch and the measured rates predict a shorter step, keyed to a global-batch index past every rank's prefetched batches.
+  throughput and takes the same decision (:func:`propose`): new shares only when the measured rates predict them to
+  shorten the step by more than ``rebalance_threshold``, keyed to a global-batch index past every rank's prefetched
+  batches.
 
 Example::
 
@@ -136,6 +137,7 @@ class Decision:
     old_split: tuple[int, ...]
     new_split: tuple[int, ...]
     moved: float  # fraction of the global batch that changes rank
+    gain: float  # fraction by which the measured rates predict the step to shorten
 
     def message(self) -> str:
         old = ", ".join(f"{s}" for s in self.old_split)
@@ -143,7 +145,8 @@ class Decision:
         rates = ", ".join(f"{c:.4g}" for c in self.new_capacities)
         return (
             f"HeteroDDPStrategy rebalance from global batch {self.first_batch}: split [{old}] -> [{new}] "
-            f"({self.moved:.1%} of the batch moves; measured samples/s [{rates}])"
+            f"(step predicted {self.gain:.1%} shorter, {self.moved:.1%} of the batch moves; measured samples/s "
+            f"[{rates}])"
         )
 
 
@@ -153,22 +156,21 @@ def propose(
     global_batch_size: int,
     caps: Optional[Sequence[int]],
     threshold: float,
-) -> Optional[tuple[list[int], list[int], float]]:
-    """(old split, new split, moved fraction) when splitting by ``throughput`` moves more than ``threshold`` of the
-    global batch away from the split by ``current`` capacities (hysteresis: noise moves little) and the measured
-    ``throughput`` predicts the new split's step to be shorter; else ``None``.
+) -> Optional[tuple[list[int], list[int], float, float]]:
+    """(old split, new split, moved fraction, gain) when the split by measured ``throughput`` (samples/s) is
+    predicted to make the step more than ``threshold`` shorter than the split by ``current`` capacities; else
+    ``None``. The gain is 1 - new step / old step, each the slowest rank's share over its rate.
 
-    The second test stops flip-flops between neighbouring splits: rounding to whole samples can make the split
-    proportional to the measured rates slower than the current one (16 samples at 2.6:1 round to 11/5, whose slow rank
-    takes longer than the fast rank at 12/4), and a rate ratio that wanders around the rounding point would otherwise
-    move a sample back and forth at every exchange.
+    Gating on the step rather than on how many samples move keeps a rate ratio that wanders around a rounding point
+    from moving a sample back and forth: near that point both splits take about as long.
     """
     old = split_batch(global_batch_size, current, caps)
     new = split_batch(global_batch_size, throughput, caps)
-    moved = sum(max(0, n - o) for n, o in zip(new, old)) / global_batch_size
-    if moved <= threshold or predicted_step(new, throughput) >= predicted_step(old, throughput):
+    gain = 1.0 - predicted_step(new, throughput) / predicted_step(old, throughput)
+    if gain <= threshold:
         return None
-    return old, new, moved
+    moved = sum(max(0, n - o) for n, o in zip(new, old)) / global_batch_size
+    return old, new, moved, gain
 
 
 def predicted_step(split: Sequence[int], throughput: Sequence[float]) -> float:
@@ -435,9 +437,9 @@ class ShareController:
         proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold)
         if proposal is None:
             return None
-        old, new, moved = proposal
+        old, new, moved, gain = proposal
         first = max(int(max(y for _, _, y in rows)), batch_idx + 1)
-        return Decision(first, tuple(current), tuple(self.ema), tuple(old), tuple(new), moved)
+        return Decision(first, tuple(current), tuple(self.ema), tuple(old), tuple(new), moved, gain)
 
     def _apply(self, strategy: Any, decision: Decision) -> None:
         assert self.sampler is not None
@@ -451,6 +453,7 @@ class ShareController:
             if trainer.logger is not None:
                 metrics = {f"hetero/share_rank{r}": b / sum(decision.new_split) for r, b in enumerate(decision.new_split)}
                 metrics["hetero/rebalance_moved"] = decision.moved
+                metrics["hetero/rebalance_gain"] = decision.gain
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
     def _log_rates(self, strategy: Any) -> None:
@@ -504,6 +507,6 @@ def validate_tuning(
     if not is_int(rebalance_every) or rebalance_every < 1:
         raise ValueError(f"`rebalance_every`={rebalance_every!r} must be a positive number of batches.")
     if not is_num(rebalance_threshold) or not 0 <= rebalance_threshold < 1:
-        raise ValueError(f"`rebalance_threshold`={rebalance_threshold!r} must be a fraction of the batch in [0, 1).")
+        raise ValueError(f"`rebalance_threshold`={rebalance_threshold!r} must be a fraction of the step time in [0, 1).")
     if not is_num(rebalance_smoothing) or not 0 < rebalance_smoothing <= 1:
         raise ValueError(f"`rebalance_smoothing`={rebalance_smoothing!r} must be in (0, 1] (1: no smoothing).")

@@ -118,8 +118,8 @@ class HeteroDDPStrategy(DDPStrategy):
         max_batch_per_rank: an explicit cap on any rank's samples per step (CPU ranks have no measured cap).
         rebalance: re-derive shares while training from each rank's measured compute time per sample.
         rebalance_every: batches between measurement exchanges (one ``all_gather`` each).
-        rebalance_threshold: change shares only when the new split moves more than this fraction of the global batch
-            (and the measured rates predict it to shorten the step).
+        rebalance_threshold: change shares only when the measured rates predict the new split to shorten the step by
+            more than this fraction.
         rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
         monitor: add a :class:`~lightning_hetero.monitor.HeteroMonitor` (unless one is among the callbacks): per-rank
             compute, wait, data and communication time logged through the Trainer's logger, and a summary at the end.

@@ -19,20 +19,23 @@ from tests.helpers import TinyModel, free_port
 def test_propose_has_hysteresis() -> None:
     # 2 % measured difference: the split hardly moves -> no change
     assert propose([1, 1], [1.0, 1.02], 32, None, threshold=0.05) is None
-    old, new, moved = propose([1, 1], [3.0, 1.0], 32, None, threshold=0.05)
-    assert (old, new) == ([16, 16], [24, 8]) and moved == pytest.approx(0.25)
+    old, new, moved, gain = propose([1, 1], [3.0, 1.0], 32, None, threshold=0.05)
+    assert (old, new) == ([16, 16], [24, 8]) and moved == pytest.approx(0.25) and gain == pytest.approx(0.5)
     # caps still bound the new split
     assert propose([1, 1], [3.0, 1.0], 32, [20, 32], threshold=0.05)[1] == [20, 12]
 
 
-def test_propose_never_moves_to_a_slower_split() -> None:
-    # At 12/4 with rates 325:129 (2.5:1) the proportional split rounds to 11/5, whose slow rank needs 5/129 s against
-    # the fast rank's 12/325 s now: one sample would move although the step gets longer (seen flip-flopping in CI).
-    assert propose([12, 4], [325.0, 129.0], 16, None, threshold=0.05) is None
-    # At 3:1 the proportional split is 12/4 and shorter than 11/5: that move happens.
+def test_propose_gates_on_the_predicted_step_not_on_samples_moved() -> None:
+    # 12/4 at rates 230:100: the split by rate is 11/5 (slow rank 50 ms, fast rank 47.8 ms) against 52.2 ms at 12/4,
+    # a gain of 4.2 %. One sample is 6.25 % of the batch, but near the rounding point (2.4:1) both splits take about as
+    # long and a wandering ratio moved that sample back and forth at each exchange (seen in CI): no move.
+    assert propose([12, 4], [230.0, 100.0], 16, None, threshold=0.05) is None
+    old, new, moved, gain = propose([12, 4], [230.0, 100.0], 16, None, threshold=0.04)
+    assert new == [11, 5] and moved == pytest.approx(1 / 16) and gain == pytest.approx(1 - 50 / (12 / 0.23))
+    # At 3:1 from 11/5 the step shortens by a fifth: that move happens.
     assert propose([11, 5], [330.0, 110.0], 16, None, threshold=0.05)[1] == [12, 4]
-    # A ratio below 12/5 makes 11/5 the shorter step again, so a real slowdown still moves the sample back.
-    assert propose([12, 4], [300.0, 130.0], 16, None, threshold=0.05)[1] == [11, 5]
+    # Many samples moving among ranks the step does not wait for gains nothing: no move.
+    assert propose([1, 2, 0.01], [1.0, 1.0, 0.01], 10, None, threshold=0.05) is None
 
 
 class TimedModel(TinyModel):
