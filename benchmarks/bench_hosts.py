@@ -1,6 +1,6 @@
 """A lab over two emulated hosts on one machine: a fast server and a slow workstation joined by 10 / 25 GbE.
 
-The hosts are emulated (:mod:`lightning_hetero.emulation`): each rank reports its emulated host name and NCCL gets
+The hosts are emulated (:mod:`lightning_hetero.lab.emulation`): each rank reports its emulated host name and NCCL gets
 ``NCCL_HOSTID`` (NVLink / P2P inside a host, NCCL's socket transport between hosts), the workstation's GPU is capped
 to a 3090-class share of the SMs (on CPU: a sleep-based slowdown), and the exchange between hosts is *paced* to the
 link's bandwidth (the bytes really cross at the machine's speed; the step is held until the emulated link would have
@@ -175,7 +175,7 @@ def _paced_ddp_class() -> type:
     """Lightning's DDPStrategy under the bench's emulation, its all-reduce over the paced link (any device type)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from lightning_hetero.emulation import LinkPacer, PacedState, paced_hook
+    from lightning_hetero.lab.emulation import LinkPacer, PacedState, paced_hook
 
     class PacedDDP(_emulated_ddp_class()):
         gbit: float = 10.0
@@ -237,8 +237,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
 def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) -> None:
     from lightning.pytorch import seed_everything
 
-    from lightning_hetero.devices import describe_device
-    from lightning_hetero.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.devices import describe_device
+    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     world = len(LAYOUTS[args.layout][0])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),

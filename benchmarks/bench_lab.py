@@ -290,8 +290,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
 def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, out_file: str) -> None:
     from lightning.pytorch import seed_everything
 
-    from lightning_hetero.devices import describe_device
-    from lightning_hetero.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.devices import describe_device
+    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     world = len(SCENARIOS[scenario]["shares"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),

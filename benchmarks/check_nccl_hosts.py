@@ -1,7 +1,7 @@
 """Check that emulated hosts change NCCL's transport: P2P / NVLink inside an emulated host, NET between hosts.
 
 Runs one all-reduce per layout with ``NCCL_DEBUG=INFO`` in fresh processes whose emulation profile names a host
-(:mod:`lightning_hetero.emulation` sets ``LIGHTNING_HETERO_HOST`` and ``NCCL_HOSTID`` before the process group), then
+(:mod:`lightning_hetero.lab.emulation` sets ``LIGHTNING_HETERO_HOST`` and ``NCCL_HOSTID`` before the process group), then
 reads NCCL's channel lines (``... 0[0] -> 1[1] via P2P/CUMEM`` or ``via NET/Socket/0``) and checks each connection
 against the layout: same emulated host → not NET; different hosts → NET. With 2 GPUs it runs "one host" (both
 ranks on one host) and "two hosts"; with 4 or more also "2+2".
@@ -26,8 +26,8 @@ def child(hosts: list[str]) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from lightning_hetero.devices import describe_device
-    from lightning_hetero.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.devices import describe_device
+    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank)

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.plan import split_batch  # noqa: E402
+from lightning_hetero.plan.split import split_batch  # noqa: E402
 
 # Solo samples/s per emulated device (benchmarks/RESULTS.md, 2x/4x H200, GPT-2 small, 1024 tokens, bf16) and the
 # measured step of the profiled split.

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import GPT, GPTConfig  # noqa: E402
 
-from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook  # noqa: E402
+from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook  # noqa: E402
 
 SETUPS = ("builtin", "torch-python", "weighted")
 

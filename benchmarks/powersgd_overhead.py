@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compression_bench import SIZES  # noqa: E402
 from benchmarks.models import GPT, GPTConfig  # noqa: E402
-from lightning_hetero.compression import CommCounter, PowerSGDCompression, PowerSGDHookState, powersgd_hook  # noqa
+from lightning_hetero.grad.compression import CommCounter, PowerSGDCompression, PowerSGDHookState, powersgd_hook  # noqa
 
 
 class Bucket:

@@ -99,7 +99,7 @@ def _module_class() -> type:
 def _recorder_class() -> type:
     from lightning.pytorch import Callback
 
-    from lightning_hetero.rebalance import StepTimer
+    from lightning_hetero.plan.rebalance import StepTimer
 
     class Recorder(Callback):
         """Per step: this rank's compute seconds, real and padded tokens, and the synchronized wall time."""

@@ -6,21 +6,21 @@ Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hetero.autocompress import AutoCompression
-from lightning_hetero.capacity import parse_capacities
-from lightning_hetero.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
-from lightning_hetero.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
-from lightning_hetero.emulation import PRESETS, EmulationSpec, Emulator
-from lightning_hetero.lab import HeteroLab, LabGroups
-from lightning_hetero.monitor import HeteroMonitor
-from lightning_hetero.plan import split_batch
-from lightning_hetero.precision import HeteroMixedPrecision, PrecisionPolicy
-from lightning_hetero.profiling import ProfileResult, RankProfile
-from lightning_hetero.rebalance import ShareController
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
-from lightning_hetero.state import RankStateCallback
-from lightning_hetero.strategy import HeteroDDPStrategy
-from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
+from lightning_hetero.grad.autocompress import AutoCompression
+from lightning_hetero.plan.capacity import parse_capacities
+from lightning_hetero.grad.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.lab.devices import PEAK_TFLOPS, DeviceInfo, describe_device, peak_tflops
+from lightning_hetero.lab.emulation import PRESETS, EmulationSpec, Emulator
+from lightning_hetero.lab.groups import HeteroLab, LabGroups
+from lightning_hetero.observe.monitor import HeteroMonitor
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.grad.precision import HeteroMixedPrecision, PrecisionPolicy
+from lightning_hetero.plan.profiling import ProfileResult, RankProfile
+from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.resilience.state import RankStateCallback
+from lightning_hetero.strategies.ddp import HeteroDDPStrategy
+from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
 
 HeteroDDPStrategy.register_strategies(StrategyRegistry)
 

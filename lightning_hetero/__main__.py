@@ -24,14 +24,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     report.add_argument("--out", help="PNG path (default: beside hetero_monitor.jsonl)")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from lightning_hetero.doctor import dry_run
-        from lightning_hetero.doctor import main as doctor_main
+        from lightning_hetero.observe.doctor import dry_run
+        from lightning_hetero.observe.doctor import main as doctor_main
 
         doctor_main(as_json=args.json)
         if args.model:
             raise SystemExit(dry_run(args.model, args.script, args.steps))
     elif args.command == "report":
-        from lightning_hetero.report import main as report_main
+        from lightning_hetero.observe.report import main as report_main
 
         report_main(args.logdir, args.out)
 

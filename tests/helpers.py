@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 
 
 class IndexedDataset(Dataset):

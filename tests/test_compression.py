@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import CastCompression, HeteroDDPStrategy, PowerSGDCompression, TopKCompression
-from lightning_hetero.compression import (
+from lightning_hetero.grad.compression import (
     CastState,
     CommCounter,
     HierarchicalState,
@@ -440,7 +440,7 @@ def test_topk_momentum_correction_sending_everything_is_exact(tmp_path, masking,
 
 
 def test_topk_momentum_warns_when_the_optimizer_has_momentum_too():
-    from lightning_hetero.compression import GradientCompression
+    from lightning_hetero.grad.compression import GradientCompression
 
     params = [nn.Parameter(torch.zeros(3))]
     hook = GradientCompression(TopKCompression(momentum=0.9), params, 2, torch.device("cpu"))
@@ -557,7 +557,7 @@ class _Bucket(FakeBucket):
 
 def test_bucket_state_follows_parameters_across_layouts():
     """Saved in DDP's rebuilt layout (two buckets), restored into the initial one (one bucket, other order)."""
-    from lightning_hetero.compression import BucketStates, _elementwise
+    from lightning_hetero.grad.compression import BucketStates, _elementwise
 
     params = [torch.zeros(3, 2), torch.zeros(3), torch.zeros(4)]
     saved: dict[int, torch.Tensor] = {}

@@ -2,8 +2,8 @@ import json
 
 import torch
 
-from lightning_hetero.devices import DeviceInfo, has_bf16_hardware, peak_tflops
-from lightning_hetero.doctor import diagnose, format_report
+from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware, peak_tflops
+from lightning_hetero.observe.doctor import diagnose, format_report
 
 
 def _gpu(name, cc, sms=100):

@@ -13,8 +13,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
-from lightning_hetero.emulation import (
+from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
+from lightning_hetero.lab.emulation import (
     PRESETS,
     EmulationSpec,
     Emulator,

@@ -22,8 +22,8 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero import faults
-from lightning_hetero.faults import _pid_dead, is_peer_failure
+from lightning_hetero.resilience import faults
+from lightning_hetero.resilience.faults import _pid_dead, is_peer_failure
 from tests.helpers import IndexedDataset, TinyModel, free_port
 
 TIMEOUT = 5.0  # the strategy's timeout in these jobs

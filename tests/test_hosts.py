@@ -11,16 +11,16 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.autocompress import AutoCompression, LinkMeasurement, choose
-from lightning_hetero.compression import (
+from lightning_hetero.grad.autocompress import AutoCompression, LinkMeasurement, choose
+from lightning_hetero.grad.compression import (
     CastCompression,
     NoCompression,
     PowerSGDCompression,
     TopKCompression,
     parse_compression,
 )
-from lightning_hetero.devices import HOST_OVERRIDE_ENV, describe_device
-from lightning_hetero.emulation import LinkPacer, job_link_class, parse_emulate, start_emulation
+from lightning_hetero.lab.devices import HOST_OVERRIDE_ENV, describe_device
+from lightning_hetero.lab.emulation import LinkPacer, job_link_class, parse_emulate, start_emulation
 from tests.helpers import Recorder, TinyModel, free_port, max_rel_diff, reference_run
 
 HOSTS_2X2 = [{"host": "a"}, {"host": "a"}, {"host": "b"}, {"host": "b"}]
@@ -246,7 +246,7 @@ def test_hierarchical_topk_state_per_rank_resumes_exactly(tmp_path):
 
 # -- doctor: P2P per pair and the NCCL settings to export ----------------------------------------------------------------
 def test_doctor_recommends_nccl_settings_for_cards_without_p2p():
-    from lightning_hetero.doctor import nccl_recommendations
+    from lightning_hetero.observe.doctor import nccl_recommendations
 
     a100s = ["NVIDIA A100-SXM4-80GB"] * 2
     assert nccl_recommendations([{"pair": [0, 1], "p2p": True}], a100s, []) == {}
@@ -261,7 +261,7 @@ def test_doctor_recommends_nccl_settings_for_cards_without_p2p():
 def test_doctor_report_lists_pairs_and_network():
     import json
 
-    from lightning_hetero.doctor import diagnose, format_report
+    from lightning_hetero.observe.doctor import diagnose, format_report
 
     report = diagnose()
     json.dumps(report)

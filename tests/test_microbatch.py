@@ -9,7 +9,7 @@ from lightning.pytorch import seed_everything
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.microbatch import (
+from lightning_hetero.data.microbatch import (
     _combine,
     chunk_sizes,
     micro_limits,

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.monitor import SIDECAR, HeteroMonitor, advice, analyse, summary_text
+from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor, advice, analyse, summary_text
 from tests.helpers import TinyModel, free_port
 
 
@@ -45,7 +45,7 @@ def test_analyse_splits_sync_into_wait_and_exposed_comm() -> None:
 def test_summary_and_token_rate() -> None:
     w = _window([[2.0, 0.0, 0.5, 4, 512]], [[2.0, 0.0, 0.5, 4, 512]])
     assert w["tokens_per_s"] == pytest.approx(1024 / 2.0)
-    from lightning_hetero.monitor import _accumulate
+    from lightning_hetero.observe.monitor import _accumulate
 
     rows, foot = summary_text(_accumulate(None, w))
     assert rows[0][0] == "0" and rows[0][1] == "50.0%" and "tokens/s" in foot and "of ideal" in foot
@@ -70,7 +70,7 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
     the wait after the backward's end (carried by the release), an accumulating batch, validation left out, the
     monitor's own exchange counted as sync of the next step, a second optimizer's release ignored; the same rows when
     a window ends mid-step."""
-    from lightning_hetero.monitor import _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _RELEASE, _START, _StepRows
+    from lightning_hetero.observe.monitor import _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _RELEASE, _START, _StepRows
 
     events = [
         (_START, 0.0, 4, 0, 0.0), (_COLLECTIVE, 0.2, 0.3), (_RELEASE, 1.0, 0.6), (_END, 1.1),
@@ -230,14 +230,14 @@ def test_report_draws_png_from_sidecar(tmp_path) -> None:
 
 
 def test_doctor_model_command(tmp_path) -> None:
-    from lightning_hetero.doctor import dry_run_command
+    from lightning_hetero.observe.doctor import dry_run_command
 
     root = os.path.join(os.path.dirname(__file__), os.pardir)
     config = os.path.join(root, "configs", "cpu_lab.yaml")
     cmd = dry_run_command(config, script="examples/train_digits.py", steps=8, root_dir=str(tmp_path))
     assert cmd[1] == "examples/train_digits.py" and cmd[2:5] == ["fit", "--config", config]
     assert "--trainer.max_steps=8" in cmd and "--trainer.callbacks+=lightning_hetero.HeteroMonitor" in cmd
-    assert dry_run_command(config)[1:3] == ["-m", "lightning_hetero.doctor"]
+    assert dry_run_command(config)[1:3] == ["-m", "lightning_hetero.observe.doctor"]
     with pytest.raises(ValueError, match="steps"):
         dry_run_command(config, steps=1)
     with pytest.raises(ValueError, match="config"):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_hetero.plan import split_batch
+from lightning_hetero.plan.split import split_batch
 
 
 @pytest.mark.parametrize("capacities", [[1, 1], [3, 1], [5, 2, 1], [10, 1], [1, 2, 3, 4, 5, 6, 7]])

@@ -11,8 +11,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, DeviceInfo, describe_device
-from lightning_hetero.precision import (
+from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, DeviceInfo, describe_device
+from lightning_hetero.grad.precision import (
     HeteroMixedPrecision,
     PrecisionPolicy,
     build_precision_plugin,

@@ -13,8 +13,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.plan import split_batch
-from lightning_hetero.profiling import (
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.plan.profiling import (
     RankProfile,
     balanced_capacities,
     combine,
@@ -190,7 +190,7 @@ def test_profiling_cost_on_digits_example() -> None:
 
 def test_identical_cards_pool_their_timing():
     """Ranks of one class that measured within 25% share their mean; a really slower one keeps its own timing."""
-    from lightning_hetero.profiling import RankProfile, combine
+    from lightning_hetero.plan.profiling import RankProfile, combine
 
     fast, noisy = RankProfile((8, 16), (0.0010, 0.0020)), RankProfile((8, 16), (0.0012, 0.0024))
     slow = RankProfile((8, 16), (0.004, 0.008))
@@ -204,7 +204,7 @@ def test_identical_cards_pool_their_timing():
 
 def test_pooling_compares_ranks_timed_at_different_sizes():
     """After refinement two ranks of one class were timed at 12 and 11 samples: pooled on their fitted models."""
-    from lightning_hetero.profiling import RankProfile, combine
+    from lightning_hetero.plan.profiling import RankProfile, combine
 
     a = RankProfile((8, 12), (0.008, 0.012))  # 1 ms per sample
     b = RankProfile((8, 11), (0.0082, 0.0113))  # 1.03 ms per sample: noise

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.rebalance import StepTimer, propose
+from lightning_hetero.plan.rebalance import StepTimer, propose
 from tests.helpers import TinyModel, free_port
 
 

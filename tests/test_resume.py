@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_hetero.rebalance as rebalance
+import lightning_hetero.plan.rebalance as rebalance
 from lightning_hetero import HeteroDDPStrategy
 from tests.helpers import Recorder, TinyModel, free_port, max_rel_diff
 

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_hetero.checkpoint as checkpoint_module
+import lightning_hetero.resilience.checkpoint as checkpoint_module
 from lightning_hetero import HeteroDDPStrategy, PowerSGDCompression, TopKCompression
-from lightning_hetero.checkpoint import AtomicCheckpointIO, CheckpointError, newest_checkpoint
-from lightning_hetero.compression import GradientCompression
-from lightning_hetero.state import RankStateCallback
+from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, newest_checkpoint
+from lightning_hetero.grad.compression import GradientCompression
+from lightning_hetero.resilience.state import RankStateCallback
 
 
 def _ckpt(value: float) -> dict[str, Any]:

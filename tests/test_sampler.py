@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 
 
 def _samplers(n, g, capacities, drop_last, shuffle=True, seed=0):

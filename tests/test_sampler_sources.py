@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import seed_everything
 from torch.utils.data import BatchSampler, DataLoader, Sampler, WeightedRandomSampler
 
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed, flat_params, max_rel_diff
 
 

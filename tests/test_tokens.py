@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.plan import split_batch, split_by_cost
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
-from lightning_hetero.tokens import dataset_costs, first_sequence_length, resolve_cost_fn
+from lightning_hetero.plan.split import split_batch, split_by_cost
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.tokens import dataset_costs, first_sequence_length, resolve_cost_fn
 from tests.helpers import fit_distributed, flat_params, max_rel_diff
 
 

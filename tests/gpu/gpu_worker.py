@@ -134,8 +134,8 @@ def cap(out: str) -> dict[str, Any]:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "sms": sms, "full_step_s": full,
                               "quarter_step_s": quarter, "slowdown": quarter / full, "summary": summary}
     # memory cap: a 4 GiB profile cannot hold 6 GiB (last: the cap stays for the rest of the process)
-    from lightning_hetero.devices import describe_device
-    from lightning_hetero.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.devices import describe_device
+    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     device = torch.device("cuda", 0)
     import gc

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_hetero import HeteroDDPStrategy  # noqa: E402
-from lightning_hetero.monitor import SIDECAR  # noqa: E402
+from lightning_hetero.observe.monitor import SIDECAR  # noqa: E402
 
 
 def monitored(out: str, capacities: str, steps: int = 30, batch: int = 2048) -> dict:

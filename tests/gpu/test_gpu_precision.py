@@ -66,7 +66,7 @@ def _worker(out: str, accelerator: str) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_hetero import HeteroDDPStrategy
-    from lightning_hetero.devices import CAPABILITY_OVERRIDE_ENV
+    from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV
 
     class Teacher(Dataset):
         """Labels from a fixed random teacher network: a task the student can fit, so the loss keeps falling."""

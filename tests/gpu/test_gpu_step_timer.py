@@ -7,7 +7,7 @@ even when the step runs on a side stream (the lab emulator's green-context strea
 import pytest
 import torch
 
-from lightning_hetero.rebalance import StepTimer
+from lightning_hetero.plan.rebalance import StepTimer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

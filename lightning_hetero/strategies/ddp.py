@@ -7,7 +7,7 @@ Lifecycle (what this class adds to Lightning's ``DDPStrategy``):
 2. ``process_dataloader``: each loader is rebuilt around a :class:`HeteroBatchSampler`, so the user's
    ``DataLoader(batch_size=B)`` keeps its DDP meaning (global batch G = B × world size) but rank r loads b_r ∝ c_r.
    Any reproducible sampler or batch sampler supplies the global order; a stream is split by
-   :mod:`lightning_hetero.streaming`.
+   :mod:`lightning_hetero.data.streaming`.
 3. ``_register_ddp_hooks``: the weighting hook (any device type) scales each rank's gradient by b_r / G; the
    user's comm hook, if any, runs inside it.
 4. ``on_train_batch_start`` / ``optimizer_step``: count the step's samples into the weight, then reset it.
@@ -28,10 +28,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -44,17 +42,19 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
-from lightning_hetero.autocompress import AutoCompression, choose, link_column, measure_links
-from lightning_hetero.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
-from lightning_hetero.checkpoint import (
+from lightning_hetero._compat import IndexBatchSamplerWrapper as _IndexBatchSamplerWrapper
+from lightning_hetero._compat import init_dist_connection as _init_dist_connection
+from lightning_hetero.grad.autocompress import AutoCompression, choose, link_column, measure_links
+from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
+from lightning_hetero.resilience.checkpoint import (
     AtomicCheckpointIO,
     check_trainer_checkpoint,
     newest_checkpoint,
     reopen_interrupted_epoch,
 )
-from lightning_hetero.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
-from lightning_hetero.devices import DeviceInfo, describe_device
-from lightning_hetero.emulation import (
+from lightning_hetero.grad.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
+from lightning_hetero.lab.devices import DeviceInfo, describe_device
+from lightning_hetero.lab.emulation import (
     Emulator,
     LinkPacer,
     PacedState,
@@ -63,10 +63,10 @@ from lightning_hetero.emulation import (
     parse_emulate,
     start_emulation,
 )
-from lightning_hetero.environments import PerNodeTorchElasticEnvironment
-from lightning_hetero.faults import FaultMonitor, rendezvous
-from lightning_hetero.lab import HeteroLab, LabGroups, build_groups, gather_devices
-from lightning_hetero.microbatch import (
+from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
+from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
+from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.data.microbatch import (
     MicroBatchArg,
     PendingGrads,
     chunk_sizes,
@@ -74,7 +74,7 @@ from lightning_hetero.microbatch import (
     parse_micro_batch,
     run_micro_batches,
 )
-from lightning_hetero.precision import (
+from lightning_hetero.grad.precision import (
     PrecisionPolicyArg,
     apply_tf32,
     build_precision_plugin,
@@ -84,12 +84,12 @@ from lightning_hetero.precision import (
     precision_column,
     resolve_precisions,
 )
-from lightning_hetero.rebalance import ShareController, validate_tuning
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
-from lightning_hetero.streaming import STREAM_MODES, StreamMode, build_stream_loader
-from lightning_hetero.state import RandomState, RankStateCallback
-from lightning_hetero.tokens import Balance, Denominator, dataset_costs, resolve_cost_fn
-from lightning_hetero.weighting import WeightingState, weighted_allreduce_hook
+from lightning_hetero.plan.rebalance import ShareController, validate_tuning
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.streaming import STREAM_MODES, StreamMode, build_stream_loader
+from lightning_hetero.resilience.state import RandomState, RankStateCallback
+from lightning_hetero.data.tokens import Balance, Denominator, dataset_costs, resolve_cost_fn
+from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,11 @@ class HeteroDDPStrategy(DDPStrategy):
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb``,
             ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` ...).
         timeout: seconds a collective may wait, a rank may make no progress, or a rank may take to join, before every
-            rank fails naming the cause (rank, host, device, step, phase). See :mod:`lightning_hetero.faults`.
+            rank fails naming the cause (rank, host, device, step, phase). See :mod:`lightning_hetero.resilience.faults`.
         print_table: rank 0 prints the lab table once.
         profile_steps: timed steps per batch size when ``capacities`` is ``"profile"``/``"auto"`` (after 5 warm-up
             steps; at half and all of an equal share, then at a rank's own share if that is far from both). See
-            :mod:`lightning_hetero.profiling`.
+            :mod:`lightning_hetero.plan.profiling`.
         memory_headroom: fraction of each CUDA device's memory kept free when profiling derives how many samples a
             rank can hold (its "mem cap"); the split never gives a rank more.
         max_batch_per_rank: an explicit cap on any rank's samples per step (CPU ranks have no measured cap).
@@ -121,36 +121,36 @@ class HeteroDDPStrategy(DDPStrategy):
         rebalance_threshold: change shares only when the measured rates predict the new split to shorten the step by
             more than this fraction.
         rebalance_smoothing: weight of the newest measurement in the moving average of throughput (1: no smoothing).
-        monitor: add a :class:`~lightning_hetero.monitor.HeteroMonitor` (unless one is among the callbacks): per-rank
+        monitor: add a :class:`~lightning_hetero.observe.monitor.HeteroMonitor` (unless one is among the callbacks): per-rank
             compute, wait, data and communication time logged through the Trainer's logger, and a summary at the end.
         emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
             ``"RTX3090"``, ``"V100"``, ``"T4"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie",
             "capability": "7.0", "name": ..., "slowdown": 3}``) or ``None`` (the real device). See
-            :mod:`lightning_hetero.emulation`.
+            :mod:`lightning_hetero.lab.emulation`.
         compression: gradient compression on the wire: ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"``
             or a :class:`~lightning_hetero.CastCompression` / ``PowerSGDCompression`` / ``TopKCompression``
             (``hierarchical=True``: compress only between hosts or device classes). Bytes sent per optimizer step:
             ``comm_bytes_last_step``, logged as ``comm/bytes``.
         precision_policy: per-rank mixed precision with one loss scale for the job: ``"auto"`` (bf16 on compute
             capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
-            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.precision.PrecisionPolicy`.
+            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.grad.precision.PrecisionPolicy`.
             ``None``: the Trainer's precision. When set, leave ``Trainer(precision=...)`` at its default.
         stream_mode: how a loader over an ``IterableDataset`` (LitData's ``StreamingDataset``, any stream) is split:
             ``"exact"`` (every rank reads the whole stream and keeps its share of each global batch: one device's
             training, at the cost of reading everything on every rank) or ``"shard"`` (each rank reads its own shard
             and takes its share per step; exhausted ranks pad with zero-weight steps). See
-            :mod:`lightning_hetero.streaming`.
+            :mod:`lightning_hetero.data.streaming`.
         resume: ``"auto"``: ``fit`` without ``ckpt_path`` goes on from the newest checkpoint in the ``dirpath`` of the
             trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
             in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last
             checkpoint stood, also on a different number or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
 
-    Checkpoints are written atomically (:class:`~lightning_hetero.checkpoint.AtomicCheckpointIO`) unless a
+    Checkpoints are written atomically (:class:`~lightning_hetero.resilience.checkpoint.AtomicCheckpointIO`) unless a
     ``checkpoint_io`` is given.
         balance: ``"samples"`` splits each training batch by sample count; ``"tokens"`` by summed per-sample cost
             (sequence length), so each rank's tokens match its capacity; ``"padded_tokens"`` by sample count times
-            the longest sample (a collate that pads). See :mod:`lightning_hetero.tokens`.
+            the longest sample (a collate that pads). See :mod:`lightning_hetero.data.tokens`.
         loss_denominator: what the training loss averages over: ``"samples"`` (gradient weight b_r / G) or
             ``"tokens"`` (t_r / T, with the per-sample cost as the token count).
         sample_cost: dotted path ``"package.module.function"`` of a function sample -> cost. Default: the dataset's
@@ -159,7 +159,7 @@ class HeteroDDPStrategy(DDPStrategy):
         micro_batch: run a rank's share as micro-batches with local accumulation when it exceeds this many samples:
             an int (every rank), a list (one per rank) or ``"auto"`` (the profiled memory cap, or
             ``max_batch_per_rank``). Shares are then split by capacity alone, never capped. See
-            :mod:`lightning_hetero.microbatch`.
+            :mod:`lightning_hetero.data.microbatch`.
     """
 
     strategy_name = "hetero_ddp"
@@ -384,7 +384,7 @@ class HeteroDDPStrategy(DDPStrategy):
         if trainer is not None and self._resume is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_from_newest(trainer)
         if trainer is not None and self._monitor_enabled:
-            from lightning_hetero.monitor import HeteroMonitor
+            from lightning_hetero.observe.monitor import HeteroMonitor
 
             if not any(isinstance(c, HeteroMonitor) for c in trainer.callbacks):
                 trainer.callbacks.append(HeteroMonitor())
@@ -509,7 +509,7 @@ class HeteroDDPStrategy(DDPStrategy):
         return True
 
     def attach_monitor(self, monitor: Any) -> None:
-        """The :class:`~lightning_hetero.monitor.HeteroMonitor` that times collectives issued inside a step (``None``:
+        """The :class:`~lightning_hetero.observe.monitor.HeteroMonitor` that times collectives issued inside a step (``None``:
         none). A monitor attaches itself while it watches training."""
         self._monitor = monitor
 

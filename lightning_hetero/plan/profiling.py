@@ -9,7 +9,7 @@ parameters, buffers, gradients, module modes and every RNG are put back exactly 
 From the two sizes each rank fits ``time(b) = a + c * b`` (a fixed cost per step plus a cost per sample); the shares
 are the split that makes every rank's predicted step time equal, and a rank's capacity is its predicted samples/s at
 that split. On CUDA the same two sizes give the peak memory per sample, and with the free memory (minus a headroom)
-a cap on the samples the rank can hold, which :func:`lightning_hetero.plan.split_batch` honours.
+a cap on the samples the rank can hold, which :func:`lightning_hetero.plan.split.split_batch` honours.
 
 Example::
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hetero.plan import split_batch
+from lightning_hetero.plan.split import split_batch
 
 ContextFactory = Callable[[], AbstractContextManager]
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_hetero.devices import DeviceInfo
+from lightning_hetero.lab.devices import DeviceInfo
 
 GroupKey = str  # "class" or "host"
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_hetero.plan import split_batch
-from lightning_hetero.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 
 StreamMode = Literal["exact", "shard"]
 STREAM_MODES = ("exact", "shard")

@@ -1,7 +1,7 @@
 """Per-sample costs (tokens) for splitting variable-length batches by work rather than by sample count.
 
 With ``balance="tokens"`` the strategy cuts every global batch so each rank's summed cost matches its capacity
-(:func:`lightning_hetero.plan.split_by_cost`); with ``loss_denominator="tokens"`` a step's gradient weight is the
+(:func:`lightning_hetero.plan.split.split_by_cost`); with ``loss_denominator="tokens"`` a step's gradient weight is the
 rank's share of the batch's cost, t_r / T, which is exact for a loss averaged over tokens:
 
     mean over the batch's T tokens = Σ_r (t_r / T) · (mean over rank r's t_r tokens)

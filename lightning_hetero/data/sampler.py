@@ -12,7 +12,7 @@ fewer samples than there are ranks, the ranks left without a sample re-read the 
 
 With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), each global batch can
 be cut so every rank's summed cost rather than its sample count follows its capacity
-(:func:`~lightning_hetero.plan.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
+(:func:`~lightning_hetero.plan.split.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
 
 Shares may change between steps (live rebalancing): a change is keyed to a global-batch index, so every rank
 applies it to the same batch, and the gradient weight of a step is always read off the split that produced it.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, Sampler
 
-from lightning_hetero.plan import split_batch, split_by_cost, validate_costs
+from lightning_hetero.plan.split import split_batch, split_by_cost, validate_costs
 
 
 class GlobalOrder(Sampler[int]):

@@ -31,13 +31,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
-    _orthogonalize_gram_schmidt,
-    _should_compress,
-    powerSGD_hook,
-)
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize as _torch_orthogonalize
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+from lightning_hetero._compat import powersgd_orthogonalize as _torch_orthogonalize
+from lightning_hetero._compat import powersgd_orthogonalize_gram_schmidt as _orthogonalize_gram_schmidt
+from lightning_hetero._compat import powersgd_should_compress as _should_compress
 
 CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk", "auto"]
 GroupBy = Literal["host", "class"]
@@ -183,9 +181,9 @@ CompressionArg = Union[CompressionName, NoCompression, CastCompression, PowerSGD
 
 def parse_compression(compression: Any) -> Any:
     """The typed config for ``compression`` (``None`` for ``"none"``; an
-    :class:`~lightning_hetero.autocompress.AutoCompression` for ``"auto"``, resolved once the links are measured);
+    :class:`~lightning_hetero.grad.autocompress.AutoCompression` for ``"auto"``, resolved once the links are measured);
     a ValueError for anything else."""
-    from lightning_hetero.autocompress import AutoCompression  # it builds the configs of this module
+    from lightning_hetero.grad.autocompress import AutoCompression  # it builds the configs of this module
 
     if isinstance(compression, (NoCompression, CastCompression, PowerSGDCompression, TopKCompression,
                                 AutoCompression)):
@@ -697,7 +695,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
 class GradientCompression:
     """Builds the compression hook for one DDP model, counts bytes per step and checkpoints per-rank state.
 
-    ``groups``: the strategy's :class:`~lightning_hetero.lab.LabGroups` (needed for ``hierarchical``).
+    ``groups``: the strategy's :class:`~lightning_hetero.lab.groups.LabGroups` (needed for ``hierarchical``).
     """
 
     def __init__(self, config: Optional[CompressionConfig], params: Sequence[Tensor], world_size: int,

@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_hetero.compression import (
+from lightning_hetero.grad.compression import (
     CastCompression,
     NoCompression,
     PowerSGDCompression,
@@ -137,7 +137,7 @@ def measure_links(config: AutoCompression, lab: Any, groups: Any, device: torch.
                   repeats: int = 3) -> LinkMeasurement:
     """Time the hop inside each host and the one among the leaders (a collective on every rank).
 
-    ``pacer``: the emulated inter-host link (:class:`~lightning_hetero.emulation.LinkPacer`), applied to the leaders'
+    ``pacer``: the emulated inter-host link (:class:`~lightning_hetero.lab.emulation.LinkPacer`), applied to the leaders'
     probe exactly as to their gradient exchange.
     """
     numel = max(1, int(config.probe_mb * 2**20) // 4)

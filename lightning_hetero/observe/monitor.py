@@ -22,7 +22,7 @@ Timing uses ``time.perf_counter`` on CPU and CUDA events on GPUs (recorded in th
 synchronize per step). The step's hooks only append marks to an event log, turned into per-step rows on logging
 steps. The local backward's end is marked by HeteroDDPStrategy's comm hook as the last bucket enters it, or under
 other strategies by a callback autograd runs once the backward's last gradient is accumulated
-(:func:`~lightning_hetero.rebalance.when_backward_ends`). With ``nvidia-ml-py`` installed (extra ``monitor``),
+(:func:`~lightning_hetero.plan.rebalance.when_backward_ends`). With ``nvidia-ml-py`` installed (extra ``monitor``),
 GPU utilisation, memory, power, temperature, SM clock and thermal throttling come from NVML.
 
 Rank 0 logs, per logging window (``r`` = rank): ``monitor/compute_s_rank{r}``, ``wait_s``, ``data_s``, ``comm_s``
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_hetero.rebalance import when_backward_ends
+from lightning_hetero.plan.rebalance import when_backward_ends
 
 SIDECAR = "hetero_monitor.jsonl"
 # Per-step record columns (seconds, counts), exchanged on logging steps.

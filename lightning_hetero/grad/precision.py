@@ -34,8 +34,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from lightning_hetero.capacity import weight_for_device
-from lightning_hetero.devices import DeviceInfo, has_bf16_hardware
+from lightning_hetero.plan.capacity import weight_for_device
+from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
 
 PrecisionMode = Literal["32-true", "16-mixed", "bf16-mixed"]
 PrecisionRule = Literal["auto", "32-true", "16-mixed", "bf16-mixed"]

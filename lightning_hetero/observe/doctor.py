@@ -5,7 +5,7 @@ support, suggested capacities, peer-to-peer access between GPU pairs (flaky on s
 needs ``NCCL_P2P_DISABLE=1``), and the NCCL settings in the environment.
 
 ``doctor --model CONFIG`` also trains the config's model for a few steps on this machine with a
-:class:`~lightning_hetero.monitor.HeteroMonitor`, so the lab table (shares, batch per card) and the monitor's summary
+:class:`~lightning_hetero.observe.monitor.HeteroMonitor`, so the lab table (shares, batch per card) and the monitor's summary
 (compute, wait, data and communication per card) show what each card will do before a real run.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hetero.devices import describe_device, has_bf16_hardware, peak_tflops
+from lightning_hetero.lab.devices import describe_device, has_bf16_hardware, peak_tflops
 
 
 def diagnose() -> dict[str, Any]:
@@ -213,7 +213,7 @@ def dry_run_command(config: str, script: Optional[str] = None, steps: int = DRY_
         raise ValueError(f"`steps`={steps!r} must be an integer >= 2.")
     if not os.path.isfile(config):
         raise ValueError(f"`config`={config!r} is not a file.")
-    entry = [sys.executable, script] if script else [sys.executable, "-m", "lightning_hetero.doctor"]
+    entry = [sys.executable, script] if script else [sys.executable, "-m", "lightning_hetero.observe.doctor"]
     overrides = [
         f"--trainer.max_steps={steps}", "--trainer.max_epochs=-1", "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=false", "--trainer.logger=false",

@@ -1,6 +1,6 @@
 """``python -m lightning_hetero report LOGDIR``: a PNG of where every rank's time went, from a monitored run.
 
-Reads the ``hetero_monitor.jsonl`` that :class:`~lightning_hetero.monitor.HeteroMonitor` writes into the logger's
+Reads the ``hetero_monitor.jsonl`` that :class:`~lightning_hetero.observe.monitor.HeteroMonitor` writes into the logger's
 ``log_dir`` (the newest one under ``LOGDIR``; one JSON object per logged window) and draws, with matplotlib:
 
 - per rank, the timeline of a step: compute, wait for other ranks, data loading and exposed communication (ms per
@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_hetero.monitor import SIDECAR
+from lightning_hetero.observe.monitor import SIDECAR
 
 _PARTS = (("compute", "tab:green"), ("wait", "tab:red"), ("data", "tab:orange"), ("comm", "tab:blue"))
 

@@ -12,7 +12,7 @@ device, unchanged). On CUDA a profile applies:
 - **memory**: ``torch.cuda.set_per_process_memory_fraction`` caps PyTorch's caching allocator (the CUDA context and
   NCCL's buffers are outside it).
 - **name and compute capability**: the ``LIGHTNING_HETERO_DEVICE_NAME`` / ``LIGHTNING_HETERO_CAPABILITY`` overrides
-  that :mod:`lightning_hetero.devices` reads, so the lab table, ``capacities="peak"`` and the precision policy see
+  that :mod:`lightning_hetero.lab.devices` reads, so the lab table, ``capacities="peak"`` and the precision policy see
   the emulated card (a ``(7, 0)`` capability makes the policy take the fp16 path on bf16 hardware).
 - **link**: the slowest link class of the job, through NCCL's environment before the process group exists
   (``"pcie"``: no peer-to-peer, ≈ 25 GB/s on an H200 host; ``"ethernet"``: no P2P and no shared memory, ≈ 2.6 GB/s).
@@ -27,7 +27,7 @@ device, unchanged). On CUDA a profile applies:
   rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
   would add is not modelled. Works on CPU (gloo) too.
 
-SM shares are calibrated from published dense rates (:data:`lightning_hetero.devices.PEAK_TFLOPS`): share = the
+SM shares are calibrated from published dense rates (:data:`lightning_hetero.lab.devices.PEAK_TFLOPS`): share = the
 preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
 granularity (multiples of 8 SMs on compute capability 9.x). A card slower than one granule is clamped up to it, and a
 card as fast as the host (or faster) runs uncapped; the summary says so.
@@ -67,7 +67,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_hetero.devices import (
+from lightning_hetero.lab.devices import (
     CAPABILITY_OVERRIDE_ENV,
     HOST_OVERRIDE_ENV,
     NAME_OVERRIDE_ENV,
@@ -688,7 +688,7 @@ class LinkPacer:
 class PacedState:
     """An averaging comm hook whose traffic crosses the paced link (a flat exchange over all ranks).
 
-    ``counter``: a :class:`~lightning_hetero.compression.CommCounter` the inner hook adds its bytes to (``None``: the
+    ``counter``: a :class:`~lightning_hetero.grad.compression.CommCounter` the inner hook adds its bytes to (``None``: the
     bucket's full size is what crosses).
     """
 

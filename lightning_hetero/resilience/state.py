@@ -16,9 +16,10 @@ from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_hetero._compat import collect_rng_states, set_rng_states
 
 
 class Stateful(Protocol):
@@ -117,7 +118,7 @@ class RandomState:
         self._pending: Optional[dict[str, Any]] = None
 
     def state_dict(self) -> dict[str, Any]:
-        states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+        states = collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
         if "numpy" in states:  # plain types and tensors only: checkpoints may load with `weights_only=True`
             name, keys, pos, has_gauss, gauss = states["numpy"]
             states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
@@ -140,4 +141,4 @@ class RandomState:
             state["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             state.pop("torch.cuda", None)
-        _set_rng_states(state)
+        set_rng_states(state)

@@ -23,10 +23,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from lightning_hetero._compat import PathType as _PATH
+from lightning_hetero._compat import is_local_path as _is_local_file_protocol
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
 

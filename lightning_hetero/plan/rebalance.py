@@ -1,9 +1,9 @@
 """Shares that follow the measured speed of every rank: profiling at start, live rebalancing, exact resume.
 
-:class:`ShareController` is what :class:`~lightning_hetero.strategy.HeteroDDPStrategy` calls into:
+:class:`ShareController` is what :class:`~lightning_hetero.strategies.ddp.HeteroDDPStrategy` calls into:
 
 - when the training loader is built (before its first batch is drawn) it restores the shares of a resumed run and
-  where in the epoch it stopped, or profiles the model (:mod:`lightning_hetero.profiling`) and applies the measured
+  where in the epoch it stopped, or profiles the model (:mod:`lightning_hetero.plan.profiling`) and applies the measured
   shares from batch 0;
 - with ``rebalance=True`` a :class:`StepTimer` measures each step's compute time (from ``training_step`` start to the
   end of its local backward, minus time blocked in collectives the strategy issues inside the step; data loading and
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.plan import split_batch
-from lightning_hetero.profiling import ProfileResult, profile_lightning_module, table_columns
-from lightning_hetero.sampler import HeteroBatchSampler
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
+from lightning_hetero.data.sampler import HeteroBatchSampler
 
 
 def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:

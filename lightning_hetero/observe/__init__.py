@@ -1,0 +1,1 @@
+"""Observation: the monitor (where each rank's time goes), its report, and the ``doctor`` command."""

@@ -1,0 +1,1 @@
+"""Thin Lightning strategies: lifecycle glue that composes the hetero core with one parallelism each."""
