@@ -35,3 +35,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa:
     _orthogonalize_gram_schmidt as powersgd_orthogonalize_gram_schmidt,
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress as powersgd_should_compress  # noqa: E402,E501
+
+# Activation checkpointing applied to a module in place (parameter names unchanged, so a checkpointed rank's state
+# dict matches the others'): torch's composable `checkpoint` has no public import path; the public
+# `torch.utils.checkpoint.checkpoint` needs a wrapper module, which renames every parameter.
+from torch.distributed._composable import checkpoint as checkpoint_module_in_place  # noqa: E402
