@@ -117,8 +117,10 @@ def load_sharded(
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's parameters and buffers on the host, on every rank (an all-gather per tensor). Collective."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model's parameters and buffers on the host, on every rank (an all-gather per tensor). Collective.
+    (``cpu_offload=True`` would leave every rank but 0 with an empty dict.)"""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: tensor.detach().cpu() for name, tensor in full.items()}
 
 
 def export_full_checkpoint(sharded_dir: PathType, output_file: PathType) -> None:
