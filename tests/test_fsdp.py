@@ -1,5 +1,7 @@
 """HeteroFSDPStrategy: sharded training over unequal ranks, with the math of one process on the global batch."""
 
+import math
+
 import pytest
 import torch
 
@@ -75,3 +77,83 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path):
     assert checkpoint["step"] == 3 and optimizer.state[model[0].weight]["step"].item() == 3
     halfway = reference(two[:3], "adamw")
     assert max((model.state_dict()[k] - halfway[k]).abs().max().item() for k in halfway) < TOLERANCE
+
+
+# -- memory policy ----------------------------------------------------------------------------------------------------
+from torch import nn  # noqa: E402
+
+from lightning_hetero._compat import checkpoint_module_in_place  # noqa: E402
+from lightning_hetero.lab.devices import DeviceInfo  # noqa: E402
+from lightning_hetero.plan.memory import (  # noqa: E402
+    GIB,
+    MemoryFitError,
+    MemoryPolicy,
+    ModelFootprint,
+    device_budget,
+    memory_column,
+    parse_memory_policy,
+    resolve_memory,
+)
+
+A100 = DeviceInfo(0, "h", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 108)
+RTX3090 = DeviceInfo(1, "h", "cuda", "NVIDIA GeForce RTX 3090", (8, 6), 24 * GIB, 82)
+# A 7.5 GB (fp32) model with AdamW: 30 GB of parameters, gradients and moments, 15 GB per rank when sharded over 2.
+FOOTPRINT = ModelFootprint(parameter_bytes=7_500_000_000, largest_block_bytes=250_000_000, blocks=30,
+                           optimizer_slots=2)
+
+
+def _plan(policy, samples=(12, 4), per_sample=2 * GIB, devices=(A100, RTX3090)):
+    budgets = [device_budget(d, policy.headroom) for d in devices]
+    return resolve_memory(policy, FOOTPRINT, devices, list(samples), budgets, len(devices), per_sample)
+
+
+def test_auto_memory_keeps_everything_where_it_fits_and_checkpoints_or_offloads_the_short_rank():
+    plans = _plan(parse_memory_policy("auto"))
+    # A100: 13.97 GiB of state + 0.93 gathered + 24 GiB activations fits 72 GiB; the 3090's 8 GiB of activations do
+    # not fit its 21.6 GiB, two of 30 blocks' activations (checkpointing) do.
+    assert [p.mode for p in plans] == ["keep", "checkpoint"]
+    assert plans[1].activations == 4 * math.ceil(2 * GIB * 2 / 30)
+    column = memory_column(plans, parse_memory_policy("auto"))
+    assert column[0].startswith("auto: keep") and column[1].startswith("auto: checkpoint")
+    # More activations per sample: checkpointing alone no longer fits the 3090; offloading the state does.
+    assert [p.mode for p in _plan(parse_memory_policy("auto"), per_sample=30 * GIB)][1] == "checkpoint_offload"
+
+
+def test_rank_rules_win_over_device_names():
+    plans = _plan(parse_memory_policy({"rank:0": "offload", "A100": "keep", "3090": "checkpoint"}))
+    assert [p.mode for p in plans] == ["offload", "checkpoint"]
+    assert plans[0].shard == 0 and plans[0].optimizer_state == 0
+
+
+def test_a_config_that_cannot_fit_fails_with_every_ranks_numbers():
+    with pytest.raises(MemoryFitError) as err:
+        _plan(parse_memory_policy("keep"))
+    message = str(err.value)
+    assert "rank 1 (NVIDIA GeForce RTX 3090, keep)" in message
+    assert "parameters+gradients 6.98 GiB, optimizer state 6.98 GiB" in message  # 2 x 3.75 GB and 2 x 3.75 GB
+    assert "2.05e+03 MiB/sample x 4" in message and "of 21.6 GiB free" in message
+    assert "rank 0" in message.split("Every rank:")[1]  # the ranks that fit are listed too
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("fast", "`memory`='fast' is not one of ('auto', 'keep', 'checkpoint', 'offload', 'checkpoint_offload')"),
+    ({"3090": "swap"}, "`memory`['3090']='swap' is not one of"),
+    ({"rank:x": "keep"}, "`memory` key 'rank:x' must be 'rank:N'"),
+    (3, "`memory`=3 must be a string, a mapping or a MemoryPolicy"),
+])
+def test_bad_memory_arguments_name_the_field(value, message):
+    with pytest.raises(ValueError) as err:
+        parse_memory_policy(value)
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match=r"`memory` headroom=1.5 must be a number in \[0, 1\)"):
+        MemoryPolicy(headroom=1.5)
+
+
+def test_checkpointing_in_place_recomputes_and_keeps_parameter_names():
+    block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    names = [n for n, _ in block.named_parameters()]
+    calls = []
+    block[0].register_forward_hook(lambda *args: calls.append(1))
+    checkpoint_module_in_place(block)
+    block(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert len(calls) == 2 and [n for n, _ in block.named_parameters()] == names
