@@ -1,6 +1,6 @@
 """lightning-hetero: capacity-weighted data parallelism for mixed GPUs, as a PyTorch Lightning strategy.
 
-Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) with
+Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) and ``"hetero_fsdp"`` (and ``_spawn`` / ``_fork``) with
 Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
 """
 
@@ -20,9 +20,12 @@ from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.resilience.state import RankStateCallback
 from lightning_hetero.strategies.ddp import HeteroDDPStrategy
+from lightning_hetero.strategies.fsdp import HeteroFSDPStrategy
+from lightning_hetero.plan.memory import MemoryPolicy
 from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
 
 HeteroDDPStrategy.register_strategies(StrategyRegistry)
+HeteroFSDPStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 
@@ -37,10 +40,12 @@ __all__ = [
     "GlobalOrder",
     "HeteroBatchSampler",
     "HeteroDDPStrategy",
+    "HeteroFSDPStrategy",
     "HeteroLab",
     "HeteroMixedPrecision",
     "HeteroMonitor",
     "LabGroups",
+    "MemoryPolicy",
     "NoCompression",
     "PowerSGDCompression",
     "PrecisionPolicy",

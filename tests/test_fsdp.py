@@ -157,3 +157,35 @@ def test_checkpointing_in_place_recomputes_and_keeps_parameter_names():
     checkpoint_module_in_place(block)
     block(torch.randn(2, 3, requires_grad=True)).sum().backward()
     assert len(calls) == 2 and [n for n, _ in block.named_parameters()] == names
+
+
+# -- the strategy -----------------------------------------------------------------------------------------------------
+import copy  # noqa: E402
+
+from lightning.pytorch import seed_everything  # noqa: E402
+
+from lightning_hetero import HeteroFSDPStrategy  # noqa: E402
+from tests.helpers import TinyModel, fit_distributed, max_rel_diff, reference_run  # noqa: E402
+
+
+def _strategy_fit(tmp_path, capacities, optimizer="sgd", n=53, epochs=3, strategy_kwargs=None, **trainer_kwargs):
+    seed_everything(0)
+    model = TinyModel(optimizer, n=n, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), len(capacities), {"capacities": capacities,
+                                                                      **(strategy_kwargs or {})},
+                              max_epochs=epochs, strategy_class=HeteroFSDPStrategy, **trainer_kwargs)
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    ref_params, _ = reference_run(reference_model, len(capacities), capacities, epochs, accumulate=accumulate)
+    return records, ref_params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("capacities", "optimizer"), [([3, 1], "sgd"), ([5, 2, 1], "adam")])
+def test_strategy_equals_one_process(tmp_path, capacities, optimizer):
+    records, ref_params = _strategy_fit(tmp_path, capacities, optimizer, n=53 if len(capacities) == 2 else 50)
+    assert {r["steps"] for r in records} == {len(ref_params)}
+    for step, expected in enumerate(ref_params):
+        for r in records[1:]:
+            assert torch.equal(r["params"][step], records[0]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE, step
