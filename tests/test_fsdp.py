@@ -189,3 +189,103 @@ def test_strategy_equals_one_process(tmp_path, capacities, optimizer):
         for r in records[1:]:
             assert torch.equal(r["params"][step], records[0]["params"][step])
         assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE, step
+
+
+@pytest.mark.slow
+def test_strategy_gradient_accumulation_equals_one_process(tmp_path):
+    records, ref_params = _strategy_fit(tmp_path, [3, 1], n=64, accumulate_grad_batches=2)
+    assert records[0]["steps"] == 12 and len(ref_params) == 24  # 8 batches an epoch, 4 optimizer steps
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_strategy_checkpointing_and_offload_on_one_rank_each_change_nothing(tmp_path):
+    records, ref_params = _strategy_fit(tmp_path, [5, 2, 1], "adam", n=50, epochs=2,
+                                        strategy_kwargs={"memory": {"rank:1": "checkpoint", "rank:2": "offload",
+                                                                    "*": "keep"}})
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[2]["params"][step], records[0]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("global_batch_size", [None, 8])
+def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path, global_batch_size):
+    """A terabyte of activations per sample fits nowhere: with the global batch known the plan fails at setup,
+    otherwise once the shares are known, before the first step either way."""
+    from lightning_hetero.plan.memory import MemoryFitError
+
+    policy = MemoryPolicy(rules={"*": "keep"}, activation_bytes_per_sample=2**40)
+    with pytest.raises(Exception) as err:
+        fit_distributed(TinyModel(n=32), str(tmp_path), 2, {"capacities": [3, 1], "memory": policy,
+                                                            "global_batch_size": global_batch_size},
+                        strategy_class=HeteroFSDPStrategy)
+    message = "".join(str(e) for e in (err.value, err.value.__cause__) if e is not None)
+    assert isinstance(err.value, MemoryFitError) or "MemoryFitError" in message or "does not fit" in message
+    assert "rank 0 (cpu, keep)" in message and "1.05e+06 MiB/sample x 6" in message
+    assert "rank 1 (cpu, keep)" in message and "x 2 =" in message
+    assert not (tmp_path / "rank0.pt").exists()  # no step was taken
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"memory": "swap"}, "`memory`='swap' is not one of"),
+    ({"blocks": "torch.nn.Linear"}, "`blocks`='torch.nn.Linear' must be None or a non-empty list"),
+    ({"blocks": ["Linear"]}, "`blocks`=['Linear'] must be None or a non-empty list of dotted class paths"),
+    ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
+    ({"capacities": [3, -1]}, "capacities"),
+])
+def test_bad_strategy_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        HeteroFSDPStrategy(**kwargs)
+    assert message in str(err.value)
+
+
+def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1):
+    import os
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers import Recorder
+
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.manual_seed(0)
+    model = TinyModel("adam", batch_size=4, n=64)
+    strategy = HeteroFSDPStrategy(start_method="fork", print_table=False, timeout=120, capacities=capacities,
+                                  global_batch_size=8)
+    callbacks = [Recorder(out_dir)]
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=2, max_steps=max_steps,
+                      callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [([3, 1], [2, 1, 1]), ([2, 1, 1], [3, 1])], ids=["2->3", "3->2"])
+def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(tmp_path, before, after):
+    """Stop at step 5 of 8 (epoch 0); resume on another number of ranks from the sharded checkpoint and finish 2
+    epochs like one process; the checkpoint exported to one file loads with ``load_from_checkpoint``."""
+    seed_everything(0)
+    ref_params, _ = reference_run(TinyModel("adam", batch_size=4, n=64), 2, [3, 1], 2)
+    first = _fit_fsdp(str(tmp_path / "a"), len(before), before, ckpt_dir=str(tmp_path / "ckpt"), max_steps=5)
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    assert is_sharded_checkpoint(checkpoint) and first[0]["steps"] == 5
+    resumed = _fit_fsdp(str(tmp_path / "b"), len(after), after, ckpt_path=str(checkpoint))
+    assert resumed[0]["steps"] == 16 and len(resumed[0]["params"]) == 11
+    for k, params in enumerate(resumed[0]["params"]):
+        assert torch.equal(params, resumed[-1]["params"][k])
+        assert max_rel_diff(params, ref_params[5 + k]) <= TOLERANCE, k
+    taken = sorted(i for r in resumed for batch in r["indices"][:3] for i in batch)
+    assert len(taken) == 24 and len(set(taken)) == 24  # the rest of epoch 0: each remaining sample once
+
+    export_full_checkpoint(checkpoint, tmp_path / "full.ckpt")
+    restored = TinyModel.load_from_checkpoint(tmp_path / "full.ckpt")
+    from tests.helpers import flat_params
+
+    assert max_rel_diff(flat_params(restored), ref_params[4]) <= TOLERANCE

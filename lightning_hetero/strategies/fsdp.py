@@ -16,6 +16,7 @@ watchdog, emulation and per-rank checkpoint state. What this class adds:
 import importlib
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
@@ -192,7 +193,7 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
         chosen = {p.rank: p.mode for p in self._memory_plan}
         policy = self._memory_policy
         # The modes are in place (sharding is done): check them, do not choose again.
-        self._memory_policy = parse_memory_policy({f"rank:{r}": m for r, m in chosen.items()})
+        self._memory_policy = replace(policy, rules={f"rank:{r}": m for r, m in chosen.items()})
         try:
             self._memory_plan = self._plan_memory([int(b) for b in sampler.split_at(0, sampler.global_batch_len(0))])
         finally:
