@@ -52,9 +52,12 @@ def reference(steps: list[list[int]], optimizer: str, accumulate: int = 1,
 
 def train_sharded(rank: int, world: int, steps: list[list[int]], optimizer: str, checkpoint_rank: Optional[int],
                   offload_rank: Optional[int], accumulate: int = 1, start: int = 0, load: Optional[str] = None,
-                  save: Optional[str] = None) -> dict[str, list]:
-    """Rank ``rank`` of ``world`` trains its slice of each global batch with the loss weighted by b_r · W / G."""
-    mesh = device_mesh({"host": list(range(world))}, "cpu")
+                  save: Optional[str] = None, hosts: int = 1) -> dict[str, list]:
+    """Rank ``rank`` of ``world`` trains its slice of each global batch with the loss weighted by b_r · W / G.
+    ``hosts`` > 1: the ranks pretend to sit on that many hosts (HSDP: shard inside a host, replicate across)."""
+    per_host = world // hosts
+    mesh = device_mesh({f"host{h}": list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)}, "cpu")
+    assert mesh.ndim == (2 if hosts > 1 else 1)
     model = make_model()
     shard_module(model, mesh, default_blocks(model), checkpoint=rank == checkpoint_rank, offload=rank == offload_rank)
     opt = make_optimizer(optimizer, model.parameters())

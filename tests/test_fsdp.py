@@ -36,6 +36,13 @@ def test_weighted_loss_under_fsdp_equals_one_process(capacities, optimizer):
     assert _max_diff(_fit(steps, optimizer=optimizer), reference(steps, optimizer)) < TOLERANCE
 
 
+@pytest.mark.slow
+def test_hybrid_sharding_over_two_hosts_equals_one_process():
+    """4 ranks on 2 pretend hosts: a 2-D mesh (replicate x shard), unequal batches, AdamW."""
+    steps = [[4, 2, 1, 1]] * 3 + [[2, 1, 1, 0]]
+    assert _max_diff(_fit(steps, optimizer="adamw", hosts=2), reference(steps, "adamw")) < TOLERANCE
+
+
 def test_unweighted_fsdp_would_fail_the_check():
     """Plain FSDP averaging of unequal batches lands far outside the tolerance above."""
     steps = SPLITS["[3, 1]"]
