@@ -296,3 +296,25 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
     from tests.helpers import flat_params
 
     assert max_rel_diff(flat_params(restored), ref_params[4]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("config", ["fsdp_cpu.yaml", "fsdp_lab.yaml"])
+def test_fsdp_configs_parse(config):
+    """The shipped YAML files are valid LightningCLI configs for the fine-tuning example (without training)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    from finetune_fsdp import Block, DigitsTransformer
+    from lightning.pytorch.cli import LightningCLI
+    from train_digits import DigitsDataModule
+
+    cli = LightningCLI(DigitsTransformer, DigitsDataModule, run=False,
+                       args=["--config", os.path.join(root, "configs", config), "--trainer.accelerator=cpu",
+                             "--trainer.devices=1"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HeteroFSDPStrategy)
+    expected = {"fsdp_cpu.yaml": {"rank:1": "checkpoint", "*": "keep"}, "fsdp_lab.yaml": {"*": "auto"}}[config]
+    assert strategy.memory_policy.rules == expected
+    assert strategy.blocks == ((Block,) if config == "fsdp_lab.yaml" else None)

@@ -41,6 +41,7 @@ from lightning_hetero.grad.sharding import (
 )
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
+    MemoryPolicy,
     MemoryPolicyArg,
     ModelFootprint,
     RankMemory,
@@ -132,6 +133,15 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
         )
 
     @property
+    def memory_policy(self) -> MemoryPolicy:
+        return self._memory_policy
+
+    @property
+    def blocks(self) -> Optional[tuple[type[nn.Module], ...]]:
+        """The block classes given by ``blocks`` (``None``: chosen from the model at setup)."""
+        return None if self._block_paths is None else tuple(_import_class(p) for p in self._block_paths)
+
+    @property
     def memory_plan(self) -> Optional[list[RankMemory]]:
         """Every rank's memory mode and estimate (after setup)."""
         return self._memory_plan
@@ -161,9 +171,7 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
         self._weighting = WeightingState(self.world_size)
 
     def _block_classes(self, module: nn.Module) -> tuple[type[nn.Module], ...]:
-        if self._block_paths is None:
-            return default_blocks(module)
-        return tuple(_import_class(path) for path in self._block_paths)
+        return self.blocks or default_blocks(module)
 
     def _estimated_samples(self) -> list[int]:
         """Per-rank samples per step for the memory plan: the capacity share of ``global_batch_size`` (0 when it is
