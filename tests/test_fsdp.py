@@ -239,6 +239,8 @@ def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"memory": "swap"}, "`memory`='swap' is not one of"),
     ({"blocks": "torch.nn.Linear"}, "`blocks`='torch.nn.Linear' must be None or a non-empty list"),
+    ({"global_batch_size": 0}, "`global_batch_size`=0 must be a positive integer or None"),
+    ({"resilience": {"timeout": -1}}, "`resilience.timeout`=-1"),
     ({"blocks": ["Linear"]}, "`blocks`=['Linear'] must be None or a non-empty list of dotted class paths"),
     ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
     ({"capacities": [3, -1]}, "capacities"),
@@ -261,8 +263,8 @@ def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_ste
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
     model = TinyModel("adam", batch_size=4, n=64)
-    strategy = HeteroFSDPStrategy(start_method="fork", print_table=False, timeout=120, capacities=capacities,
-                                  global_batch_size=8)
+    strategy = HeteroFSDPStrategy(start_method="fork", observation={"print_table": False},
+                                  resilience={"timeout": 120}, capacities=capacities, global_batch_size=8)
     callbacks = [Recorder(out_dir)]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))

@@ -1,45 +1,65 @@
-"""``HeteroFSDPStrategy``: sharded data parallelism (FSDP2) over unequal devices, exact like one device.
+"""``HeteroFSDPStrategy``: sharded data parallelism (FSDP2) over unequal devices, with one device's math.
 
-Everything that is not about where tensors live comes from the hetero strategy's shared machinery: capacities,
-profiling, shares, rebalancing, data sources (samplers, streams, tokens), per-rank precision, monitoring, the
-watchdog, emulation and per-rank checkpoint state. What this class adds:
+The composition (what this module adds to the :class:`~lightning_hetero.strategies.core.HeteroCore`), in the order a
+fit meets it:
 
-1. ``setup``: each rank's memory mode is resolved (:mod:`lightning_hetero.plan.memory`), then the model is sharded
-   (:func:`lightning_hetero.grad.sharding.shard_module`) before the optimizers are built on the shards;
-2. ``backward``: the loss is scaled by b_r · W / G, so FSDP's averaging reduce-scatter yields the global batch's
-   gradient (exact per micro-step, so gradient accumulation with partial batches is exact too);
-3. ``block_backward_sync``: accumulation steps skip the reduce-scatter;
-4. checkpoints are sharded directories written with torch's distributed checkpoint
-   (:mod:`lightning_hetero.resilience.sharded`), resumable on another world size.
+1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
+   sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
+2. the memory plan (:mod:`lightning_hetero.plan.memory`): each rank's mode (keep / activation checkpointing / CPU
+   offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
+   numbers, and again before the first step once the real shares and optimizer are known;
+3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
+   (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
+4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
+   reduce-scatter gives Σ_r (b_r/G) g_r; accumulation steps skip the reduce-scatter (:meth:`block_backward_sync`);
+5. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
+   distributed checkpoint, resumable on another world size, exportable to one file.
+
+Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
+launches by script only, so :class:`FSDP2Strategy` below is built on ``DDPStrategy`` for its process group and
+launchers, and never builds a DDP wrapper.
 """
 
 import importlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.weighting import WeightingState
+from lightning_hetero.config import (
+    DataSplit,
+    Observation,
+    Profiling,
+    Rebalancing,
+    Resilience,
+    StartMethod,
+    check,
+    check_strategy_arguments,
+    from_flat_arguments,
+)
+from lightning_hetero.grad.precision import PrecisionPolicyArg, parse_precision_policy
 from lightning_hetero.grad.sharding import (
     default_blocks,
     device_mesh,
     is_sharded,
-    loss_weight,
     mixed_precision,
     set_gradient_sync,
     shard_module,
 )
-from lightning_hetero.plan.capacity import CapacitiesArg
+from lightning_hetero.lab.emulation import parse_emulate
+from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
 from lightning_hetero.plan.memory import (
     MemoryPolicy,
     MemoryPolicyArg,
@@ -51,185 +71,43 @@ from lightning_hetero.plan.memory import (
     parse_memory_policy,
     resolve_memory,
 )
-from lightning_hetero.resilience.checkpoint import reopen_interrupted_epoch
+from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
-from lightning_hetero.data.streaming import StreamMode
-from lightning_hetero.data.tokens import Balance, Denominator
-from lightning_hetero.strategies.ddp import HeteroDDPStrategy, StartMethod
-
-# PORT: on the shared core this becomes `ParallelStrategy` + `HeteroCore`; the DDP strategy is the base for now only
-# for its data, shares, precision and fault machinery (no DDP wrapper or comm hook is used here).
+from lightning_hetero.strategies.core import HeteroCore
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
-class HeteroFSDPStrategy(HeteroDDPStrategy):
-    """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
+class FSDP2Strategy(DDPStrategy):
+    """The parallelism: FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
+    recomputes and offloads comes from :meth:`shard`, which the hetero strategy supplies."""
 
-    Args (the hetero arguments are :class:`~lightning_hetero.HeteroDDPStrategy`'s, same meaning):
-        memory: what each rank keeps in device memory: ``"auto"`` (the fastest mode that fits, rank by rank),
-            ``"keep"``, ``"checkpoint"`` (activation checkpointing), ``"offload"`` (shard and optimizer state in host
-            memory), ``"checkpoint_offload"``, a mapping from device-name substring or ``"rank:N"`` to one of those, or
-            a :class:`~lightning_hetero.plan.memory.MemoryPolicy`. A job that cannot fit fails before its first
-            step, with every rank's numbers.
-        blocks: dotted class paths (``"mypkg.model.Block"``) of the modules to shard one by one (one all-gather each).
-            Default: the entries of the model's ``nn.ModuleList`` s, else every module with parameters of its own.
-            A model that shards itself in ``configure_model`` is left as it is.
-        hybrid: on several hosts with equal GPU counts, shard inside each host and replicate across hosts (HSDP), so
-            only one gradient all-reduce crosses the slow link. Unequal hosts shard over all ranks.
-    """
+    def shard(self, module: nn.Module) -> None:
+        raise NotImplementedError
 
-    strategy_name = "hetero_fsdp"
-
-    def __init__(
-        self,
-        memory: MemoryPolicyArg = "auto",
-        blocks: Optional[list[str]] = None,
-        hybrid: bool = True,
-        capacities: CapacitiesArg = "auto",
-        global_batch_size: Optional[int] = None,
-        timeout: float = 1800.0,
-        start_method: StartMethod = "popen",
-        process_group_backend: Optional[str] = None,
-        print_table: bool = True,
-        profile_steps: int = 4,
-        memory_headroom: float = 0.1,
-        max_batch_per_rank: Optional[int] = None,
-        rebalance: bool = False,
-        rebalance_every: int = 20,
-        rebalance_threshold: float = 0.05,
-        rebalance_smoothing: float = 0.5,
-        monitor: bool = False,
-        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
-        precision_policy: Optional[PrecisionPolicyArg] = None,
-        stream_mode: StreamMode = "exact",
-        resume: Optional[str] = None,
-        balance: Balance = "samples",
-        loss_denominator: Denominator = "samples",
-        sample_cost: Optional[str] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-    ) -> None:
-        self._memory_policy = parse_memory_policy(memory)
-        self._block_paths = _check_blocks(blocks)
-        if not isinstance(hybrid, bool):
-            raise ValueError(f"`hybrid`={hybrid!r} must be True or False.")
-        self._hybrid = hybrid
-        self._memory_plan: Optional[list[RankMemory]] = None
-        self._footprint: Optional[ModelFootprint] = None
-        self._loss_factor = 1.0  # b_r · W / G of the running step
-        self._full_state_hook: Optional[Any] = None
-        super().__init__(
-            capacities=capacities, global_batch_size=global_batch_size, timeout=timeout, start_method=start_method,
-            process_group_backend=process_group_backend, print_table=print_table, profile_steps=profile_steps,
-            memory_headroom=memory_headroom, max_batch_per_rank=max_batch_per_rank, rebalance=rebalance,
-            rebalance_every=rebalance_every, rebalance_threshold=rebalance_threshold,
-            rebalance_smoothing=rebalance_smoothing, monitor=monitor, emulate=emulate,
-            precision_policy=precision_policy, stream_mode=stream_mode, resume=resume, accelerator=accelerator,
-            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, balance=balance, loss_denominator=loss_denominator,
-            sample_cost=sample_cost,
-        )
-
-    @property
-    def memory_policy(self) -> MemoryPolicy:
-        return self._memory_policy
-
-    @property
-    def blocks(self) -> Optional[tuple[type[nn.Module], ...]]:
-        """The block classes given by ``blocks`` (``None``: chosen from the model at setup)."""
-        return None if self._block_paths is None else tuple(_import_class(p) for p in self._block_paths)
-
-    @property
-    def memory_plan(self) -> Optional[list[RankMemory]]:
-        """Every rank's memory mode and estimate (after setup)."""
-        return self._memory_plan
-
-    # -- sharding -------------------------------------------------------------------------------------------------
     @override
     def model_to_device(self) -> None:
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
+        # Fitting: `fully_shard` places each shard (on the device, or in host memory where offloaded); moving the
+        # whole model first would need it to fit the smallest card.
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             super().model_to_device()
-        # Fitting: `fully_shard` places each shard (on the device, or in host memory when offloaded); moving the whole
-        # model first would need it to fit the smallest card.
 
     @override
     def configure_ddp(self) -> None:
-        module = self.lightning_module
-        blocks = self._block_classes(module)
-        self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
-        self._memory_plan = self._plan_memory(self._estimated_samples())
-        mine = self._memory_plan[self.global_rank]
-        mesh = device_mesh(self.lab.hosts if self._hybrid else {"all": range(self.world_size)}, self.root_device.type)
-        modes = self._precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),) * self.world_size
-        shard_module(module, mesh, blocks, checkpoint="checkpoint" in mine.mode, offload="offload" in mine.mode,
-                     mp_policy=mixed_precision(modes))
-        self.add_lab_columns({"memory": memory_column(self._memory_plan, self._memory_policy)})
-        # Counts each step's samples for the share controller and logging; no comm hook: the loss carries the weight.
-        self._weighting = WeightingState(self.world_size)
-
-    def _block_classes(self, module: nn.Module) -> tuple[type[nn.Module], ...]:
-        return self.blocks or default_blocks(module)
-
-    def _estimated_samples(self) -> list[int]:
-        """Per-rank samples per step for the memory plan: the capacity share of ``global_batch_size`` (0 when it is
-        not known yet; the plan is checked again with the real shares before the first step)."""
-        total = self._global_batch_size or 0
-        weights = self.lab.capacities
-        return [round(total * w / sum(weights)) for w in weights]
-
-    def _plan_memory(self, samples: list[int]) -> list[RankMemory]:
-        assert self._footprint is not None
-        devices = self.lab.devices
-        budgets = [device_budget(d, self._memory_policy.headroom) for d in devices]
-        shard_ranks = len(next(iter(self.lab.hosts.values()))) if self._hybrid and _equal_hosts(self.lab.hosts) \
-            else self.world_size
-        return resolve_memory(self._memory_policy, self._footprint, devices, samples, budgets, shard_ranks)
-
-    @override
-    def on_train_start(self) -> None:
-        """Before the first step: the memory plan again, with the real shares and optimizer (fails with numbers)."""
-        super().on_train_start()
-        sampler = self.train_batch_sampler
-        if sampler is None or self._footprint is None or self._memory_plan is None:
-            return
-        slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
-        self._footprint = ModelFootprint(self._footprint.parameter_bytes, self._footprint.largest_block_bytes,
-                                         self._footprint.blocks, slots)
-        chosen = {p.rank: p.mode for p in self._memory_plan}
-        policy = self._memory_policy
-        # The modes are in place (sharding is done): check them, do not choose again.
-        self._memory_policy = replace(policy, rules={f"rank:{r}": m for r, m in chosen.items()})
-        try:
-            self._memory_plan = self._plan_memory([int(b) for b in sampler.split_at(0, sampler.global_batch_len(0))])
-        finally:
-            self._memory_policy = policy
-
-    # -- gradient path --------------------------------------------------------------------------------------------
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        sampler = self.train_batch_sampler
-        if sampler is not None:
-            local, total = sampler.sizes_at(batch_idx)
-            self._loss_factor = loss_weight(local, total, self.world_size)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        return super().backward(closure_loss * self._loss_factor, optimizer, *args, **kwargs)
+        self.shard(self.lightning_module)  # in place: `self.model` stays the LightningModule
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        set_gradient_sync(self.lightning_module, False)
+        set_gradient_sync(self.lightning_module, False)  # accumulation: each rank sums locally, no reduce-scatter
         try:
             yield
         finally:
             set_gradient_sync(self.lightning_module, True)
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def no_sync(self) -> Any:
+        return self.block_backward_sync()
+
+    # -- checkpoints: a directory of shards, written by every rank ------------------------------------------------
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -242,7 +120,7 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the shards are written by `save_checkpoint`
+        return {}  # `save_checkpoint` writes the shards
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -250,29 +128,23 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        trainer = self.lightning_module.trainer
-        if self.train_batch_sampler is not None:
-            reopen_interrupted_epoch(checkpoint, self.train_batch_sampler.sampler.epoch, self._shares.position,
-                                     trainer.num_training_batches)
-        path = self.broadcast(str(filepath))
-        with self._in_phase("checkpoint"):
-            # A checksum manifest (resilience.checkpoint) plugs in as `before_publish`.
-            save_sharded(path, checkpoint, self.lightning_module, [o for o in self.optimizers], self.global_rank,
-                         self.barrier)
+        # A checksum manifest of the directory (resilience.checkpoint) plugs in as `before_publish`.
+        save_sharded(self.broadcast(str(filepath)), checkpoint, self.lightning_module, list(self.optimizers),
+                     self.global_rank, self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
-        if is_sharded_checkpoint(path):
-            return load_sharded(path, self.lightning_module, list(self.optimizers),
-                                strict=self.lightning_module.strict_loading)
-        return super().load_checkpoint(path, weights_only=weights_only)  # a full file (e.g. from one device)
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)  # one full file (e.g. from one device)
+        checkpoint = load_sharded(path, self.lightning_module, list(self.optimizers),
+                                  strict=self.lightning_module.strict_loading)
+        checkpoint["state_dict"] = {}  # loaded already; Lightning's own model load is a no-op
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint:  # a full file: every rank keeps its shard of it
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+        if checkpoint.get("state_dict"):  # a full file: every rank keeps its shard of it
             set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
                                  options=StateDictOptions(full_state_dict=True, strict=strict))
 
@@ -284,19 +156,135 @@ class HeteroFSDPStrategy(HeteroDDPStrategy):
     @override
     def teardown(self) -> None:
         module = self._lightning_module
-        if module is not None and is_sharded(module) and self._full_state_hook is None:
-            # After fit, `state_dict()` returns whole tensors, as after DDP (the in-process launchers hand rank 0's to
-            # the main process). A collective: every rank calls it, as those launchers do.
-            self._full_state_hook = module.register_state_dict_post_hook(_gather_whole_tensors)
+        if module is not None and is_sharded(module) and not getattr(module, "_hetero_full_state", False):
+            # After fit, `state_dict()` returns whole tensors, as after DDP (the spawn/fork launchers hand rank 0's to
+            # the main process). Each call gathers: every rank calls it, as those launchers do.
+            module.register_state_dict_post_hook(_gather_whole_tensors)
+            module._hetero_full_state = True
         super().teardown()
+
+
+class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
+    """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
+
+    Args:
+        memory: what each rank keeps in device memory: ``"auto"`` (the fastest mode that fits, rank by rank),
+            ``"keep"``, ``"checkpoint"`` (activation checkpointing), ``"offload"`` (shard, gradients and optimizer
+            state in host memory), ``"checkpoint_offload"``, a mapping from device-name substring or ``"rank:N"`` to
+            one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that cannot fit fails before its first
+            step with every rank's numbers.
+        blocks: dotted class paths (``"mypkg.model.Block"``) of the modules to shard one by one (one all-gather
+            each). Default: the entries of the model's ``nn.ModuleList`` s, else every module with parameters of its
+            own. A model that shards itself in ``configure_model`` keeps its sharding.
+        hybrid: on several hosts with equal GPU counts, shard inside each host and replicate across hosts (HSDP), so
+            only the replicated gradient all-reduce crosses the slow link. Unequal hosts shard over all ranks.
+        capacities ... precision_plugin: as for :class:`~lightning_hetero.HeteroDDPStrategy` (bf16 all-gather and
+            reduce-scatter when every rank trains in bf16; fp32 master weights always).
+    """
+
+    strategy_name = "hetero_fsdp"
+
+    def __init__(
+        self,
+        memory: MemoryPolicyArg = "auto",
+        blocks: Optional[list[str]] = None,
+        hybrid: bool = True,
+        capacities: CapacitiesArg = "auto",
+        global_batch_size: Optional[int] = None,
+        profiling: Optional[Profiling] = None,
+        rebalance: Union[bool, Rebalancing] = False,
+        data: Optional[DataSplit] = None,
+        precision_policy: Optional[PrecisionPolicyArg] = None,
+        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
+        resilience: Optional[Resilience] = None,
+        observation: Optional[Observation] = None,
+        start_method: StartMethod = "popen",
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[Union[str, Accelerator]] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        self.memory_policy: MemoryPolicy = parse_memory_policy(memory)
+        self._block_paths = _check_blocks(blocks)
+        check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
+        self.hybrid = hybrid
+        options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
+        check("", "global_batch_size", global_batch_size, global_batch_size is None or (
+            isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1),
+            "a positive integer or None")
+        policy = parse_precision_policy(precision_policy)
+        if policy is not None and precision_plugin is not None:
+            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
+        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, None, None)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
+        )
+        self.core = HeteroCore(self, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate),
+                               policy)
+        self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
+        self._footprint: Optional[ModelFootprint] = None
+
+    @property
+    def blocks(self) -> Optional[tuple[type[nn.Module], ...]]:
+        """The block classes given by ``blocks`` (``None``: chosen from the model at setup)."""
+        return None if self._block_paths is None else tuple(_import_class(p) for p in self._block_paths)
+
+    # -- memory plan and sharding ---------------------------------------------------------------------------------
+    def shard(self, module: nn.Module) -> None:
+        blocks = self.blocks or default_blocks(module)
+        self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
+        weights, total = self.lab.capacities, self.core.global_batch_size or 0  # 0: shares known at the loader
+        self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
+        mode = self.memory_plan[self.global_rank].mode
+        hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
+        modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
+                     offload="offload" in mode, mp_policy=mixed_precision(modes))
+        self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
+
+    def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
+        assert self._footprint is not None
+        hosts = self.lab.hosts
+        equal_hosts = self.hybrid and len(hosts) > 1 and len({len(r) for r in hosts.values()}) == 1
+        shard_ranks = len(next(iter(hosts.values()))) if equal_hosts else self.world_size
+        budgets = [device_budget(d, policy.headroom) for d in self.lab.devices]
+        return resolve_memory(policy, self._footprint, self.lab.devices, samples, budgets, shard_ranks)
+
+    @override
+    def on_train_start(self) -> None:
+        """Before the first step: the plan's modes checked again with the real shares and optimizer."""
+        super().on_train_start()
+        sampler = self.train_batch_sampler
+        if sampler is None or self._footprint is None or self.memory_plan is None:
+            return
+        slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
+        self._footprint = replace(self._footprint, optimizer_slots=slots)
+        chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
+        self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+
+    # -- exact weighting --------------------------------------------------------------------------------------------
+    def weigh_loss(self, loss: Tensor) -> Tensor:
+        """b_r·W/G times the loss: FSDP's reduce-scatter averages over the W ranks (both mesh dimensions with HSDP),
+        which leaves Σ_r (b_r/G) g_r, exact per micro-step (accumulation with partial batches included)."""
+        share = self.core.step_share
+        if share is None or self.world_size == 1 or not share[1]:
+            return loss
+        return loss * (share[0] * self.world_size / share[1])
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_spawn", "spawn"), ("hetero_fsdp_fork", "fork")):
+        for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_spawn", "spawn"),
+                                   ("hetero_fsdp_fork", "fork")):
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"Sharded (FSDP2) training over unequal GPUs, "
-                                           f"start method '{start_method}'", start_method=start_method)
+                strategy_registry.register(name, cls, start_method=start_method,
+                                           description=f"Sharded (FSDP2) training over unequal GPUs, start '{start_method}'")
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -305,24 +293,15 @@ def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix:
             state_dict[name] = value.full_tensor()
 
 
-def _equal_hosts(hosts: dict[str, tuple[int, ...]]) -> bool:
-    return len(hosts) > 1 and len({len(r) for r in hosts.values()}) == 1
-
-
 def _check_blocks(blocks: Optional[list[str]]) -> Optional[tuple[str, ...]]:
-    if blocks is None:
-        return None
-    if isinstance(blocks, str) or not isinstance(blocks, (list, tuple)) or not blocks or not all(
-        isinstance(b, str) and "." in b for b in blocks
-    ):
-        raise ValueError(f"`blocks`={blocks!r} must be None or a non-empty list of dotted class paths "
-                         "('package.module.Class').")
-    return tuple(blocks)
+    ok = blocks is None or (isinstance(blocks, (list, tuple)) and len(blocks) > 0 and all(
+        isinstance(b, str) and "." in b for b in blocks))
+    check("", "blocks", blocks, ok, "None or a non-empty list of dotted class paths ('package.module.Class')")
+    return None if blocks is None else tuple(blocks)
 
 
 def _import_class(path: str) -> type[nn.Module]:
     module_name, _, name = path.rpartition(".")
     found = getattr(importlib.import_module(module_name), name, None)
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise ValueError(f"`blocks` entry {path!r} is not an nn.Module class.")
-    return found
+    check("", "blocks", path, isinstance(found, type) and issubclass(found, nn.Module), "nn.Module classes")
+    return found  # type: ignore[return-value]
