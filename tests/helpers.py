@@ -103,8 +103,8 @@ def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_k
                     max_epochs: int = 3, strategy_class: type = HeteroDDPStrategy, **trainer_kwargs: Any) -> list[dict]:
     """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = strategy_class(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
-                              **(strategy_kwargs or {}))
+    options = {"observation": {"print_table": False}, "resilience": {"timeout": 120}, **(strategy_kwargs or {})}
+    strategy = strategy_class(start_method="fork", **options)
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=max_epochs,
                       callbacks=[Recorder(out_dir)], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -241,6 +241,7 @@ def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path
     ({"blocks": "torch.nn.Linear"}, "`blocks`='torch.nn.Linear' must be None or a non-empty list"),
     ({"global_batch_size": 0}, "`global_batch_size`=0 must be a positive integer or None"),
     ({"resilience": {"timeout": -1}}, "`resilience.timeout`=-1"),
+    ({"data": {"micro_batch": 2}}, "`data.micro_batch`=2 must be None with HeteroFSDPStrategy"),
     ({"blocks": ["Linear"]}, "`blocks`=['Linear'] must be None or a non-empty list of dotted class paths"),
     ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
     ({"capacities": [3, -1]}, "capacities"),
@@ -320,3 +321,23 @@ def test_fsdp_configs_parse(config):
     expected = {"fsdp_cpu.yaml": {"rank:1": "checkpoint", "*": "keep"}, "fsdp_lab.yaml": {"*": "auto"}}[config]
     assert strategy.memory_policy.rules == expected
     assert strategy.blocks == ((Block,) if config == "fsdp_lab.yaml" else None)
+
+
+@pytest.mark.slow
+def test_strategy_with_monitor_and_emulation_trains_and_reports(tmp_path):
+    """The monitor, the watchdog and an emulated slow rank work as for DDP (same parameters as one process)."""
+    records, ref_params = _strategy_fit(tmp_path, [3, 1], n=32, epochs=1, strategy_kwargs={
+        "observation": {"monitor": True, "print_table": False},
+        "emulate": [None, {"slowdown": 2, "name": "slow card (emulated)"}]})
+    assert max_rel_diff(records[0]["params"][-1], ref_params[-1]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_strategy_bf16_on_every_rank_shards_in_bf16_and_keeps_replicas_identical(tmp_path):
+    """Every rank in bf16: bf16 all-gather and reduce-scatter, fp32 master weights (close to, not equal to, fp32)."""
+    records, ref_params = _strategy_fit(tmp_path, [3, 1], n=32, epochs=1,
+                                        strategy_kwargs={"precision_policy": "bf16-mixed"})
+    for step in range(len(ref_params)):
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+    assert records[0]["params"][-1].dtype == torch.float32
+    assert 0 < max_rel_diff(records[0]["params"][-1], ref_params[-1]) < 0.05

@@ -211,6 +211,10 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
         self.hybrid = hybrid
         options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
+        # Every forward joins the same all-gathers, so ranks cannot run different numbers of micro-batches.
+        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
+              "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
+              "`memory`: 'checkpoint' or 'offload')")
         check("", "global_batch_size", global_batch_size, global_batch_size is None or (
             isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1),
             "a positive integer or None")
