@@ -117,13 +117,15 @@ def _plan(policy, samples=(12, 4), per_sample=2 * GIB, devices=(A100, RTX3090)):
 def test_auto_memory_keeps_everything_where_it_fits_and_checkpoints_or_offloads_the_short_rank():
     plans = _plan(parse_memory_policy("auto"))
     # A100: 13.97 GiB of state + 0.93 gathered + 24 GiB activations fits 72 GiB; the 3090's 8 GiB of activations do
-    # not fit its 21.6 GiB, two of 30 blocks' activations (checkpointing) do.
+    # not fit its 21.6 GiB, half of them (checkpointing) do.
     assert [p.mode for p in plans] == ["keep", "checkpoint"]
-    assert plans[1].activations == 4 * math.ceil(2 * GIB * 2 / 30)
+    assert plans[1].activations == 4 * GIB
+    # A model that keeps most activations outside its blocks gains less from checkpointing: offload then.
+    assert _plan(MemoryPolicy(checkpointed_fraction=0.9))[1].mode == "offload"
     column = memory_column(plans, parse_memory_policy("auto"))
     assert column[0].startswith("auto: keep") and column[1].startswith("auto: checkpoint")
-    # More activations per sample: checkpointing alone no longer fits the 3090; offloading the state does.
-    assert [p.mode for p in _plan(parse_memory_policy("auto"), per_sample=30 * GIB)][1] == "checkpoint_offload"
+    # More activations per sample: neither checkpointing nor offloading alone fits the 3090; both do.
+    assert [p.mode for p in _plan(parse_memory_policy("auto"), per_sample=8 * GIB)][1] == "checkpoint_offload"
 
 
 def test_rank_rules_win_over_device_names():
@@ -154,6 +156,8 @@ def test_bad_memory_arguments_name_the_field(value, message):
     assert message in str(err.value)
     with pytest.raises(ValueError, match=r"`memory` headroom=1.5 must be a number in \[0, 1\)"):
         MemoryPolicy(headroom=1.5)
+    with pytest.raises(ValueError, match=r"`memory` checkpointed_fraction=0 must be a number in \(0, 1\]"):
+        MemoryPolicy(checkpointed_fraction=0)
 
 
 def test_checkpointing_in_place_recomputes_and_keeps_parameter_names():

@@ -46,12 +46,17 @@ class MemoryPolicy:
             (wins over names) -> ``"auto"`` or a mode. ``None``: ``{"*": "auto"}``.
         headroom: fraction of each device's memory left free (allocator fragmentation, the CUDA context).
         activation_bytes_per_sample: activation memory one sample needs in a forward/backward without
-            checkpointing. ``None``: measured by profiling on CUDA; unknown on CPU (then counted as 0).
+            checkpointing. ``None``: not counted (the fit check then covers parameters, gradients and optimizer
+            state only).
+        checkpointed_fraction: the share of a sample's activations that checkpointing leaves in memory: the blocks'
+            inputs, one block recomputed at a time, and everything outside the blocks (embeddings, logits, the loss),
+            which no block checkpoint frees. It depends on the model (a large vocabulary keeps much outside).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
     headroom: float = 0.1
     activation_bytes_per_sample: Optional[int] = None
+    checkpointed_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         rules = {"*": "auto"} if self.rules is None else self.rules
@@ -69,6 +74,9 @@ class MemoryPolicy:
             0 <= self.headroom < 1
         ):
             raise ValueError(f"`memory` headroom={self.headroom!r} must be a number in [0, 1).")
+        fraction = self.checkpointed_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"`memory` checkpointed_fraction={fraction!r} must be a number in (0, 1].")
         per_sample = self.activation_bytes_per_sample
         if per_sample is not None and (isinstance(per_sample, bool) or not isinstance(per_sample, int) or per_sample < 0):
             raise ValueError(
@@ -160,16 +168,16 @@ class RankMemory:
 
 
 def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ranks: int, samples: int,
-             activation_bytes_per_sample: int, budget: int) -> RankMemory:
+             activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5) -> RankMemory:
     """A rank's device memory under ``mode``: offload moves shard, gradients and optimizer state to the host;
-    checkpointing keeps the block inputs and one block's activations (about 2 / blocks of them)."""
+    checkpointing keeps ``checkpointed_fraction`` of the activations (at least two blocks' worth)."""
     shard = 2 * math.ceil(footprint.parameter_bytes / shard_ranks)
     state = footprint.optimizer_slots * math.ceil(footprint.parameter_bytes / shard_ranks)
     if "offload" in mode:
         shard, state = 0, 0
     per_sample = activation_bytes_per_sample
     if "checkpoint" in mode:
-        per_sample = math.ceil(per_sample * min(1.0, 2 / footprint.blocks))
+        per_sample = math.ceil(per_sample * max(checkpointed_fraction, min(1.0, 2 / footprint.blocks)))
     gathered = 2 * 2 * footprint.largest_block_bytes  # parameters + gradients, current block + prefetched one
     return RankMemory(device.rank, device.name, mode, shard, state, gathered, per_sample, samples, budget)
 
@@ -202,7 +210,8 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
                 f"'rank:{device.rank}'; add a key for it or a '*' fallback."
             )
         modes = MEMORY_MODES if rule == "auto" else (rule,)
-        options = [estimate(footprint, m, device, shard_ranks, count, per_sample, budget) for m in modes]
+        options = [estimate(footprint, m, device, shard_ranks, count, per_sample, budget, policy.checkpointed_fraction)
+                   for m in modes]
         plans.append(next((o for o in options if o.fits), options[-1]))
     short = [p for p in plans if not p.fits]
     if short:
