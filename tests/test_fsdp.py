@@ -303,6 +303,14 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
     from tests.helpers import flat_params
 
     assert max_rel_diff(flat_params(restored), ref_params[4]) <= TOLERANCE
+    # The same file resumes a plain one-device Trainer: loops and AdamW's state (its step count) carry on.
+    from lightning.pytorch import Trainer
+
+    single = Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    single.fit(TinyModel("adam", batch_size=8, n=64), ckpt_path=str(tmp_path / "full.ckpt"))
+    state = single.optimizers[0].state[single.lightning_module.net[0].weight]
+    assert single.global_step == state["step"].item() > 5
 
 
 @pytest.mark.parametrize("config", ["fsdp_cpu.yaml", "fsdp_lab.yaml"])
@@ -345,3 +353,11 @@ def test_strategy_bf16_on_every_rank_shards_in_bf16_and_keeps_replicas_identical
         assert torch.equal(records[0]["params"][step], records[1]["params"][step])
     assert records[0]["params"][-1].dtype == torch.float32
     assert 0 < max_rel_diff(records[0]["params"][-1], ref_params[-1]) < 0.05
+
+
+def test_registry_names_build_the_strategy():
+    from lightning.pytorch import Trainer
+
+    for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_fork", "fork"), ("hetero_fsdp_spawn", "spawn")):
+        strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
+        assert isinstance(strategy, HeteroFSDPStrategy) and strategy._start_method == start_method
