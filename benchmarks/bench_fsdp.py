@@ -26,12 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import GPT, Block, GPTConfig  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from models import GPT, Block, GPTConfig
+from plotting import pyplot
 
-from lightning_hetero.grad.sharding import device_mesh, shard_module  # noqa: E402
-from lightning_hetero.lab.devices import describe_device  # noqa: E402
-from lightning_hetero.plan.memory import GIB, MEMORY_MODES, ModelFootprint, estimate  # noqa: E402
+from lightning_hetero.grad.sharding import device_mesh, shard_module
+from lightning_hetero.lab.devices import describe_device
+from lightning_hetero.plan.memory import GIB, MEMORY_MODES, ModelFootprint, estimate
 
 CONFIGS = ("ddp",) + tuple(f"fsdp-{m}" for m in MEMORY_MODES)
 
@@ -71,7 +71,8 @@ def measure(config: str, cfg: GPTConfig, batch: int, device: torch.device, warmu
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model, optimizer
-    return {"config": config, "step_ms": 1000 * statistics.median(times), "peak_gib": None if peak is None else peak / GIB}
+    return {"config": config, "step_ms": 1000 * statistics.median(times),
+            "peak_gib": None if peak is None else peak / GIB}
 
 
 def planned_gib(config: str, cfg: GPTConfig, batch: int, activation_bytes_per_sample: int) -> float:
@@ -119,7 +120,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--largest", action="store_true", help="search the deepest GPT each mode trains under --cap-gib")
+    parser.add_argument("--largest", action="store_true",
+                        help="search the deepest GPT each mode trains under --cap-gib")
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--width", type=int, default=2048, help="GPT width for --largest")
     parser.add_argument("--max-layers", type=int, default=96)

@@ -17,9 +17,9 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_digits import DigitsDataModule  # noqa: E402
+from train_digits import DigitsDataModule
 
-import lightning_hetero  # noqa: E402,F401  (registers "hetero_fsdp")
+import lightning_hetero  # noqa: F401  (registers "hetero_fsdp")
 
 
 class Block(nn.Module):

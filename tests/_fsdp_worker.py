@@ -1,6 +1,7 @@
 """Raw torch + gloo workers for the FSDP building blocks (no Lightning): fork-launched, one function per rank."""
 
 import os
+from itertools import pairwise
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,7 +39,7 @@ def reference(steps: list[list[int]], optimizer: str, accumulate: int = 1,
         total = sum(shares)
         if equal_rank_weights:
             bounds = [pos + sum(shares[:r]) for r in range(len(shares) + 1)]
-            loss = sum(nn.functional.mse_loss(model(x[a:b]), y[a:b]) for a, b in zip(bounds, bounds[1:])) / len(
+            loss = sum(nn.functional.mse_loss(model(x[a:b]), y[a:b]) for a, b in pairwise(bounds)) / len(
                 shares)
         else:
             loss = nn.functional.mse_loss(model(x[pos:pos + total]), y[pos:pos + total])

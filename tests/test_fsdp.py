@@ -1,13 +1,33 @@
 """HeteroFSDPStrategy: sharded training over unequal ranks, with the math of one process on the global batch."""
 
-import math
+import copy
+import os
+import sys
 
 import pytest
 import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
+from lightning_hetero import HeteroFSDPStrategy
+from lightning_hetero._compat import checkpoint_module_in_place
+from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.plan.memory import (
+    GIB,
+    MemoryFitError,
+    MemoryPolicy,
+    ModelFootprint,
+    device_budget,
+    memory_column,
+    parse_memory_policy,
+    resolve_memory,
+)
 from lightning_hetero.resilience.sharded import export_full_checkpoint, is_sharded_checkpoint
 from tests._fsdp_worker import make_model, reference, run_ranks, train_sharded
-from tests.helpers import free_port
+from tests.helpers import Recorder, TinyModel, fit_distributed, flat_params, free_port, max_rel_diff, reference_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Global batches split by capacity, the last one partial (with [5, 2, 1] one rank gets no sample: a padding step).
 SPLITS = {
@@ -87,20 +107,6 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path):
 
 
 # -- memory policy ----------------------------------------------------------------------------------------------------
-from torch import nn  # noqa: E402
-
-from lightning_hetero._compat import checkpoint_module_in_place  # noqa: E402
-from lightning_hetero.lab.devices import DeviceInfo  # noqa: E402
-from lightning_hetero.plan.memory import (  # noqa: E402
-    GIB,
-    MemoryFitError,
-    MemoryPolicy,
-    ModelFootprint,
-    device_budget,
-    memory_column,
-    parse_memory_policy,
-    resolve_memory,
-)
 
 A100 = DeviceInfo(0, "h", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 108)
 RTX3090 = DeviceInfo(1, "h", "cuda", "NVIDIA GeForce RTX 3090", (8, 6), 24 * GIB, 82)
@@ -171,12 +177,8 @@ def test_checkpointing_in_place_recomputes_and_keeps_parameter_names():
 
 
 # -- the strategy -----------------------------------------------------------------------------------------------------
-import copy  # noqa: E402
 
-from lightning.pytorch import seed_everything  # noqa: E402
 
-from lightning_hetero import HeteroFSDPStrategy  # noqa: E402
-from tests.helpers import TinyModel, fit_distributed, max_rel_diff, reference_run  # noqa: E402
 
 
 def _strategy_fit(tmp_path, capacities, optimizer="sgd", n=53, epochs=3, strategy_kwargs=None, **trainer_kwargs):
@@ -226,8 +228,6 @@ def test_strategy_checkpointing_and_offload_on_one_rank_each_change_nothing(tmp_
 def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path, global_batch_size):
     """A terabyte of activations per sample fits nowhere: with the global batch known the plan fails at setup,
     otherwise once the shares are known, before the first step either way."""
-    from lightning_hetero.plan.memory import MemoryFitError
-
     policy = MemoryPolicy(rules={"*": "keep"}, activation_bytes_per_sample=2**40)
     with pytest.raises(Exception) as err:
         fit_distributed(TinyModel(n=32), str(tmp_path), 2, {"capacities": [3, 1], "memory": policy,
@@ -257,13 +257,6 @@ def test_bad_strategy_arguments_name_the_field(kwargs, message):
 
 
 def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1):
-    import os
-
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from tests.helpers import Recorder
-
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
@@ -300,12 +293,8 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
 
     export_full_checkpoint(checkpoint, tmp_path / "full.ckpt")
     restored = TinyModel.load_from_checkpoint(tmp_path / "full.ckpt")
-    from tests.helpers import flat_params
-
     assert max_rel_diff(flat_params(restored), ref_params[4]) <= TOLERANCE
     # The same file resumes a plain one-device Trainer: loops and AdamW's state (its step count) carry on.
-    from lightning.pytorch import Trainer
-
     single = Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     single.fit(TinyModel("adam", batch_size=8, n=64), ckpt_path=str(tmp_path / "full.ckpt"))
@@ -316,17 +305,13 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
 @pytest.mark.parametrize("config", ["fsdp_cpu.yaml", "fsdp_lab.yaml"])
 def test_fsdp_configs_parse(config):
     """The shipped YAML files are valid LightningCLI configs for the fine-tuning example (without training)."""
-    import os
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "examples"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from finetune_fsdp import Block, DigitsTransformer
     from lightning.pytorch.cli import LightningCLI
     from train_digits import DigitsDataModule
 
     cli = LightningCLI(DigitsTransformer, DigitsDataModule, run=False,
-                       args=["--config", os.path.join(root, "configs", config), "--trainer.accelerator=cpu",
+                       args=["--config", os.path.join(ROOT, "configs", config), "--trainer.accelerator=cpu",
                              "--trainer.devices=1"])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HeteroFSDPStrategy)
@@ -356,8 +341,6 @@ def test_strategy_bf16_on_every_rank_shards_in_bf16_and_keeps_replicas_identical
 
 
 def test_registry_names_build_the_strategy():
-    from lightning.pytorch import Trainer
-
     for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_fork", "fork"), ("hetero_fsdp_spawn", "spawn")):
         strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
         assert isinstance(strategy, HeteroFSDPStrategy) and strategy._start_method == start_method

@@ -78,7 +78,8 @@ class MemoryPolicy:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"`memory` checkpointed_fraction={fraction!r} must be a number in (0, 1].")
         per_sample = self.activation_bytes_per_sample
-        if per_sample is not None and (isinstance(per_sample, bool) or not isinstance(per_sample, int) or per_sample < 0):
+        if per_sample is not None and (isinstance(per_sample, bool) or not isinstance(per_sample, int)
+                                       or per_sample < 0):
             raise ValueError(
                 f"`memory` activation_bytes_per_sample={per_sample!r} must be a non-negative integer or None."
             )

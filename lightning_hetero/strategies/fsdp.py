@@ -288,7 +288,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                                    ("hetero_fsdp_fork", "fork")):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"Sharded (FSDP2) training over unequal GPUs, start '{start_method}'")
+                                           description=f"Sharded (FSDP2) training over unequal GPUs, {start_method}")
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
