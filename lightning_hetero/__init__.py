@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hetero.config import DataSplit, Observation, Profiling, Rebalancing, Resilience
 from lightning_hetero.grad.autocompress import AutoCompression
 from lightning_hetero.grad.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.grad.periodic import PeriodicSync
 from lightning_hetero.grad.precision import PrecisionPolicy
 from lightning_hetero.lab.devices import describe_device
 from lightning_hetero.lab.emulation import PRESETS
@@ -37,6 +38,7 @@ __all__ = [
     "MemoryPolicy",
     "NoCompression",
     "Observation",
+    "PeriodicSync",
     "PowerSGDCompression",
     "PrecisionPolicy",
     "Profiling",
