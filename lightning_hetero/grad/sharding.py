@@ -95,10 +95,6 @@ def shard_module(
     return module
 
 
-def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):

@@ -54,6 +54,7 @@ from lightning_hetero.grad.sharding import (
     default_blocks,
     device_mesh,
     is_sharded,
+    loss_weight,
     mixed_precision,
     set_gradient_sync,
     shard_module,
@@ -277,9 +278,9 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         """b_r·W/G times the loss: FSDP's reduce-scatter averages over the W ranks (both mesh dimensions with HSDP),
         which leaves Σ_r (b_r/G) g_r, exact per micro-step (accumulation with partial batches included)."""
         share = self.core.step_share
-        if share is None or self.world_size == 1 or not share[1]:
+        if share is None or self.world_size == 1:
             return loss
-        return loss * (share[0] * self.world_size / share[1])
+        return loss * loss_weight(share[0], share[1], self.world_size)
 
     @classmethod
     @override
