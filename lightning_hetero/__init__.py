@@ -1,7 +1,8 @@
 """lightning-hetero: capacity-weighted data parallelism for mixed GPUs, as a PyTorch Lightning strategy.
 
-Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) with
-Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
+Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) and
+``"hetero_fsdp"`` (and ``_spawn`` / ``_fork``) with Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")``
+works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -17,8 +18,11 @@ from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.strategies.ddp import HeteroDDPStrategy
+from lightning_hetero.strategies.fsdp import HeteroFSDPStrategy
+from lightning_hetero.plan.memory import MemoryPolicy
 
 HeteroDDPStrategy.register_strategies(StrategyRegistry)
+HeteroFSDPStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.2.0"
 
@@ -28,8 +32,10 @@ __all__ = [
     "CastCompression",
     "DataSplit",
     "HeteroDDPStrategy",
+    "HeteroFSDPStrategy",
     "HeteroLab",
     "HeteroMonitor",
+    "MemoryPolicy",
     "NoCompression",
     "Observation",
     "PeriodicSync",
