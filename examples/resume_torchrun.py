@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 2 examples/resume_torchrun.py --out /tmp/cut                 # ... and go on
 
 Rank 1 raises at step ``--crash-at`` of the first attempt; torchrun stops the other rank and starts both again with
-the same arguments. ``HeteroDDPStrategy(resume="auto")`` then restores the newest checkpoint of the
+the same arguments. ``HeteroDDPStrategy(resilience={"resume": "auto"})`` then restores the newest checkpoint of the
 ``ModelCheckpoint`` directory (every 3 steps here): weights, optimizer, shares, sampler position and RNG. At the end
 rank 0 writes the final parameters to ``<out>/final.pt``; compare them with the uninterrupted run's. CPU and gloo
 here; on GPUs drop ``--cpu``.
@@ -69,7 +69,8 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy=HeteroDDPStrategy(capacities=[3, 1], resume="auto", print_table=False),
+        strategy=HeteroDDPStrategy(capacities=[3, 1], resilience={"resume": "auto"},
+                                   observation={"print_table": False}),
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         callbacks=callbacks,

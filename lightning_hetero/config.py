@@ -255,6 +255,13 @@ class Options:
     observation: Observation
 
 
+def _yaml(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
 def from_flat_arguments(
     profiling: Union[None, Profiling, Mapping[str, Any]],
     rebalance: Union[bool, None, Rebalancing, Mapping[str, Any]],
@@ -276,12 +283,6 @@ def from_flat_arguments(
         if value is None:
             continue
         group, field = _FLAT[name]
-        warnings.warn(
-            f"`{name}={value!r}` is deprecated: write `{group}={{'{field}': {value!r}}}` "
-            f"(YAML: `{group}: {{{field}: {json.dumps(value)}}}`).",
-            FutureWarning,
-            stacklevel=3,
-        )
         # Rebalancing knobs given while rebalancing is off are checked, and stay off (as before).
         current = groups[group] if groups[group] is not None else Rebalancing()
         try:
@@ -290,6 +291,12 @@ def from_flat_arguments(
             raise ValueError(str(err).replace(f"`{group}.{field}`", f"`{name}`", 1)) from None
         if groups[group] is not None:
             groups[group] = updated
+        warnings.warn(
+            f"`{name}={value!r}` is deprecated: write `{group}={{'{field}': {value!r}}}` "
+            f"(YAML: `{group}: {{{field}: {_yaml(value)}}}`).",
+            FutureWarning,
+            stacklevel=3,
+        )
     return Options(**groups)
 
 

@@ -21,7 +21,8 @@ def main() -> None:
         pass
     torch.set_num_threads(1)
     trainer = Trainer(accelerator="cpu", devices=2, max_epochs=2, logger=False,
-                      strategy=HeteroDDPStrategy(capacities="equal", timeout=timeout, print_table=False),
+                      strategy=HeteroDDPStrategy(capacities="equal", resilience={"timeout": timeout},
+                                                 observation={"print_table": False}),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(FaultyModel(fault, fault_rank, out_dir))

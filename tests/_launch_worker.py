@@ -24,7 +24,7 @@ def main() -> None:
     if mode == "registry":
         trainer = Trainer(strategy="hetero_ddp", devices=2, **common)
     else:
-        strategy = lightning_hetero.HeteroDDPStrategy(capacities=[3, 1], timeout=120)
+        strategy = lightning_hetero.HeteroDDPStrategy(capacities=[3, 1], resilience={"timeout": 120})
         trainer = Trainer(strategy=strategy, devices=1, num_nodes=2, **common)
     trainer.fit(TinyModel(n=40))
     lab = trainer.strategy.lab

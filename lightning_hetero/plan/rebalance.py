@@ -274,7 +274,8 @@ class ShareController:
                 rank_zero_info(f"HeteroDDPStrategy resume: {replan}; shares are planned for this lab "
                                f"(capacities '{strategy.lab.capacity_source}').")
         if restored is None or replan is not None:
-            if self.profile_enabled and self.profile is None:
+            # One rank has nobody to share with: profiling it would only delay the first step.
+            if self.profile_enabled and self.profile is None and sampler.world_size > 1:
                 self.profile = self._run_profile(strategy, sampler, dataloader)
                 if self.profile is not None:
                     self.caps = self.profile.caps
