@@ -225,8 +225,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         row.update(capacity_source=lab.capacity_source, capacities=[round(c, 4) for c in lab.capacities],
                    split=list(lab.split), hosts={k: list(v) for k, v in lab.hosts.items()},
                    compression=columns.get("compression"), links=columns.get("link (measured)"))
-        pacer = getattr(getattr(strategy._compression, "state", None), "pacer", None) if strategy._compression else None
-        pacer = pacer or getattr(getattr(strategy._weighting, "inner_state", None), "pacer", None)
+        pacer = getattr(getattr(strategy.compression, "state", None), "pacer", None) if strategy.compression else None
+        pacer = pacer or getattr(getattr(strategy.weighting, "inner_state", None), "pacer", None)
         if pacer is not None:
             row["paced_s"] = pacer.slept_s
     else:

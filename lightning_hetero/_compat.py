@@ -1,3 +1,4 @@
+# ruff: noqa: F401, E402
 """Every private Lightning / torch name the package uses, in one place.
 
 Each entry says which public API is missing. Nothing else in the package imports a ``_``-prefixed name from
@@ -5,7 +6,7 @@ Each entry says which public API is missing. Nothing else in the package imports
 """
 
 from os import PathLike
-from typing import Union
+from typing import Callable, Optional, Union
 
 # Checkpoint paths: Lightning's `_PATH` alias has no public spelling.
 PathType = Union[str, PathLike]
@@ -35,3 +36,77 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa:
     _orthogonalize_gram_schmidt as powersgd_orthogonalize_gram_schmidt,
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress as powersgd_should_compress  # noqa: E402,E501
+
+# A DataLoader's constructor arguments as the user wrote them: Lightning records them while its `*_dataloader` hooks
+# run (the same record its own sampler injection re-instantiates from); there is no public accessor.
+_SAVED = ("__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names")
+
+
+def recorded_loader_arguments(dataloader: object) -> "Optional[tuple[tuple, dict, tuple]]":
+    """``(args, kwargs, positional names)`` Lightning recorded for ``dataloader``, or ``None``."""
+    if not all(hasattr(dataloader, name) for name in _SAVED):
+        return None
+    return tuple(getattr(dataloader, _SAVED[0])), dict(getattr(dataloader, _SAVED[1])), tuple(getattr(dataloader, _SAVED[2]))
+
+
+# Re-instantiate an object of a class Lightning wrapped, replaying the attribute assignments it recorded after
+# `__init__` (what Lightning's own loader re-instantiation does).
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls as reinstantiate  # noqa: E402
+
+
+def unwrap_index_batch_sampler(batch_sampler: object) -> object:
+    """The batch sampler inside the prediction loop's index wrapper (it exposes it under a private name only)."""
+    return getattr(batch_sampler, "_batch_sampler") if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
+
+
+# Lightning's process launchers (popen script re-execution, spawn/fork), subclassed to resolve `resume` before `fit`
+# selects its checkpoint: strategies choose their launcher class, but the classes have no public names.
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher  # noqa: E402
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
+
+
+def trainer_of(module: object) -> "Optional[object]":
+    """The trainer a LightningModule is attached to, or ``None``: the public ``module.trainer`` raises when detached."""
+    return getattr(module, "_trainer", None)
+
+
+def inside_lightning_hook(module: object) -> bool:
+    """Whether Lightning is running one of ``module``'s hooks now (``self.log`` is allowed only there)."""
+    return getattr(module, "_current_fx_name", None) is not None
+
+
+# The name of the trainer method a launcher runs for `fit`: launchers receive the bound method, with no public marker
+# of which entry point it is.
+FIT_FUNCTION_NAME = "_fit_impl"
+
+
+def move_batch_to_device(module: object, batch: object, device: object) -> object:
+    """The batch through the module's transfer hooks to ``device``, as the training loop moves it (no public call
+    runs all three hooks)."""
+    return module._apply_batch_transfer_handler(batch, device=device)  # type: ignore[attr-defined]
+
+
+def queue_after_backward(callback: "Callable[[], None]") -> None:
+    """Run ``callback`` once the running backward pass has accumulated every gradient: autograd's engine has no
+    public way to queue it (DDP uses the same call for its end-of-backward work)."""
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def default_store() -> object:
+    """The default process group's rendezvous store (torch has no public accessor)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def init_process_group(strategy: object, store: object) -> None:
+    """Lightning's ``setup_distributed`` for ``strategy`` with our own rendezvous ``store`` (Lightning's builds its
+    store inside and takes none from outside; the backend and timeout live in the strategy's private fields)."""
+    strategy.set_world_ranks()  # type: ignore[attr-defined]
+    strategy._process_group_backend = strategy._get_process_group_backend()  # type: ignore[attr-defined]
+    root = strategy.root_device  # type: ignore[attr-defined]
+    init_dist_connection(strategy.cluster_environment, strategy._process_group_backend,  # type: ignore[attr-defined]
+                         timeout=strategy._timeout, store=store,  # type: ignore[attr-defined]
+                         device_id=root if root.type != "cpu" else None)

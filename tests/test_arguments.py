@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 
+from lightning_hetero.lab.emulation import EmulationSpec
+
 from lightning_hetero import (
     CastCompression,
-    EmulationSpec,
     HeteroDDPStrategy,
     PowerSGDCompression,
     PrecisionPolicy,

@@ -530,7 +530,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
         f"    init_args:\n      compression: {yaml_value}\n"
     )
     cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False, args=["--config", str(config)])
-    assert cli.trainer.strategy._compression_config == expected
+    assert cli.trainer.strategy.compression_config == expected
 
 
 @pytest.mark.gpu

@@ -141,9 +141,9 @@ class HostRecorder(Recorder):
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         strategy = trainer.strategy
-        self.hops = dict(strategy._compression.bytes_by_hop_last_step)
+        self.hops = dict(strategy.compression.bytes_by_hop_last_step)
         self.hosts = {k: list(v) for k, v in strategy.lab.hosts.items()}
-        pacer = getattr(strategy._weighting.inner_state, "pacer", None)
+        pacer = getattr(strategy.weighting.inner_state, "pacer", None)
         self.paced_bytes = pacer.wire_bytes if pacer is not None else 0
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -231,7 +231,7 @@ def test_hierarchical_topk_state_per_rank_resumes_exactly(tmp_path):
         for r in range(1, 4):
             assert torch.equal(full[r]["params"][step], full[0]["params"][step]), (r, step)
     ckpt = torch.load(tmp_path / "full" / "epoch=1.ckpt", weights_only=False)
-    ranks = ckpt["callbacks"]["lightning_hetero.RankState"]["ranks"]
+    ranks = ckpt["lightning_hetero"]["ranks"]
     residuals = [r["compression"]["buckets"]["residual"] for r in ranks]
     assert residuals[0] and residuals[2] and not residuals[1] and not residuals[3]
     assert not all(torch.equal(a, b) for a, b in zip(residuals[0].values(), residuals[2].values()))

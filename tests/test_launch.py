@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -74,9 +75,37 @@ def test_every_config_parses(config):
     from train_digits import DigitsClassifier, DigitsDataModule
     from lightning.pytorch.cli import LightningCLI
 
-    cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False,
-                       args=["--config", os.path.join(ROOT, "configs", config), "--trainer.accelerator=cpu",
-                             "--trainer.devices=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the shipped configs use the grouped spelling
+        cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False,
+                           args=["--config", os.path.join(ROOT, "configs", config), "--trainer.accelerator=cpu",
+                                 "--trainer.devices=1"])
     from lightning_hetero import HeteroDDPStrategy
 
     assert isinstance(cli.trainer.strategy, HeteroDDPStrategy)
+    if config == "cpu_lab.yaml":
+        assert cli.trainer.strategy.core.options.profiling.steps == 200
+        assert cli.trainer.strategy.core.options.resilience.timeout == 300
+
+
+def test_flat_and_grouped_yaml_spellings_give_the_same_options(tmp_path):
+    """Earlier releases' flat arguments still parse from YAML, with a FutureWarning naming the grouped spelling."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_digits import DigitsClassifier, DigitsDataModule
+    from lightning.pytorch.cli import LightningCLI
+
+    def options(init_args: str) -> object:
+        path = tmp_path / "c.yaml"
+        path.write_text("trainer:\n  strategy:\n    class_path: lightning_hetero.HeteroDDPStrategy\n"
+                        f"    init_args: {init_args}\n")
+        cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False,
+                           args=["--config", str(path), "--trainer.accelerator=cpu", "--trainer.devices=1"])
+        return cli.trainer.strategy.core.options
+
+    with pytest.warns(FutureWarning, match=r"profiling=\{'steps': 8\}"):
+        flat = options("{profile_steps: 8, rebalance: true, rebalance_every: 5, resume: auto, balance: tokens}")
+    grouped = options("{profiling: {steps: 8}, rebalance: {every: 5}, resilience: {resume: auto}, "
+                      "data: {balance: tokens}}")
+    assert flat == grouped and grouped.rebalance.every == 5 and grouped.data.balance == "tokens"
+    with pytest.raises(SystemExit):  # jsonargparse names the bad field and exits
+        options("{profiling: {steps: 0}}")

@@ -102,7 +102,7 @@ def test_resume_equals_uninterrupted(uninterrupted: list[dict], STOP_AT: int, mo
     # The rebalance happened before the interruption (split 4/4 -> 6/2) and is carried over.
     assert [len(i) for i in full[1]["indices"]][:3] == [4, 4, 4]
     assert [len(i) for i in full[1]["indices"]][-1] == 2
-    state = torch.load(ckpt, weights_only=False)["callbacks"]["lightning_hetero.RankState"]["ranks"][0]["shares"]
+    state = torch.load(ckpt, weights_only=False)["lightning_hetero"]["ranks"][0]["shares"]
     assert state["sampler"]["changes"][-1][1] != [1.0, 1.0]
 
     for r in range(2):

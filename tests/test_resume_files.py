@@ -12,7 +12,8 @@ import lightning_hetero.resilience.checkpoint as checkpoint_module
 from lightning_hetero import HeteroDDPStrategy, PowerSGDCompression, TopKCompression
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, newest_checkpoint
 from lightning_hetero.grad.compression import GradientCompression
-from lightning_hetero.resilience.state import RankStateCallback
+from lightning_hetero.resilience.resume import resolve_resume
+from lightning_hetero.resilience.state import RankStates
 
 
 def _ckpt(value: float) -> dict[str, Any]:
@@ -131,35 +132,33 @@ def test_rank_state_without_reshard_starts_fresh_with_a_warning() -> None:
         def load_state_dict(self, state: dict) -> None:
             raise AssertionError("state of another world size must not be loaded as is")
 
-    callback = RankStateCallback()
+    callback = RankStates()
     callback.load_state_dict({"ranks": [{"plain": {"x": 1}}, {"plain": {"x": 2}}]})  # 2 ranks saved, 1 here
     with pytest.warns(UserWarning, match="starts fresh"):
         callback.register("plain", Plain())
 
 
-def test_resume_auto_restores_the_newest_unless_a_path_is_given(tmp_path: Any) -> None:
+def test_resume_auto_points_fit_at_the_newest_unless_a_path_is_given(tmp_path: Any) -> None:
+    """`resume` is resolved before `fit` selects its checkpoint, through the public `trainer.ckpt_path`."""
     from types import SimpleNamespace
 
-    strategy = HeteroDDPStrategy(resume="auto")
+    def _fit_impl(model: Any = None, train_dataloaders: Any = None, val_dataloaders: Any = None,
+                  datamodule: Any = None, ckpt_path: Any = None) -> None:
+        pass
+
     with pytest.raises(ValueError, match="dirpath"):
-        strategy._resume_from_newest(SimpleNamespace(checkpoint_callbacks=[]))
-
-    class Connector:
-        def _restore_modules_and_callbacks(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
-            self.restored = checkpoint_path
-
+        resolve_resume("auto", _fit_impl, (None,), {}, SimpleNamespace(checkpoint_callbacks=[], ckpt_path=None))
     AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "a.ckpt")
-    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path))],
-                              _checkpoint_connector=Connector())
-    for given, expected in ((None, str(tmp_path / "a.ckpt")), ("mine.ckpt", "mine.ckpt")):
-        strategy._resume_from_newest(trainer)
-        trainer._checkpoint_connector._restore_modules_and_callbacks(given, None)
-        assert trainer._checkpoint_connector.restored == expected
-        assert "_restore_modules_and_callbacks" not in vars(trainer._checkpoint_connector)  # once only
-    empty = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path / "x"))],
-                            _checkpoint_connector=Connector())
-    strategy._resume_from_newest(empty)
-    assert "_restore_modules_and_callbacks" not in vars(empty._checkpoint_connector)  # nothing there: fresh start
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path))], ckpt_path=None)
+    assert resolve_resume("auto", _fit_impl, (None, None, None, None, None), {}, trainer)
+    assert trainer.ckpt_path == str(tmp_path / "a.ckpt")
+    mine = SimpleNamespace(checkpoint_callbacks=trainer.checkpoint_callbacks, ckpt_path=None)
+    assert not resolve_resume("auto", _fit_impl, (None, None, None, None, "mine.ckpt"), {}, mine)  # positional
+    assert not resolve_resume("auto", _fit_impl, (None,), {"ckpt_path": "mine.ckpt"}, mine)  # keyword
+    assert mine.ckpt_path is None
+    assert not resolve_resume(None, _fit_impl, (None,), {}, mine) and mine.ckpt_path is None
+    empty = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path / "x"))], ckpt_path=None)
+    assert not resolve_resume("auto", _fit_impl, (None,), {}, empty) and empty.ckpt_path is None  # fresh start
 
 
 def test_hierarchical_residuals_go_to_the_new_leaders() -> None:

@@ -276,13 +276,13 @@ class HeteroBatchSampler(BatchSampler):
             raise ValueError(f"`capacities` has {len(capacities)} weights for {self.world_size} ranks.")
         if first_batch < self._changes[-1].first_batch:
             raise ValueError("share changes must move forward in the epoch")
-        self._roll_schedule_to_epoch()
+        self.roll_schedule_to_epoch()
         self._changes = [c for c in self._changes if c.first_batch < first_batch]
         self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
         self._full_splits.clear()
         split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
 
-    def _roll_schedule_to_epoch(self) -> None:
+    def roll_schedule_to_epoch(self) -> None:
         """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
         if self.sampler.epoch != self._schedule_epoch:
             latest = self._changes[-1]
@@ -290,13 +290,13 @@ class HeteroBatchSampler(BatchSampler):
             self._full_splits.clear()
             self._schedule_epoch = self.sampler.epoch
 
-    def _change_at(self, batch_index: int) -> ShareChange:
+    def change_at(self, batch_index: int) -> ShareChange:
         firsts = [c.first_batch for c in self._changes]
         return self._changes[bisect.bisect_right(firsts, batch_index) - 1]
 
     def split_at(self, batch_index: int, batch_len: Optional[int] = None) -> list[int]:
         """Per-rank sample counts of global batch ``batch_index`` (of ``batch_len`` samples; default: full)."""
-        change = self._change_at(batch_index)
+        change = self.change_at(batch_index)
         n = self.global_batch_size if batch_len is None else batch_len
         if n == self.global_batch_size:
             key = change.first_batch
@@ -353,7 +353,7 @@ class HeteroBatchSampler(BatchSampler):
         assert self.costs is not None
         costs = [self.costs[i] for i in global_batch]
         if self.balance_by_cost:
-            change = self._change_at(batch_index)
+            change = self.change_at(batch_index)
             positions = split_by_cost(costs, change.capacities, self._caps(change), padded=self.balance_padded)
         else:
             bounds = [0]
@@ -366,7 +366,7 @@ class HeteroBatchSampler(BatchSampler):
         self.batches_yielded = self.start_batch
         start, self.start_batch = self.start_batch, 0
         self._batch_shares.clear()
-        self._roll_schedule_to_epoch()
+        self.roll_schedule_to_epoch()
         for k, batch in enumerate(self.global_batches()):
             if k < start:
                 continue
@@ -395,7 +395,7 @@ class HeteroBatchSampler(BatchSampler):
             self.sampler.load_state_dict(state["order"])
         self.global_batch_size = int(state.get("global_batch_size", self.global_batch_size))
         if state.get("changes") is None:
-            self._roll_schedule_to_epoch()
+            self.roll_schedule_to_epoch()
             self._full_splits.clear()
             self.start_batch = start_batch
             return

@@ -155,10 +155,10 @@ class HeteroStreamLoader(DataLoader):
         elif self.epoch_fn is not None:
             order.epoch = self.epoch_fn()
         self._iterated = True
-        s._roll_schedule_to_epoch()
+        s.roll_schedule_to_epoch()
         self._set_dataset_epoch()
         if isinstance(self.dataset, CapacityShards):  # before workers copy the dataset
-            shares = split_batch(self.dataset.virtual_world, s._change_at(s.start_batch).capacities)
+            shares = split_batch(self.dataset.virtual_world, s.change_at(s.start_batch).capacities)
             self.dataset.assign(shares, s.rank)
         samples = self._samples()
         start, s.start_batch = s.start_batch, 0

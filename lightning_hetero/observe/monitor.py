@@ -4,13 +4,13 @@ Each optimizer step is one *cycle* on every rank: from the moment the previous g
 to the moment this one does. A cycle lasts equally long on every rank (a collective ends for all at once) and splits
 into:
 
-- **data**: the loader's fetch of the next batch (the time Lightning's ``train_dataloader_next`` profiler action
-  spans; on GPUs at most the device's idle gap between two batches);
+- **data**: the time between two batches: the loader's fetch of the next batch, its copy to the device and Lightning's
+  per-batch work (measured from the callback hooks alone; Lightning's per-batch stop-flag broadcast is part of it, so
+  a rank whose optimizer update finished early waits there too);
 - **compute**: forward, backward up to this rank's last local gradient, the optimizer update (on CPU ranks emulating a
   slower card, its slowdown pause too);
-- **sync**: time inside collectives: the gradient all-reduce after the local backward ended, collectives issued
-  inside the step (``self.log(..., sync_dist=True)``), and the rest of the gap between two batches (Lightning
-  broadcasts a stop flag from rank 0 before every batch, where a fast rank waits too).
+- **sync**: time inside collectives: the gradient all-reduce after the local backward ended and collectives issued
+  inside the step (``self.log(..., sync_dist=True)``).
 
 Sync is split across ranks: the rank that arrived last at the collectives waited for nobody, so its sync time is the
 **exposed communication** of the step, the same for every rank; whatever a rank spent in sync beyond that is **wait**,
@@ -66,7 +66,7 @@ COMM_RATIO_THRESHOLD = 0.3
 # The step's hooks only read the clock and append one tuple to the rank's event log; :class:`_StepRows` turns the log
 # into rows on logging steps. (In a 2-core VM's training loop every Python call or object a hook makes costs several
 # microseconds, on both ranks' critical path: work that can wait for the logging step does.)
-_START = 0  # (kind, mark, samples, tokens, loader fetch seconds since the previous batch start): a batch starts
+_START = 0  # (kind, mark, samples, tokens): a batch starts
 _RELEASE = 1  # (kind, mark, backward-end mark or None): after the closure: the gradient all-reduce is done
 _END = 2  # (kind, mark): the batch ends
 _COLLECTIVE = 3  # (kind, begin, end): a collective issued from within the step
@@ -78,20 +78,19 @@ _INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE)
 class _Step:
     """One optimizer step of this rank being assembled from the event log (seconds and counts)."""
 
-    __slots__ = ("origin", "release", "backward_end", "gaps", "fetch", "colls", "excluded", "samples", "tokens")
+    __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens")
 
     def __init__(self, origin: Any) -> None:
         self.origin = origin  # the previous step's release: the step starts when the ranks were let go
         self.release: Any = None
         self.backward_end: Any = None
-        self.gaps = self.fetch = self.colls = self.excluded = 0.0
+        self.gaps = self.colls = self.excluded = 0.0
         self.samples = self.tokens = 0
 
     def row(self, seconds: Callable[[Any, Any], float]) -> tuple[float, ...]:
-        gaps = self.gaps - self.excluded if self.gaps > self.excluded else 0.0
-        data = gaps if gaps < self.fetch else self.fetch  # the rest of the gap: Lightning's broadcast, bookkeeping
+        data = self.gaps - self.excluded if self.gaps > self.excluded else 0.0
         tail = seconds(self.backward_end, self.release) if self.backward_end is not None else 0.0
-        sync = self.colls + (tail if tail > 0.0 else 0.0) + gaps - data
+        sync = self.colls + (tail if tail > 0.0 else 0.0)
         return (seconds(self.origin, self.release) - self.excluded, data, sync, self.samples, self.tokens)
 
 
@@ -113,12 +112,11 @@ class _StepRows:
         for event in events:
             kind = event[0]
             if kind == _START:
-                _, mark, samples, tokens, fetch = event
+                _, mark, samples, tokens = event
                 if step is None:
                     step = _Step(self.last_release if self.last_release is not None else mark)
                 if self.last_end is not None:
                     step.gaps += seconds(self.last_end, mark)
-                    step.fetch += fetch
                     self.last_end = None
                 step.colls += self.owed_sync
                 step.excluded += self.owed_excluded
@@ -198,9 +196,6 @@ class HeteroMonitor(Callback):
         self._nvml_handle: Any = None
         self._sidecar: Optional[IO[str]] = None
         self._validation_began: Any = None
-        self._fetch_began: Optional[float] = None
-        self._fetch_s = 0.0  # loader fetch seconds since the last batch start (host clock)
-        self._unwatch: Any = None
 
     # -- clock ------------------------------------------------------------------------------------------------------
     def _mark(self) -> Any:
@@ -254,7 +249,6 @@ class HeteroMonitor(Callback):
         self._marks_from_hook = bool(observe is not None and observe(self._backward_ended))
         if hasattr(trainer.strategy, "attach_monitor"):
             trainer.strategy.attach_monitor(self)
-        self._watch_fetch(trainer)
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = _nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
@@ -262,66 +256,12 @@ class HeteroMonitor(Callback):
             os.makedirs(log_dir, exist_ok=True)
             self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")  # written and flushed once a window
 
-    def _watch_fetch(self, trainer: Trainer) -> None:
-        """Time the loader's fetches: the training epoch loop brackets each one with ``_on_before_fetch`` /
-        ``_on_after_fetch`` (its data fetcher holds them from the epoch's start on, so the running fetcher's copies
-        are swapped too). Wrapping those two costs two calls a step; wrapping the profiler (the fallback) intercepts
-        every profiled hook."""
-        perf_counter = time.perf_counter
-        loop = getattr(trainer.fit_loop, "epoch_loop", None)
-        if callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None)):
-            before, after = loop._on_before_fetch, loop._on_after_fetch
-
-            def watched_before() -> None:
-                self._fetch_began = perf_counter()
-                before()
-
-            def watched_after() -> None:
-                after()
-                began = self._fetch_began
-                if began is not None:
-                    self._fetch_s += perf_counter() - began
-                    self._fetch_began = None
-
-            loop._on_before_fetch, loop._on_after_fetch = watched_before, watched_after
-            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            swap = fetcher is not None and getattr(fetcher, "_start_profiler", None) == before
-            if swap:
-                fetcher._start_profiler, fetcher._stop_profiler = watched_before, watched_after
-
-            def unwatch() -> None:
-                del loop._on_before_fetch, loop._on_after_fetch  # back to the class's methods
-                if swap and fetcher._start_profiler is watched_before:
-                    fetcher._start_profiler, fetcher._stop_profiler = loop._on_before_fetch, loop._on_after_fetch
-        else:
-            profiler = trainer.profiler
-            start, stop = profiler.start, profiler.stop
-
-            def watched_start(action_name: str) -> None:
-                if action_name.endswith("train_dataloader_next"):
-                    self._fetch_began = perf_counter()
-                start(action_name)
-
-            def watched_stop(action_name: str) -> None:
-                stop(action_name)
-                if action_name.endswith("train_dataloader_next") and self._fetch_began is not None:
-                    self._fetch_s += perf_counter() - self._fetch_began
-                    self._fetch_began = None
-
-            profiler.start, profiler.stop = watched_start, watched_stop
-
-            def unwatch() -> None:
-                del profiler.start, profiler.stop
-
-        self._unwatch = unwatch
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        samples = getattr(self._strategy, "_train_step_size", None)
+        samples = getattr(self._strategy, "train_step_size", None)
         tokens = 0
         if samples is None or self._count_tokens:
             samples, tokens = self._counts(batch, samples)
-        self._push((_START, self._mark(), samples, tokens, self._fetch_s))
-        self._fetch_s = 0.0
+        self._push((_START, self._mark(), samples, tokens))
         self._backward_end = None
 
     def _counts(self, batch: Any, samples: Optional[int]) -> tuple[int, int]:
@@ -391,9 +331,6 @@ class HeteroMonitor(Callback):
             if hasattr(trainer.strategy, "attach_monitor"):
                 trainer.strategy.attach_monitor(None)
         self._running, self._marks_from_hook, self._strategy = False, False, None
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
         if self._sidecar is not None:
             self._sidecar.close()
             self._sidecar = None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hetero import _compat
 from lightning_hetero.plan.split import split_batch
 
 ContextFactory = Callable[[], AbstractContextManager]
@@ -413,7 +414,7 @@ def profile_lightning_module(
             module.train()
             batches = sample_batches(
                 dataset, collate_fn, list(indices), batch_sizes,
-                lambda b: module._apply_batch_transfer_handler(b, device=device),
+                lambda b: _compat.move_batch_to_device(module, b, device),
             )
             return time_rank(module, batches, training_loss(module), device, steps=steps,
                              forward_context=forward_context, headroom=headroom, step_context=step_context)

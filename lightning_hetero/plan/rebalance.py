@@ -16,7 +16,7 @@
 Example::
 
     controller = ShareController(rebalance=True, every=20, threshold=0.05, smoothing=0.5)
-    strategy.rank_state.register("shares", controller)
+    core.rank_states.register("shares", controller)
 """
 
 import math
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hetero import _compat
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.data.sampler import HeteroBatchSampler
@@ -44,7 +45,7 @@ def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None
     number of parameters or the order they finish in."""
 
     def queue(grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        _compat.queue_after_backward(callback)
 
     loss.register_hook(queue)
 
@@ -336,7 +337,7 @@ class ShareController:
             self.ema = state.get("ema")
             self.batches_seen = int(state.get("batches_seen", 0))
         saved_g = (state.get("sampler") or {}).get("global_batch_size")
-        explicit_g = getattr(strategy, "_global_batch_size", None)
+        explicit_g = strategy.global_batch_size
         if saved_g is not None and explicit_g is not None and saved_g != explicit_g:
             raise ValueError(
                 f"`global_batch_size`={explicit_g} but the checkpoint was trained with a global batch of {saved_g}: "

@@ -1,22 +1,21 @@
 """Per-rank state in Lightning checkpoints, and how it carries over to a lab with a different number of ranks.
 
 Lightning writes checkpoints from rank 0 only, but some of the strategy's state differs per rank (the sampler's
-share schedule is shared, compression residuals and error-feedback buffers are not). :class:`RankStateCallback`
+share schedule is shared, compression residuals and error-feedback buffers are not). :class:`RankStates`
 gathers every rank's state into the checkpoint and hands each rank back its own on restore.
 
 When the checkpoint was written by a different number of ranks, a part that implements ``reshard(states, rank,
 world_size)`` derives this rank's state from all the saved ranks' states (shares are re-planned, error-feedback
 residuals are folded into the ranks that remain); a part that does not is started fresh, with a warning.
 
-Lightning restores callbacks *before* ``strategy.setup`` (before the DDP hook exists), so restored state is kept
-as pending until its owner registers.
+Lightning loads a checkpoint *before* ``strategy.setup`` (before the DDP hook exists), so restored state is kept
+as pending until its owner registers. The strategy saves it under ``checkpoint["lightning_hetero"]``.
 """
 
 from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero._compat import collect_rng_states, set_rng_states
@@ -34,7 +33,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-class RankStateCallback(Callback):
+class RankStates:
     """Saves ``{name: part.state_dict()}`` of every rank; restores each rank's own on resume.
 
     Example::
@@ -46,10 +45,6 @@ class RankStateCallback(Callback):
         self.parts: dict[str, Stateful] = {}
         self._pending: dict[str, Any] = {}
         self._saved: Optional[list[dict[str, Any]]] = None  # every saved rank's state, when the world size changed
-
-    @property
-    def state_key(self) -> str:
-        return "lightning_hetero.RankState"
 
     @property
     def saved_world_size(self) -> Optional[int]:

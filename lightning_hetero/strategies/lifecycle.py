@@ -1,0 +1,239 @@
+"""The Lightning strategy overrides every heterogeneous strategy shares: each calls the :class:`HeteroCore`.
+
+A strategy is ``class HeteroXStrategy(HeteroLifecycle, XStrategy)``: Python's method order runs these overrides
+first, and each hands on to the parallelism's own (``super()``).
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_hetero.data.sampler import HeteroBatchSampler
+from lightning_hetero.lab.emulation import Emulator
+from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
+from lightning_hetero.lab.groups import HeteroLab, LabGroups
+from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
+from lightning_hetero.strategies.core import HeteroCore
+
+
+def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[int]:
+    batch = args[0] if args else kwargs.get("batch")
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # an odd batch type: fall back to Lightning's unweighted mean
+        return None
+
+
+class HeteroLifecycle:
+    """Lightning strategy overrides that call the :class:`HeteroCore` (``self.core``) at each lifecycle point.
+
+    Mixed in before a Lightning parallel strategy: ``class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy)``. The
+    concrete strategy provides :meth:`weigh_loss` (its exact gradient weighting, if done on the loss) and
+    :meth:`no_sync` (accumulation without gradient communication, for micro-batches).
+    """
+
+    core: HeteroCore
+
+    # -- what the parallelism supplies ------------------------------------------------------------------------------
+    def weigh_loss(self, loss: Tensor) -> Tensor:
+        """The loss this rank back-propagates for exact weighting (identity when the weighting happens elsewhere)."""
+        return loss
+
+    def no_sync(self) -> Any:
+        return nullcontext()
+
+    # -- public, read-only views -------------------------------------------------------------------------------------
+    @property
+    def lab(self) -> HeteroLab:
+        """Ranks, devices, groups and batch shares of this job (available after setup)."""
+        return self.core.lab
+
+    @property
+    def groups(self) -> LabGroups:
+        """This rank's process groups: by device class, by host, and the leaders across them."""
+        return self.core.groups
+
+    @property
+    def train_batch_sampler(self) -> Optional[HeteroBatchSampler]:
+        return self.core.train_sampler
+
+    @property
+    def emulation(self) -> Optional[Emulator]:
+        """This rank's lab emulator (``None`` unless ``emulate`` gave it a profile)."""
+        return self.core.emulation
+
+    @property
+    def share_controller(self) -> ShareController:
+        """Profiling results, rebalancing decisions and the share state saved in checkpoints."""
+        return self.core.shares
+
+    @property
+    def train_step_size(self) -> Optional[int]:
+        """This rank's real samples in the current training batch."""
+        return self.core.train_step_size()
+
+    def update_capacities(self, capacities: Sequence[float], source: str,
+                          split: Optional[Sequence[int]] = None) -> None:
+        self.core.update_capacities(capacities, source, split)
+
+    def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
+        self.core.add_lab_columns(columns)
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """The monitor that times collectives issued inside a step (``None``: none)."""
+        self.core.monitor = monitor
+
+    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
+        """Call ``observer`` where a synchronizing backward ends, from the gradient hook; False: no hook to watch."""
+        return False
+
+    # -- launch and process group ------------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        # Hosts with unequal GPU counts (2 + 1): torchrun's ranks are right, Lightning's devices × nodes check is not.
+        if type(self.cluster_environment) is TorchElasticEnvironment:
+            self.cluster_environment = PerNodeTorchElasticEnvironment()
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+            devices = self.parallel_devices or []
+            if local and devices and all(d.type == "cpu" for d in devices) and len(devices) != local:
+                # CPU processes have no device to count: this node runs what torchrun started (--nproc-per-node).
+                self.parallel_devices = [torch.device("cpu")] * local
+        # Lightning's launchers, resolving `resilience.resume` to the trainer's `ckpt_path` before `fit` starts.
+        resume = self.core.options.resilience.resume
+        if self._start_method == "popen":
+            self._launcher = ResumingSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                        resume=resume)
+        else:
+            self._launcher = ResumingMultiProcessingLauncher(self, start_method=self._start_method, resume=resume)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        self.core.before_process_group()
+        super().setup_environment()  # type: ignore[misc]
+        self.core.after_process_group()
+
+    @override
+    def setup_distributed(self) -> None:
+        if dist.is_initialized():
+            super().setup_distributed()  # type: ignore[misc]
+        else:
+            self.core.init_process_group()
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.core.process_dataloader(dataloader)
+
+    # -- steps ------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self.core.on_train_batch_start(batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        core = self.core
+        core.shares.step_started()
+        with core.step(core.train_step_size()):
+            sizes = core.micro_batch_sizes(_batch_size_of(args, kwargs)) if core.micro_limit else None
+            if sizes is None:
+                return super().training_step(*args, **kwargs)  # type: ignore[misc]
+            trainer = self.lightning_module.trainer
+            optimizer = self.optimizers[0] if self.optimizers else None
+            return core.run_micro_batches(
+                sizes, args[0] if args else kwargs["batch"],
+                forward=lambda chunk: super(HeteroLifecycle, self).training_step(chunk, *args[1:], **kwargs),
+                # Lightning divides the step's loss by the accumulation window; the micro-batches' losses likewise.
+                backward=lambda loss: super(HeteroLifecycle, self).backward(
+                    self.weigh_loss(loss / trainer.accumulate_grad_batches), optimizer),
+                no_sync=self.no_sync,
+            )
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        self.core.before_backward(closure_loss)
+        out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
+        self.core.after_backward()
+        return out
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with self.core.emulated_work():  # the closure runs forward and backward
+                out = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.core.pending_grads = None
+        self.core.after_optimizer_step()
+        return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.core.enter("validation")
+        with self.core.step(_batch_size_of(args, kwargs)):
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.core.enter("test")
+        with self.core.step(_batch_size_of(args, kwargs)):
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.core.enter("predict")
+        with self.core.emulated_work():
+            return super().predict_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def reduce(self, tensor: Tensor, group: Optional[Any] = None,
+               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Tensor:
+        """Inside a step, a mean over ranks is weighted by each rank's batch size (ranks see unequal batches)."""
+        is_mean = reduce_op is None or reduce_op == dist.ReduceOp.AVG or str(reduce_op).lower() in ("mean", "avg")
+        if is_mean and isinstance(tensor, Tensor) and self.core.logging_batch_size is not None and dist.is_initialized():
+            return self.core.reduce_weighted_mean(tensor, group)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        with self.core.in_phase("collective"):
+            super().barrier(name)  # type: ignore[misc]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        self.core.on_exception(exception)
+
+    # -- checkpoints and teardown -----------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self.core.on_load(checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.core.on_save(checkpoint)
+        with self.core.in_phase("checkpoint"):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        self.core.teardown()
+        super().teardown()  # type: ignore[misc]
+        self.core.after_teardown()
