@@ -62,11 +62,33 @@ def make_strategy(config: str, accelerator: str) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()
-    from lightning_hetero import HeteroDDPStrategy
+    from lightning_hetero import HeteroDDPStrategy, Observation
 
+    quiet = Observation(print_table=False)
     if config == "hetero":
-        return HeteroDDPStrategy(print_table=False)
-    return HeteroDDPStrategy(print_table=False, precision_policy="auto")
+        return HeteroDDPStrategy(observation=quiet)
+    return HeteroDDPStrategy(observation=quiet, precision_policy="auto")
+
+
+def _cpu_timer_class() -> type:
+    """``bench_lab``'s step timer, also counting this process's CPU time over the timed steps: on a shared machine
+    the wall time is other processes' as much as ours, the CPU time is the step's own work."""
+    step_timer = _timer_class()
+
+    class CpuStepTimer(step_timer):  # type: ignore[misc, valid-type]
+        cpu0 = cpu1 = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            if batch_idx == self.warmup:
+                self.cpu0 = time.process_time()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if batch_idx == self.warmup + self.steps - 1:
+                self.cpu1 = time.process_time()
+
+    return CpuStepTimer
 
 
 def _reset_process_state(cuda: bool) -> None:
@@ -74,7 +96,8 @@ def _reset_process_state(cuda: bool) -> None:
     (``precision_policy`` sets TF32 process-wide)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+    gc.collect()  # the rendezvous store of the last fit lets go of its port
+    os.environ.pop("MASTER_PORT", None)  # and the next fit picks a free one
     if cuda:
         torch.cuda.empty_cache()
         torch.backends.cudnn.benchmark = True
@@ -91,7 +114,7 @@ def run_fit(config: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     seed_everything(0, workers=False, verbose=False)
     module = _lightning_module_class()(kind, args.tiny, args.seq)
     module.prepare(cuda)
-    timer = _timer_class()(args.warmup, args.steps)
+    timer = _cpu_timer_class()(args.warmup, args.steps)
     batch = args.batch[kind]
     # A precision policy owns the precision: the Trainer keeps its default then.
     precision = "32-true" if config == "hetero-policy" else args.precision
@@ -104,6 +127,7 @@ def run_fit(config: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(module, train_dataloaders=loader)
     seconds = timer.t1 - timer.t0
     row = {"samples_per_s": batch * args.steps / seconds, "step_ms": 1000 * seconds / args.steps,
+           "cpu_ms_per_step": 1000 * (timer.cpu1 - timer.cpu0) / args.steps,
            "setup_s": timer.first_step - timer.fit_start, "fit_s": time.perf_counter() - began,
            "strategy": type(trainer.strategy).__name__,
            "wrapped": type(trainer.strategy.model).__name__ if trainer.strategy.model is not None else None}
@@ -113,43 +137,44 @@ def run_fit(config: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]], configs: list[str], models: list[str]) -> dict[str, Any]:
-    """Per model: the median samples/s and set-up time of each configuration, and the ratios of RATIOS (ratio of
-    the medians; smallest and largest ratio of the same round)."""
+    """Per model: the medians over rounds of each configuration's samples/s, step and CPU time, set-up time, and the
+    ratios of RATIOS (ratio of the medians; smallest and largest ratio of the same round)."""
     summary: dict[str, Any] = {}
     for kind in models:
-        rates: dict[str, dict[int, float]] = {}
-        setups: dict[str, list[float]] = {}
+        per_config: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             if row["model"] == kind and "samples_per_s" in row:
-                rates.setdefault(row["config"], {})[row["round"]] = row["samples_per_s"]
-                setups.setdefault(row["config"], []).append(row["setup_s"])
-        medians = {c: statistics.median(rates[c].values()) for c in configs if rates.get(c)}
+                per_config.setdefault(row["config"], []).append(row)
+        medians = {c: {key: statistics.median(r[key] for r in per_config[c])
+                       for key in ("samples_per_s", "step_ms", "cpu_ms_per_step", "setup_s")}
+                   for c in configs if c in per_config}
         ratios = {}
         for top, bottom in RATIOS:
             if top in medians and bottom in medians:
-                paired = [rates[top][r] / rates[bottom][r] for r in rates[top] if r in rates[bottom]]
-                ratios[f"{top}/{bottom}"] = {"ratio": medians[top] / medians[bottom],
-                                             "min": min(paired), "max": max(paired)}
-        summary[kind] = {"samples_per_s": medians, "setup_s": {c: statistics.median(v) for c, v in setups.items()},
-                         "ratios": ratios}
+                rate = {c: {r["round"]: r["samples_per_s"] for r in per_config[c]} for c in (top, bottom)}
+                paired = [rate[top][i] / rate[bottom][i] for i in rate[top] if i in rate[bottom]]
+                ratios[f"{top}/{bottom}"] = {
+                    "ratio": medians[top]["samples_per_s"] / medians[bottom]["samples_per_s"],
+                    "min": min(paired), "max": max(paired),
+                    "cpu_ratio": medians[top]["cpu_ms_per_step"] / medians[bottom]["cpu_ms_per_step"]}
+        summary[kind] = {"configs": medians, "ratios": ratios}
     return summary
 
 
 def tables(summary: dict[str, Any], configs: list[str], unit: dict[str, str]) -> str:
-    """Throughput per configuration, then the ratios (the last lines printed)."""
-    headers = ["model"] + [f"{c} {unit_}" for c in configs for unit_ in ("/s", "setup s")]
-    lines = []
-    for kind, part in summary.items():
-        cells = [kind]
-        for c in configs:
-            rate, setup = part["samples_per_s"].get(c), part["setup_s"].get(c)
-            cells += [f"{rate:.1f} {unit[kind]}" if rate else "-", f"{setup:.2f}" if setup is not None else "-"]
-        lines.append(cells)
+    """Medians per model and configuration, then the ratios (the last lines printed)."""
+    lines = [[kind, c, f"{m['samples_per_s']:.1f} {unit[kind]}/s", f"{m['step_ms']:.2f}", f"{m['cpu_ms_per_step']:.2f}",
+              f"{m['setup_s']:.2f}"] for kind, part in summary.items() for c, m in part["configs"].items()]
     names = [f"{a}/{b}" for a, b in RATIOS if a in configs and b in configs]
-    ratio_lines = [[kind] + [(lambda r: f"{r['ratio']:.3f} [{r['min']:.3f}, {r['max']:.3f}]" if r else "-")(
-        part["ratios"].get(name)) for name in names] for kind, part in summary.items()]
-    return (format_table(headers, lines) + "\n\nratio of medians [smallest, largest ratio within a round]\n"
-            + format_table(["model"] + names, ratio_lines))
+    ratio_lines = []
+    for kind, part in summary.items():
+        found = [part["ratios"].get(name) for name in names]
+        ratio_lines.append([kind, "throughput"] + [f"{r['ratio']:.3f} [{r['min']:.3f}, {r['max']:.3f}]" if r else "-"
+                                                   for r in found])
+        ratio_lines.append([kind, "CPU time per step"] + [f"{r['cpu_ratio']:.3f}" if r else "-" for r in found])
+    return (format_table(["model", "config", "throughput", "step ms", "CPU ms/step", "setup s"], lines)
+            + "\n\nratios of the medians (throughput: [smallest, largest ratio within a round])\n"
+            + format_table(["model", "measure"] + names, ratio_lines))
 
 
 def plot(rows: list[dict[str, Any]], summary: dict[str, Any], configs: list[str], device: str,
@@ -161,8 +186,9 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, Any], configs: list[str]
     fig, axes = plt.subplots(1, len(summary), figsize=(4.6 * len(summary), 3.6), squeeze=False)
     colors = {"plain": "#999999", "ddp": "#1f77b4", "hetero": "#2ca02c", "hetero-policy": "#98df8a"}
     for ax, (kind, part) in zip(axes[0], summary.items()):
-        shown = [c for c in configs if c in part["samples_per_s"]]
-        ax.bar(shown, [part["samples_per_s"][c] for c in shown], color=[colors.get(c, "#777777") for c in shown])
+        shown = [c for c in configs if c in part["configs"]]
+        ax.bar(shown, [part["configs"][c]["samples_per_s"] for c in shown],
+               color=[colors.get(c, "#777777") for c in shown])
         for i, c in enumerate(shown):
             points = [r["samples_per_s"] for r in rows if r["model"] == kind and r["config"] == c
                       and "samples_per_s" in r]
@@ -215,7 +241,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.accelerator == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        torch.set_num_threads(1)  # intra-op threads on a shared machine would measure the neighbours
+    # Lightning's DDP sets the thread count unless OMP_NUM_THREADS is set, and the fits after it would keep that one:
+    # every configuration runs with the same.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else f"CPU ({os.cpu_count()} cores)"
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
