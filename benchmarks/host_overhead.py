@@ -52,7 +52,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_lab import Indices, _lightning_module_class, format_table  # noqa: E402
+from bench_lab import Indices, format_table  # noqa: E402
+from one_device import logging_workload_class  # noqa: E402
 
 CONFIGS = ("plain-1", "hetero-1", "ddp-2", "hetero-2", "hetero-2-fp16")
 REFERENCE = {"plain-1": "plain-1", "hetero-1": "plain-1", "ddp-2": "ddp-2", "hetero-2": "ddp-2",
@@ -212,7 +213,7 @@ def run_config(config: str, args: argparse.Namespace, profile: bool) -> list[dic
             strategy = cls(capacities="equal", start_method="fork", observation=quiet,
                            compression="fp16" if config.endswith("fp16") else "none")
     seed_everything(0, workers=False, verbose=False)
-    module = _logging_module_class()("gpt", True, 0)
+    module = logging_workload_class()("gpt", True, 0)
     module.log_mode = args.log
     window = _window_class()(args.warmup, args.steps, [outer, inner, EXTRA_CLOCK], EXTRA_CALLS, out, profile)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.warmup + args.steps,
@@ -231,23 +232,6 @@ def run_config(config: str, args: argparse.Namespace, profile: bool) -> list[dic
         with open(os.path.join(out, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
-
-
-def _logging_module_class() -> type:
-    Workload = _lightning_module_class()
-
-    class LoggingWorkload(Workload):  # type: ignore[misc, valid-type]
-        """``bench_lab``'s workload that logs its loss every step, as most training does."""
-
-        log_mode = "sync"
-
-        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            loss = super().training_step(batch, batch_idx)
-            if self.log_mode != "none":
-                self.log("loss", loss, sync_dist=self.log_mode == "sync")
-            return loss
-
-    return LoggingWorkload
 
 
 # -- report -----------------------------------------------------------------------------------------------------------

@@ -16,8 +16,12 @@ Configurations:
 - ``hetero-policy`` (not by default): the same with ``precision_policy="auto"`` instead of ``Trainer(precision=)``.
 
 Every fit trains ``--warmup`` steps, then times ``--steps`` steps between ``torch.cuda.synchronize`` calls;
-samples/s = batch x steps / seconds, and ``setup s`` is fit start to the first step (where a strategy's start-up
-work shows). Inputs are synthetic and held on the device (the loader yields indices only): no data loading is timed.
+samples/s = batch x steps / seconds; ``CPU ms/step`` is the process's CPU time over the same steps (on a shared
+machine the wall time is partly other processes', the CPU time is the step's own); ``setup s`` is fit start to the
+first step (where start-up work shows: ``capacities="auto"`` profiles the model there). ``model wrap`` is the class
+of ``trainer.strategy.model``. Inputs are synthetic and held on the device (the loader yields indices only): no data
+loading is timed. ``--log`` makes the model log its loss every step (``sync``: with ``sync_dist=True``). Every fit
+runs with the same intra-op thread count (one on CPU) and a fresh process-group port.
 A round runs every configuration once, in reverse order every other round, so that a drift of the machine's speed
 over the run falls on all alike; the table holds the median over rounds, and each ratio's smallest and largest value
 over rounds (ratios of the same round).
@@ -70,6 +74,23 @@ def make_strategy(config: str, accelerator: str) -> Any:
     return HeteroDDPStrategy(observation=quiet, precision_policy="auto")
 
 
+def logging_workload_class() -> type:
+    """``bench_lab``'s workload, logging its loss every step (``log_mode``: "none", "local" or "sync" for
+    ``sync_dist=True``) as most training does."""
+    workload = _lightning_module_class()
+
+    class LoggingWorkload(workload):  # type: ignore[misc, valid-type]
+        log_mode = "none"
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            if self.log_mode != "none":
+                self.log("loss", loss, sync_dist=self.log_mode == "sync")
+            return loss
+
+    return LoggingWorkload
+
+
 def _cpu_timer_class() -> type:
     """``bench_lab``'s step timer, also counting this process's CPU time over the timed steps: on a shared machine
     the wall time is other processes' as much as ours, the CPU time is the step's own work."""
@@ -112,7 +133,8 @@ def run_fit(config: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.accelerator == "gpu"
     _reset_process_state(cuda)
     seed_everything(0, workers=False, verbose=False)
-    module = _lightning_module_class()(kind, args.tiny, args.seq)
+    module = logging_workload_class()(kind, args.tiny, args.seq)
+    module.log_mode = args.log
     module.prepare(cuda)
     timer = _cpu_timer_class()(args.warmup, args.steps)
     batch = args.batch[kind]
@@ -145,8 +167,9 @@ def summarize(rows: list[dict[str, Any]], configs: list[str], models: list[str])
         for row in rows:
             if row["model"] == kind and "samples_per_s" in row:
                 per_config.setdefault(row["config"], []).append(row)
-        medians = {c: {key: statistics.median(r[key] for r in per_config[c])
-                       for key in ("samples_per_s", "step_ms", "cpu_ms_per_step", "setup_s")}
+        medians = {c: {**{key: statistics.median(r[key] for r in per_config[c])
+                          for key in ("samples_per_s", "step_ms", "cpu_ms_per_step", "setup_s")},
+                       "wrapped": per_config[c][0]["wrapped"]}
                    for c in configs if c in per_config}
         ratios = {}
         for top, bottom in RATIOS:
@@ -164,7 +187,7 @@ def summarize(rows: list[dict[str, Any]], configs: list[str], models: list[str])
 def tables(summary: dict[str, Any], configs: list[str], unit: dict[str, str]) -> str:
     """Medians per model and configuration, then the ratios (the last lines printed)."""
     lines = [[kind, c, f"{m['samples_per_s']:.1f} {unit[kind]}/s", f"{m['step_ms']:.2f}", f"{m['cpu_ms_per_step']:.2f}",
-              f"{m['setup_s']:.2f}"] for kind, part in summary.items() for c, m in part["configs"].items()]
+              f"{m['setup_s']:.2f}", m["wrapped"]] for kind, part in summary.items() for c, m in part["configs"].items()]
     names = [f"{a}/{b}" for a, b in RATIOS if a in configs and b in configs]
     ratio_lines = []
     for kind, part in summary.items():
@@ -172,7 +195,7 @@ def tables(summary: dict[str, Any], configs: list[str], unit: dict[str, str]) ->
         ratio_lines.append([kind, "throughput"] + [f"{r['ratio']:.3f} [{r['min']:.3f}, {r['max']:.3f}]" if r else "-"
                                                    for r in found])
         ratio_lines.append([kind, "CPU time per step"] + [f"{r['cpu_ratio']:.3f}" if r else "-" for r in found])
-    return (format_table(["model", "config", "throughput", "step ms", "CPU ms/step", "setup s"], lines)
+    return (format_table(["model", "config", "throughput", "step ms", "CPU ms/step", "setup s", "model wrap"], lines)
             + "\n\nratios of the medians (throughput: [smallest, largest ratio within a round])\n"
             + format_table(["model", "measure"] + names, ratio_lines))
 
@@ -215,6 +238,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpt-batch", type=int, default=None, help="sequences per step (default 16; tiny 8)")
     p.add_argument("--seq", type=int, default=512, help="GPT sequence length (tiny: the tiny model's 32)")
     p.add_argument("--precision", default=None, help="Trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
+    p.add_argument("--log", choices=("none", "local", "sync"), default="none",
+                   help="the model logs its loss every step: not at all (default), or with sync_dist False / True")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -266,7 +291,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     summary = summarize(rows, args.configs, args.models)
     unit = {"resnet50": "img", "gpt": "seq"}
     result = {"device": device, "torch": torch.__version__, "precision": args.precision, "tiny": args.tiny,
-              "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
+              "batch": args.batch, "seq": args.seq, "log": args.log, "warmup": args.warmup, "steps": args.steps,
               "rounds": args.rounds, "configs": args.configs, "wall_s": time.perf_counter() - started,
               "summary": summary, "rows": rows}
     json_path = os.path.join(args.out, "one_device.json")
@@ -276,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     errors = [f"{r['model']}/{r['config']} round {r['round'] + 1}: {r['error']}" for r in rows if "error" in r]
     print(f"[one_device] wrote {json_path}" + (f" and {png}" if png else " (no matplotlib: no plot)")
           + f"; {result['wall_s']:.0f} s on {device}, {args.precision}, batch {args.batch}, "
-            f"{args.warmup} + {args.steps} steps, {args.rounds} rounds")
+            f"{args.warmup} + {args.steps} steps, {args.rounds} rounds, loss logged: {args.log}")
     if errors:
         print("[one_device] errors:\n  " + "\n  ".join(errors))
     print(tables(summary, args.configs, unit))
