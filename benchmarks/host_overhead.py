@@ -184,7 +184,8 @@ def top_functions(profiler: cProfile.Profile, steps: int, count: int = 15) -> li
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     rows = [{"function": f"{file.split(PACKAGE + os.sep, 1)[-1]}:{line} {name}", "calls_per_step": calls / steps,
              "own_us": 1e6 * own / steps, "inclusive_us": 1e6 * inclusive / steps}
-            for (file, line, name), (_, calls, own, inclusive, _) in stats.items() if f"{os.sep}{PACKAGE}{os.sep}" in file]
+            for (file, line, name), (_, calls, own, inclusive, _) in stats.items()
+            if f"{os.sep}{PACKAGE}{os.sep}" in file]
     return sorted(rows, key=lambda r: -r["own_us"])[:count]
 
 

@@ -98,10 +98,12 @@ def _cpu_timer_class() -> type:
 
     class CpuStepTimer(step_timer):  # type: ignore[misc, valid-type]
         cpu0 = cpu1 = 0.0
+        wrapped = ""  # the class training runs (Lightning's DDP unwraps the model at teardown)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
             if batch_idx == self.warmup:
+                self.wrapped = type(trainer.strategy.model).__name__
                 self.cpu0 = time.process_time()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -152,7 +154,7 @@ def run_fit(config: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
            "cpu_ms_per_step": 1000 * (timer.cpu1 - timer.cpu0) / args.steps,
            "setup_s": timer.first_step - timer.fit_start, "fit_s": time.perf_counter() - began,
            "strategy": type(trainer.strategy).__name__,
-           "wrapped": type(trainer.strategy.model).__name__ if trainer.strategy.model is not None else None}
+           "wrapped": timer.wrapped}
     del trainer, module
     _reset_process_state(cuda)
     return row
@@ -187,7 +189,8 @@ def summarize(rows: list[dict[str, Any]], configs: list[str], models: list[str])
 def tables(summary: dict[str, Any], configs: list[str], unit: dict[str, str]) -> str:
     """Medians per model and configuration, then the ratios (the last lines printed)."""
     lines = [[kind, c, f"{m['samples_per_s']:.1f} {unit[kind]}/s", f"{m['step_ms']:.2f}", f"{m['cpu_ms_per_step']:.2f}",
-              f"{m['setup_s']:.2f}", m["wrapped"]] for kind, part in summary.items() for c, m in part["configs"].items()]
+              f"{m['setup_s']:.2f}", m["wrapped"]]
+             for kind, part in summary.items() for c, m in part["configs"].items()]
     names = [f"{a}/{b}" for a, b in RATIOS if a in configs and b in configs]
     ratio_lines = []
     for kind, part in summary.items():
@@ -230,8 +233,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS + EXTRA_CONFIGS)}")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration (medians over rounds)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per fit (default 15; tiny 5)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per fit (default 60; tiny 30)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per fit (default 15; tiny 10)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per fit (default 60; tiny 150)")
     p.add_argument("--tiny", action="store_true", help="tiny models and batches on CPU (a smoke run)")
     p.add_argument("--accelerator", default=None, choices=["gpu", "cpu"], help="default: gpu, cpu with --tiny")
     p.add_argument("--resnet-batch", type=int, default=None, help="images per step (default 64; tiny 8)")
@@ -250,8 +253,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if bad or not values or len(set(values)) != len(values):
             p.error(f"{name}: {bad or values or 'empty'} must be distinct values of {list(known)}")
     args.accelerator = args.accelerator or ("cpu" if args.tiny else "gpu")
-    args.warmup = args.warmup if args.warmup is not None else (5 if args.tiny else 15)
-    args.steps = args.steps if args.steps is not None else (30 if args.tiny else 60)
+    args.warmup = args.warmup if args.warmup is not None else (10 if args.tiny else 15)
+    args.steps = args.steps if args.steps is not None else (150 if args.tiny else 60)
     if args.rounds < 1 or args.warmup < 1 or args.steps < 1:
         p.error("--rounds, --warmup and --steps must be >= 1")
     args.batch = {"resnet50": args.resnet_batch or (8 if args.tiny else 64), "gpt": args.gpt_batch or (8 if args.tiny
