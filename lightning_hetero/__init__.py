@@ -1,7 +1,8 @@
 """lightning-hetero: capacity-weighted data parallelism for mixed GPUs, as a PyTorch Lightning strategy.
 
-Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) with
-Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")`` works.
+Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) and
+``"hetero_fsdp"`` (and ``_spawn`` / ``_fork``) with Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")``
+works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -9,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hetero.config import DataSplit, Observation, Profiling, Rebalancing, Resilience
 from lightning_hetero.grad.autocompress import AutoCompression
 from lightning_hetero.grad.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.grad.periodic import PeriodicSync
 from lightning_hetero.grad.precision import PrecisionPolicy
 from lightning_hetero.lab.devices import describe_device
 from lightning_hetero.lab.emulation import PRESETS
@@ -16,8 +18,11 @@ from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.strategies.ddp import HeteroDDPStrategy
+from lightning_hetero.strategies.fsdp import HeteroFSDPStrategy
+from lightning_hetero.plan.memory import MemoryPolicy
 
 HeteroDDPStrategy.register_strategies(StrategyRegistry)
+HeteroFSDPStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.2.0"
 
@@ -27,10 +32,13 @@ __all__ = [
     "CastCompression",
     "DataSplit",
     "HeteroDDPStrategy",
+    "HeteroFSDPStrategy",
     "HeteroLab",
     "HeteroMonitor",
+    "MemoryPolicy",
     "NoCompression",
     "Observation",
+    "PeriodicSync",
     "PowerSGDCompression",
     "PrecisionPolicy",
     "Profiling",

@@ -110,3 +110,9 @@ def init_process_group(strategy: object, store: object) -> None:
     init_dist_connection(strategy.cluster_environment, strategy._process_group_backend,  # type: ignore[attr-defined]
                          timeout=strategy._timeout, store=store,  # type: ignore[attr-defined]
                          device_id=root if root.type != "cpu" else None)
+
+
+# Activation checkpointing applied to a module in place (parameter names unchanged, so a checkpointed rank's state
+# dict matches the others'): torch's composable `checkpoint` has no public import path; the public
+# `torch.utils.checkpoint.checkpoint` needs a wrapper module, which renames every parameter.
+from torch.distributed._composable import checkpoint as checkpoint_module_in_place  # noqa: E402

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import HeteroDDPStrategy
@@ -65,7 +66,9 @@ class TinyModel(LightningModule):
 
 def flat_params(module: nn.Module) -> torch.Tensor:
     # Host copies: the test process that loads them must not initialise CUDA (later fork launches would fail).
-    return torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+    # Sharded parameters are gathered whole (a collective: every rank records).
+    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).cpu()
+                      for p in module.parameters()])
 
 
 class Recorder(Callback):
@@ -97,11 +100,11 @@ def free_port() -> int:
 
 
 def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_kwargs: Optional[dict] = None,
-                    max_epochs: int = 3, **trainer_kwargs: Any) -> list[dict]:
+                    max_epochs: int = 3, strategy_class: type = HeteroDDPStrategy, **trainer_kwargs: Any) -> list[dict]:
     """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
-                                 **(strategy_kwargs or {}))
+    options = {"observation": {"print_table": False}, "resilience": {"timeout": 120}, **(strategy_kwargs or {})}
+    strategy = strategy_class(start_method="fork", **options)
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=max_epochs,
                       callbacks=[Recorder(out_dir)], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -317,14 +317,16 @@ class HeteroBatchSampler(BatchSampler):
 
         Summed costs instead of counts when ``by_cost`` (default: ``weight_by_cost``); those need the batch drawn.
         """
+        sizes = self.rank_sizes_at(batch_index, by_cost)
+        return sizes[self.rank], sum(sizes)
+
+    def rank_sizes_at(self, batch_index: int, by_cost: Optional[bool] = None) -> list[float]:
+        """Every rank's real samples (or summed costs, as in :meth:`sizes_at`) of global batch ``batch_index``."""
         if self.costs is not None and (self.weight_by_cost if by_cost is None else by_cost):
-            costs = self.batch_shares(batch_index).costs
-            return sum(costs[self.rank]), sum(sum(c) for c in costs)
+            return [sum(c) for c in self.batch_shares(batch_index).costs]
         if self.costs is not None and self.balance_by_cost:
-            positions = self.batch_shares(batch_index).positions
-            return len(positions[self.rank]), sum(len(p) for p in positions)
-        total = self.global_batch_len(batch_index)
-        return self.split_at(batch_index, total)[self.rank], total
+            return [len(p) for p in self.batch_shares(batch_index).positions]
+        return list(self.split_at(batch_index, self.global_batch_len(batch_index)))
 
     def batch_shares(self, batch_index: int) -> BatchShares:
         """Positions and costs per rank of a global batch this epoch's iteration has drawn (costs attached)."""

@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero.grad.compression import (
     CastCompression,
@@ -35,6 +36,7 @@ from lightning_hetero.grad.compression import (
     PowerSGDCompression,
     TopKCompression,
     _check,
+    describe_compression,
 )
 
 NVLINK_BUS_GBPS = 40.0  # bus bandwidth (GB/s) from which a hop is NVLink class
@@ -206,3 +208,22 @@ def link_column(links: LinkMeasurement, lab: Any) -> list[str]:
             parts.append(f"between hosts {links.inter_bus_gbps:.3g} GB/s")
         out.append(", ".join(parts) or "-")
     return out
+
+
+def resolve_compression(request: Any, lab: Any, groups: Any, device: torch.device, pacer: Any,
+                        module: Optional[torch.nn.Module]) -> tuple[Any, dict[str, list[str]]]:
+    """The compression in use and its lab-table columns: ``request`` itself, or for ``"auto"`` the choice from the
+    links measured now (a collective) and the module's gradient size."""
+    columns: dict[str, list[str]] = {}
+    config = request
+    if isinstance(request, AutoCompression):
+        links = measure_links(request, lab, groups, device, pacer)
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) if module else 0
+        config, reason = choose(request, links, grad_bytes)
+        columns["link (measured)"] = link_column(links, lab)
+        rank_zero_info(f"compression='auto': {reason}")
+    by = lab.device_classes if getattr(config, "group_by", "") == "class" else lab.hosts
+    described = describe_compression(config, list(by.values()), lab.world_size)
+    auto = isinstance(request, AutoCompression)
+    columns["compression"] = [f"auto: {d}" if auto else d for d in described]
+    return config, columns

@@ -34,7 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from lightning_hetero.plan.capacity import weight_for_device
+from lightning_hetero.plan.capacity import rule_for_rank
 from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
 
 PrecisionMode = Literal["32-true", "16-mixed", "bf16-mixed"]
@@ -117,10 +117,7 @@ def _bf16_capable(device: DeviceInfo) -> bool:
 def resolve_rank_precision(policy: PrecisionPolicy, device: DeviceInfo) -> str:
     """The precision mode ``device`` (one rank) trains in; ``ValueError`` naming the rank when it cannot."""
     rules = policy.rules or {}
-    rule = rules.get(f"{RANK_KEY_PREFIX}{device.rank}")
-    if rule is None:
-        by_name = [(key, mode) for key, mode in rules.items() if not key.startswith(RANK_KEY_PREFIX)]
-        rule = weight_for_device(by_name, device.name)  # type: ignore[arg-type]
+    rule = rule_for_rank(rules, device.rank, device.name)
     where = f"rank {device.rank} ({device.name!r} on {device.host}, cc {device.capability[0]}.{device.capability[1]})"
     if rule is None:
         raise ValueError(

@@ -45,6 +45,13 @@ class WeightingState:
         self.global_samples = 0
         self.bucket_observers: list[Callable[[], None]] = []
 
+    def observe(self, observer: Callable[[], None], observe: bool = True) -> None:
+        """Call ``observer`` as each bucket enters the hook (``observe=False``: stop)."""
+        if observe and observer not in self.bucket_observers:
+            self.bucket_observers.append(observer)
+        elif not observe and observer in self.bucket_observers:
+            self.bucket_observers.remove(observer)
+
     def add_step(self, local_samples: int, global_samples: int) -> None:
         """Count one micro-step's samples (this rank's, all ranks') into the current optimizer step."""
         self.local_samples += local_samples

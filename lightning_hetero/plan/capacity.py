@@ -13,7 +13,7 @@
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -60,6 +60,15 @@ def weight_for_device(mapping: Sequence[tuple[str, float]], device_name: str) ->
     if matches:
         return max(matches, key=lambda kw: len(kw[0]))[1]
     return dict(mapping).get("*")
+
+
+def rule_for_rank(rules: Mapping[str, Any], rank: int, device_name: str) -> Any:
+    """A per-rank policy's rule for one rank: ``"rank:N"`` wins, else the longest device-name key, else ``"*"``
+    (``None``: no key matches)."""
+    if f"rank:{rank}" in rules:
+        return rules[f"rank:{rank}"]
+    by_name = [(key, rule) for key, rule in rules.items() if not key.startswith("rank:")]
+    return weight_for_device(by_name, device_name)
 
 
 def peak_capacities(devices: Sequence[DeviceInfo], dtype: torch.dtype) -> Optional[list[float]]:

@@ -47,7 +47,7 @@ from lightning_hetero.grad.precision import (
     resolve_precisions,
 )
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
+from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
 from lightning_hetero.plan.rebalance import ShareController
@@ -201,6 +201,13 @@ class HeteroCore:
                 trainer.callbacks.append(HeteroMonitor())
                 rank_zero_info(f"{type(strategy).__name__}(observation={{'monitor': True}}): added a HeteroMonitor "
                                "callback to the trainer.")
+
+    def link_pacer(self, participants: int) -> Optional[LinkPacer]:
+        """The emulated inter-host link's pacing (only with emulated hosts and ``inter_host_gbit``)."""
+        gbit = self.emulation.inter_host_gbit if self.emulation is not None else None
+        if gbit is None or len(self.lab.hosts) < 2:
+            return None
+        return LinkPacer(gbit, participants, self.strategy.root_device)
 
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:
         if self.precision_policy is None:

@@ -1,14 +1,10 @@
 """``HeteroDDPStrategy``: DDP where every rank trains on a share of the global batch that matches its speed.
 
-The composition (what this module adds to the :class:`~lightning_hetero.strategies.core.HeteroCore` and Lightning's
-``DDPStrategy``), in the order a fit meets it:
-
-1. the process group and the lab (core): devices, capacities, groups, per-rank precision, the fault watchdog;
-2. the loaders (core): each rebuilt around a per-rank share of one global batch;
-3. the model (here, :meth:`_setup_model`): one device steps aside from DDP entirely; several ranks wrap it in DDP;
-4. exact weighting (here): the gradient of rank r counts b_r / G. With nothing compressed and no user hook, each
-   rank's loss is scaled by b_r·W/G and DDP's own C++ all-reduce averages (:meth:`weigh_loss`); otherwise a comm hook
-   scales each bucket and hands it to the compression (or the user's hook) (:meth:`_register_ddp_hooks`).
+The composition, in the order a fit meets it: (1) the process group, the lab and (2) the loaders come from the
+:class:`~lightning_hetero.strategies.core.HeteroCore`; (3) the model (:meth:`_setup_model`): one device steps aside
+from DDP, several ranks wrap it in DDP (over each host only with ``periodic_sync``); (4) exact weighting, rank r's
+gradient counting b_r / G: with nothing compressed and no user hook each loss is scaled by b_r·W/G and DDP's C++
+all-reduce averages (:meth:`weigh_loss`); otherwise a comm hook scales each bucket (:meth:`_register_ddp_hooks`).
 """
 
 from contextlib import nullcontext
@@ -20,7 +16,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -39,11 +34,12 @@ from lightning_hetero.config import (
     check_strategy_arguments,
     from_flat_arguments,
 )
-from lightning_hetero.grad.autocompress import AutoCompression, choose, link_column, measure_links
-from lightning_hetero.grad.compression import CompressionArg, GradientCompression, describe_compression, parse_compression
+from lightning_hetero.grad.autocompress import resolve_compression
+from lightning_hetero.grad.compression import CompressionArg, GradientCompression, parse_compression
+from lightning_hetero.grad.periodic import PeriodicSyncArg, periodic_runtime
 from lightning_hetero.grad.precision import PrecisionPolicyArg, parse_precision_policy
 from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
-from lightning_hetero.lab.emulation import LinkPacer, PacedState, paced_hook, parse_emulate
+from lightning_hetero.lab.emulation import PacedState, paced_hook, parse_emulate
 from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import HeteroCore
@@ -66,14 +62,16 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             each rank's measured compute time per sample.
         data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`: streams, token balance,
             micro-batches).
-        precision_policy: per-rank mixed precision with one loss scale for the job: ``"auto"`` (bf16 on compute
-            capability >= 8.0, fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name
-            substring or ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.PrecisionPolicy`. ``None``: the
-            Trainer's precision.
+        precision_policy: per-rank mixed precision, one loss scale: ``"auto"`` (bf16 on compute capability >= 8.0,
+            fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name substring or
+            ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.PrecisionPolicy`. ``None``: the Trainer's.
         compression: gradient compression on the wire: ``"none"``, ``"auto"`` (chosen from measured links),
             ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"`` or a :class:`~lightning_hetero.CastCompression` /
             ``PowerSGDCompression`` / ``TopKCompression`` (``hierarchical=True``: compress only between hosts or
-            device classes).
+            device classes). With ``periodic_sync``: the dtype of the outer exchange (none, fp16, bf16).
+        periodic_sync: hosts on a slow link sync every H steps: a :class:`~lightning_hetero.PeriodicSync` (or a dict
+            of its fields). Exact sync inside each host; every ``every`` steps the hosts' sample-weighted parameter
+            deltas go through an outer step (average: local SGD; nesterov: DiLoCo).
         emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
             ``"RTX3090"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie", "slowdown": 3}``) or
             ``None`` (the real device). See :mod:`lightning_hetero.lab.emulation`.
@@ -101,6 +99,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         data: Optional[DataSplit] = None,
         precision_policy: Optional[PrecisionPolicyArg] = None,
         compression: CompressionArg = "none",
+        periodic_sync: Optional[PeriodicSyncArg] = None,
         emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
         resilience: Optional[Resilience] = None,
         observation: Optional[Observation] = None,
@@ -161,6 +160,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         )
         self.core = HeteroCore(self, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate),
                                policy)
+        self.periodic = periodic_runtime(periodic_sync, self.compression_request, ddp_comm_hook, ddp_comm_wrapper)
         self.compression_config = self.compression_request  # the method in use ("auto" is resolved at setup)
         self.compression: Optional[GradientCompression] = None  # bytes per step, per-rank state (after setup)
         self.weighting: Optional[WeightingState] = None  # the comm hook's weights (None: weighted on the loss)
@@ -169,39 +169,35 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if isinstance(self.compression_request, AutoCompression):
-            links = measure_links(self.compression_request, self.lab, self.groups, self.root_device,
-                                  self._link_pacer(len(self.lab.hosts)))
-            module = self.lightning_module
-            grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) if module else 0
-            self.compression_config, reason = choose(self.compression_request, links, grad_bytes)
-            self.add_lab_columns({"link (measured)": link_column(links, self.lab)})
-            rank_zero_info(f"HeteroDDPStrategy compression='auto': {reason}")
-        by_class = getattr(self.compression_config, "group_by", "") == "class"
-        groups = self.lab.device_classes if by_class else self.lab.hosts
-        described = describe_compression(self.compression_config, list(groups.values()), self.world_size)
-        auto = isinstance(self.compression_request, AutoCompression)
-        self.add_lab_columns({"compression": [f"auto: {d}" if auto else d for d in described]})
-
-    def _link_pacer(self, participants: int) -> Optional[LinkPacer]:
-        """The emulated inter-host link's pacing (only with emulated hosts and ``inter_host_gbit``)."""
-        emulator = self.core.emulation
-        gbit = emulator.inter_host_gbit if emulator is not None else None
-        if gbit is None or len(self.lab.hosts) < 2:
-            return None
-        return LinkPacer(gbit, participants, self.root_device)
+        self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.groups,
+                                                               self.root_device, self.core.link_pacer(len(self.lab.hosts)),
+                                                               self.lightning_module)
+        self.add_lab_columns(columns)
+        if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
+            self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.link_pacer(len(self.lab.hosts)))
+            self.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
 
     # -- the model ----------------------------------------------------------------------------------------------------
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # One device: nothing to split or all-reduce, and DDP's wrapper costs a fifth of ResNet-50's step on one GPU.
-        return model if self.world_size == 1 else super()._setup_model(model)
+        if self.world_size == 1:
+            return model
+        group = self.periodic.process_group_for_ddp() if self.periodic is not None else None
+        kwargs, self._ddp_kwargs = self._ddp_kwargs, {**self._ddp_kwargs, "process_group": group}
+        try:  # periodic sync: DDP syncs inside the host (None: all ranks)
+            return super()._setup_model(model)
+        finally:
+            self._ddp_kwargs = kwargs
 
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self.compression is not None:  # optimizers exist only now, after the DDP wrap
             self.compression.check_optimizers(self.optimizers)
+        if self.periodic is not None and isinstance(self.model, DistributedDataParallel):
+            self.periodic.attach(self.model.module, self.optimizers)
+            self.core.rank_states.register("periodic", self.periodic)
 
     def no_sync(self) -> Any:
         return self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext()
@@ -212,7 +208,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             return
         inner_hook, inner_state = self._inner_comm_hook()
         emulator = self.core.emulation
-        if inner_hook is None and (emulator is None or not emulator.slows_cpu):
+        if inner_hook is None and self.periodic is None and (emulator is None or not emulator.slows_cpu):
             return  # weighted on the loss (`weigh_loss`); DDP's built-in all-reduce averages
         self.weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
         self.model.register_comm_hook(self.weighting, weighted_allreduce_hook)
@@ -221,11 +217,13 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
 
     def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
         """The averaging hook that receives the weighted bucket: the user's, compression, a paced link; else None."""
+        if self.periodic is not None and self.periodic.active:  # compression then is the outer exchange's
+            return None, None
         hook, state, wrapper = self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper
         config = self.compression_config
         hierarchical = config is not None and config.hierarchical
         # An emulated slow link between hosts paces the leaders' hop (hierarchical) or the whole exchange (flat).
-        pacer = self._link_pacer(len(self.lab.hosts) if hierarchical else self.world_size)
+        pacer = self.core.link_pacer(len(self.lab.hosts) if hierarchical else self.world_size)
         counter = None
         if hook is None and wrapper is None:
             assert isinstance(self.model, DistributedDataParallel)
@@ -248,7 +246,11 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.weighting is not None and self.core.step_share is not None:
+        if self.weighting is None or self.core.step_share is None:
+            return
+        if self.periodic is not None:  # b_r / B_host after the warm-up
+            self.periodic.weigh_step(self.weighting, self.core.train_sampler.rank_sizes_at(batch_idx))
+        else:
             self.weighting.add_step(*self.core.step_share)
 
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -260,14 +262,9 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
 
     def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
         """Call ``observer`` as each gradient bucket enters the comm hook (the last call: the backward ended)."""
-        if self.weighting is None:
-            return False
-        observers = self.weighting.bucket_observers
-        if observe and observer not in observers:
-            observers.append(observer)
-        elif not observe and observer in observers:
-            observers.remove(observer)
-        return True
+        if self.weighting is not None:
+            self.weighting.observe(observer, observe)
+        return self.weighting is not None
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -276,9 +273,17 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         finally:
             if self.weighting is not None:
                 self.weighting.reset()
+        if self.periodic is not None:  # every H steps: the outer step between hosts
+            self.periodic.after_optimizer_step()
         if self.compression is not None:
             self.compression.log_step(self.lightning_module)
         return out
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.periodic is not None:  # an overlapped exchange still in flight lands before the end
+            self.periodic.finish()
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:

@@ -1,0 +1,109 @@
+"""How one rank's copy of the model is sharded: FSDP2 over a 1-D mesh (one host) or a 2-D HSDP mesh (several).
+
+The whole composition is :func:`shard_module`: per-rank activation checkpointing, then ``fully_shard`` on every
+block (inner first) and on the root, with the job's mixed-precision policy and, on ranks whose memory is short, CPU
+offload of the shard and its optimizer state. What a rank recomputes or offloads changes nothing in the math: the
+same sums are computed, only where the tensors live differs, so these choices may differ per rank. What must be the
+same on every rank is what crosses the wire: the block boundaries (one collective per block) and the dtypes of the
+all-gather and the reduce-scatter (``MixedPrecisionPolicy``).
+
+Capacity weighting needs nothing from FSDP: each rank scales its loss by b_r · W / G and FSDP's averaging
+reduce-scatter (÷ W) leaves Σ_r (b_r / G) g_r, the gradient of the mean loss over the global batch (see
+:func:`loss_weight`). ``set_gradient_divide_factor`` cannot do it: its factor is applied after the sum on backends
+without ``PREMUL_SUM`` (gloo), so a per-rank factor would scale the others' gradients too.
+
+Example::
+
+    >>> mesh = device_mesh(lab.hosts, "cuda")
+    >>> shard_module(model, mesh, blocks=(TransformerBlock,), checkpoint=True, offload=False,
+    ...              mp_policy=mixed_precision(["bf16-mixed", "bf16-mixed"]))
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_hetero._compat import checkpoint_module_in_place
+
+
+def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
+    """Block classes to shard when none are given: the entries of every ``nn.ModuleList`` (transformer layers), else
+    every module that holds parameters of its own (``Linear``, ``Embedding``, convolutions ...)."""
+    listed = {type(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if listed:
+        return tuple(sorted(listed, key=lambda t: t.__qualname__))
+    own = {type(m) for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))}
+    return tuple(sorted(own, key=lambda t: t.__qualname__))
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether the module (or one inside it) was already sharded, e.g. by the user's ``configure_model``."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def device_mesh(hosts: Mapping[str, Sequence[int]], device_type: str) -> DeviceMesh:
+    """1-D mesh on one host; on equal hosts a 2-D HSDP mesh (replicate across hosts, shard inside one), so only the
+    replicated gradient all-reduce crosses the slow link. Unequal hosts (2 + 1 GPUs) cannot form a 2-D mesh: they
+    shard over all ranks (every collective spans the hosts). Collective: every rank calls it."""
+    sizes = {len(ranks) for ranks in hosts.values()}
+    world = sum(len(ranks) for ranks in hosts.values())
+    if len(hosts) > 1 and len(sizes) == 1:
+        # Rank r sits at (r // per_host, r % per_host): Lightning numbers ranks host by host.
+        return init_device_mesh(device_type, (len(hosts), world // len(hosts)), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+
+def mixed_precision(modes: Sequence[str]) -> Optional[MixedPrecisionPolicy]:
+    """bf16 all-gather and reduce-scatter when every rank runs ``bf16-mixed`` (fp32 master weights stay in the
+    shard); otherwise ``None``: fp32 on the wire, and each rank's autocast (its precision plugin) picks its own compute
+    dtype. The collectives' dtype must be one for the job, so one rank without bf16 keeps the whole job at fp32."""
+    if modes and all(mode == "bf16-mixed" for mode in modes):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return None
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    blocks: tuple[type[nn.Module], ...],
+    checkpoint: bool,
+    offload: bool,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+) -> nn.Module:
+    """Shard ``module`` in place: checkpoint each block's activations (``checkpoint``), ``fully_shard`` each block and
+    the root. A module the user already sharded keeps its blocks; only the root is added if missing."""
+    offload_policy: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    )
+    options = {"mesh": mesh, "offload_policy": offload_policy}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if not is_sharded(module):
+        targets = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
+        nested = {id(inner) for block in targets for inner in block.modules() if inner is not block}
+        # Reversed pre-order: inner blocks are sharded before the blocks that hold them, as FSDP2 requires.
+        for block in reversed(targets):
+            if checkpoint and id(block) not in nested:
+                checkpoint_module_in_place(block)  # keeps parameter names: checkpoints match across ranks
+            fully_shard(block, **options)
+    if not isinstance(module, FSDPModule):
+        fully_shard(module, **options)
+    return module
+
+
+def set_gradient_sync(module: nn.Module, sync: bool) -> None:
+    """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(sync)
+
+
+def loss_weight(local_samples: int, global_samples: int, world_size: int) -> float:
+    """Factor for this rank's mean loss so that FSDP's average over ranks is the global batch's mean: b_r · W / G.
+    A rank with no samples this step (padding) contributes nothing."""
+    if global_samples <= 0:
+        return 1.0
+    return local_samples * world_size / global_samples

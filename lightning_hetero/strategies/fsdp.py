@@ -1,0 +1,312 @@
+"""``HeteroFSDPStrategy``: sharded data parallelism (FSDP2) over unequal devices, with one device's math.
+
+The composition (what this module adds to the :class:`~lightning_hetero.strategies.core.HeteroCore`), in the order a
+fit meets it:
+
+1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
+   sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
+2. the memory plan (:mod:`lightning_hetero.plan.memory`): each rank's mode (keep / activation checkpointing / CPU
+   offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
+   numbers, and again before the first step once the real shares and optimizer are known;
+3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
+   (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
+4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
+   reduce-scatter gives Σ_r (b_r/G) g_r; accumulation steps skip the reduce-scatter (:meth:`block_backward_sync`);
+5. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
+   distributed checkpoint, resumable on another world size, exportable to one file.
+
+Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
+launches by script only, so :class:`FSDP2Strategy` below is built on ``DDPStrategy`` for its process group and
+launchers, and never builds a DDP wrapper.
+"""
+
+import importlib
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_hetero.config import (
+    DataSplit,
+    Observation,
+    Profiling,
+    Rebalancing,
+    Resilience,
+    StartMethod,
+    check,
+    check_strategy_arguments,
+    from_flat_arguments,
+)
+from lightning_hetero.grad.precision import PrecisionPolicyArg, parse_precision_policy
+from lightning_hetero.grad.sharding import (
+    default_blocks,
+    device_mesh,
+    is_sharded,
+    loss_weight,
+    mixed_precision,
+    set_gradient_sync,
+    shard_module,
+)
+from lightning_hetero.lab.emulation import parse_emulate
+from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
+from lightning_hetero.plan.memory import (
+    MemoryPolicy,
+    MemoryPolicyArg,
+    ModelFootprint,
+    RankMemory,
+    device_budget,
+    memory_column,
+    optimizer_slots,
+    parse_memory_policy,
+    resolve_memory,
+)
+from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
+from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_hetero.strategies.core import HeteroCore
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+
+
+class FSDP2Strategy(DDPStrategy):
+    """The parallelism: FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
+    recomputes and offloads comes from :meth:`shard`, which the hetero strategy supplies."""
+
+    def shard(self, module: nn.Module) -> None:
+        raise NotImplementedError
+
+    @override
+    def model_to_device(self) -> None:
+        # Fitting: `fully_shard` places each shard (on the device, or in host memory where offloaded); moving the
+        # whole model first would need it to fit the smallest card.
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            super().model_to_device()
+
+    @override
+    def configure_ddp(self) -> None:
+        self.shard(self.lightning_module)  # in place: `self.model` stays the LightningModule
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        set_gradient_sync(self.lightning_module, False)  # accumulation: each rank sums locally, no reduce-scatter
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.lightning_module, True)
+
+    def no_sync(self) -> Any:
+        return self.block_backward_sync()
+
+    # -- checkpoints: a directory of shards, written by every rank ------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the shards load into the sharded model and its optimizers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # `save_checkpoint` writes the shards
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # A checksum manifest of the directory (resilience.checkpoint) plugs in as `before_publish`.
+        save_sharded(self.broadcast(str(filepath)), checkpoint, self.lightning_module, list(self.optimizers),
+                     self.global_rank, self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)  # one full file (e.g. from one device)
+        checkpoint = load_sharded(path, self.lightning_module, list(self.optimizers),
+                                  strict=self.lightning_module.strict_loading)
+        checkpoint["state_dict"] = {}  # loaded already; Lightning's own model load is a no-op
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("state_dict"):  # a full file: every rank keeps its shard of it
+            set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
+                                 options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        module = self._lightning_module
+        if module is not None and is_sharded(module) and not getattr(module, "_hetero_full_state", False):
+            # After fit, `state_dict()` returns whole tensors, as after DDP (the spawn/fork launchers hand rank 0's to
+            # the main process). Each call gathers: every rank calls it, as those launchers do.
+            module.register_state_dict_post_hook(_gather_whole_tensors)
+            module._hetero_full_state = True
+        super().teardown()
+
+
+class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
+    """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
+
+    Args:
+        memory: what each rank keeps in device memory: ``"auto"`` (the fastest mode that fits, rank by rank),
+            ``"keep"``, ``"checkpoint"`` (activation checkpointing), ``"offload"`` (shard, gradients and optimizer
+            state in host memory), ``"checkpoint_offload"``, a mapping from device-name substring or ``"rank:N"`` to
+            one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that cannot fit fails before its first
+            step with every rank's numbers.
+        blocks: dotted class paths (``"mypkg.model.Block"``) of the modules to shard one by one (one all-gather
+            each). Default: the entries of the model's ``nn.ModuleList`` s, else every module with parameters of its
+            own. A model that shards itself in ``configure_model`` keeps its sharding.
+        hybrid: on several hosts with equal GPU counts, shard inside each host and replicate across hosts (HSDP), so
+            only the replicated gradient all-reduce crosses the slow link. Unequal hosts shard over all ranks.
+        capacities ... precision_plugin: as for :class:`~lightning_hetero.HeteroDDPStrategy` (bf16 all-gather and
+            reduce-scatter when every rank trains in bf16; fp32 master weights always).
+    """
+
+    strategy_name = "hetero_fsdp"
+
+    def __init__(
+        self,
+        memory: MemoryPolicyArg = "auto",
+        blocks: Optional[list[str]] = None,
+        hybrid: bool = True,
+        capacities: CapacitiesArg = "auto",
+        global_batch_size: Optional[int] = None,
+        profiling: Optional[Profiling] = None,
+        rebalance: Union[bool, Rebalancing] = False,
+        data: Optional[DataSplit] = None,
+        precision_policy: Optional[PrecisionPolicyArg] = None,
+        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
+        resilience: Optional[Resilience] = None,
+        observation: Optional[Observation] = None,
+        start_method: StartMethod = "popen",
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[Union[str, Accelerator]] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        self.memory_policy: MemoryPolicy = parse_memory_policy(memory)
+        self._block_paths = _check_blocks(blocks)
+        check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
+        self.hybrid = hybrid
+        options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
+        # Every forward joins the same all-gathers, so ranks cannot run different numbers of micro-batches.
+        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
+              "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
+              "`memory`: 'checkpoint' or 'offload')")
+        check("", "global_batch_size", global_batch_size, global_batch_size is None or (
+            isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1),
+            "a positive integer or None")
+        policy = parse_precision_policy(precision_policy)
+        if policy is not None and precision_plugin is not None:
+            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
+        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, None, None)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
+        )
+        self.core = HeteroCore(self, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate),
+                               policy)
+        self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
+        self._footprint: Optional[ModelFootprint] = None
+
+    @property
+    def blocks(self) -> Optional[tuple[type[nn.Module], ...]]:
+        """The block classes given by ``blocks`` (``None``: chosen from the model at setup)."""
+        return None if self._block_paths is None else tuple(_import_class(p) for p in self._block_paths)
+
+    # -- memory plan and sharding ---------------------------------------------------------------------------------
+    def shard(self, module: nn.Module) -> None:
+        blocks = self.blocks or default_blocks(module)
+        self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
+        weights, total = self.lab.capacities, self.core.global_batch_size or 0  # 0: shares known at the loader
+        self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
+        mode = self.memory_plan[self.global_rank].mode
+        hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
+        modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
+                     offload="offload" in mode, mp_policy=mixed_precision(modes))
+        self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
+
+    def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
+        assert self._footprint is not None
+        hosts = self.lab.hosts
+        equal_hosts = self.hybrid and len(hosts) > 1 and len({len(r) for r in hosts.values()}) == 1
+        shard_ranks = len(next(iter(hosts.values()))) if equal_hosts else self.world_size
+        budgets = [device_budget(d, policy.headroom) for d in self.lab.devices]
+        return resolve_memory(policy, self._footprint, self.lab.devices, samples, budgets, shard_ranks)
+
+    @override
+    def on_train_start(self) -> None:
+        """Before the first step: the plan's modes checked again with the real shares and optimizer."""
+        super().on_train_start()
+        sampler = self.train_batch_sampler
+        if sampler is None or self._footprint is None or self.memory_plan is None:
+            return
+        slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
+        self._footprint = replace(self._footprint, optimizer_slots=slots)
+        chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
+        self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+
+    # -- exact weighting --------------------------------------------------------------------------------------------
+    def weigh_loss(self, loss: Tensor) -> Tensor:
+        """b_r·W/G times the loss: FSDP's reduce-scatter averages over the W ranks (both mesh dimensions with HSDP),
+        which leaves Σ_r (b_r/G) g_r, exact per micro-step (accumulation with partial batches included)."""
+        share = self.core.step_share
+        if share is None or self.world_size == 1:
+            return loss
+        return loss * loss_weight(share[0], share[1], self.world_size)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_spawn", "spawn"),
+                                   ("hetero_fsdp_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, start_method=start_method,
+                                           description=f"Sharded (FSDP2) training over unequal GPUs, {start_method}")
+
+
+def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for name, value in state_dict.items():
+        if isinstance(value, DTensor):
+            state_dict[name] = value.full_tensor()
+
+
+def _check_blocks(blocks: Optional[list[str]]) -> Optional[tuple[str, ...]]:
+    ok = blocks is None or (isinstance(blocks, (list, tuple)) and len(blocks) > 0 and all(
+        isinstance(b, str) and "." in b for b in blocks))
+    check("", "blocks", blocks, ok, "None or a non-empty list of dotted class paths ('package.module.Class')")
+    return None if blocks is None else tuple(blocks)
+
+
+def _import_class(path: str) -> type[nn.Module]:
+    module_name, _, name = path.rpartition(".")
+    found = getattr(importlib.import_module(module_name), name, None)
+    check("", "blocks", path, isinstance(found, type) and issubclass(found, nn.Module), "nn.Module classes")
+    return found  # type: ignore[return-value]
