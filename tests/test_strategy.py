@@ -148,3 +148,52 @@ def test_spawn_launcher_fits(tmp_path):
     trainer.fit(_SpawnModel(n=32))
     # The spawn launcher hands the main process the state and metrics (not the step counter).
     assert trainer.state.finished and "val_loss" in trainer.callback_metrics
+
+
+class _CollectivesPerStep(Callback):
+    """Counts ``torch.distributed.all_reduce`` / ``barrier`` calls from one training batch's start to the next's,
+    keeps each step's loss next to the value Lightning logged for it, and the class of the model that trained."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls, self.marks, self.pairs, self.trained = 0, [], [], set()
+        for name in ("all_reduce", "barrier"):
+            original = getattr(torch.distributed, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(torch.distributed, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.marks.append(self.calls)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.pairs.append((float(outputs["loss"]), float(trainer.callback_metrics["train_loss"])))
+        self.trained.add(type(trainer.strategy.model))  # Lightning's DDP unwraps the model at teardown
+
+
+def test_one_device_steps_issue_no_collective(monkeypatch):
+    """One device: no DDP wrapper, and `self.log(..., sync_dist=True)` is the rank's own value with no collective
+    (a reduction over one rank is an identity; the 1-rank process group would all-reduce it every step)."""
+    from lightning_hetero import Observation
+
+    # The launcher leaves LOCAL_RANK, MASTER_PORT ... and Lightning a thread count behind: later tests get them back.
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    os.environ["MASTER_PORT"] = str(free_port())
+    counter = _CollectivesPerStep(monkeypatch)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
+                      strategy=HeteroDDPStrategy(capacities="equal", observation=Observation(print_table=False)))
+    try:
+        trainer.fit(TinyModel(n=40))
+        assert torch.distributed.is_initialized()  # the 1-rank group exists: Lightning would sync through it
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    assert counter.trained == {TinyModel}
+    assert len(counter.marks) == 6 and counter.calls == counter.marks[0]  # none from the first step on
+    assert [logged for _, logged in counter.pairs] == [loss for loss, _ in counter.pairs]

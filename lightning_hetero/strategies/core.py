@@ -423,8 +423,10 @@ class HeteroCore:
     def reduce_weighted_mean(self, tensor: Tensor, group: Optional[Any]) -> Tensor:
         """A mean over ranks weighted by each rank's batch size (ranks see unequal batches)."""
         values = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32).reshape(-1)
-        weight = torch.tensor([float(self.logging_batch_size or 0)], dtype=values.dtype, device=values.device)
-        packed = torch.cat([values * weight, weight])
+        weight = float(self.logging_batch_size or 0)
+        # Filled on the device: a tensor made from a Python list would be copied from the host, which waits for the
+        # CUDA stream (a synchronization every logged step).
+        packed = torch.cat([values * weight, values.new_full((1,), weight)])
         # Waiting for other ranks is not this rank's compute (rebalancing, the CPU emulator); it is sync (monitor).
         emulator = self.emulation
         began = emulator.collective_began() if emulator is not None else None

@@ -204,6 +204,8 @@ class HeteroLifecycle:
     def reduce(self, tensor: Tensor, group: Optional[Any] = None,
                reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Tensor:
         """Inside a step, a mean over ranks is weighted by each rank's batch size (ranks see unequal batches)."""
+        if self.world_size == 1:  # any reduction over one rank is its own value: no collective, as on a single device
+            return tensor
         is_mean = reduce_op is None or reduce_op == dist.ReduceOp.AVG or str(reduce_op).lower() in ("mean", "avg")
         if is_mean and isinstance(tensor, Tensor) and self.core.logging_batch_size is not None and dist.is_initialized():
             return self.core.reduce_weighted_mean(tensor, group)
