@@ -297,7 +297,7 @@ class FaultMonitor:
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0: the watchdog names rank 0
             pass
         if victim:
-            self._find_cause(text)
+            self._find_cause()
             cause = self._fault or f"{_describe(self.rank, self._state())} failed in a collective: {text}"
         else:
             cause = f"{_describe(self.rank, self._state())} failed{_doing(self._state())}: {text}"
@@ -325,22 +325,26 @@ class FaultMonitor:
             pass
         self._stopped.set()
 
-    def _find_cause(self, text: str) -> None:
+    def _find_cause(self) -> None:
         """This rank failed in a collective: look for the cause now, from this thread (a dead pid on this host shows
-        at once), and then at every beat for up to ``dead_after`` (a peer on another host goes silent)."""
+        at once), and again every 0.1 s until the watchdog thread or this loop finds it (a peer on another host shows
+        once silent for ``dead_after``; a lost store, rank 0's, only to the watchdog thread)."""
         assert self._main_store is not None
         deadline = time.monotonic() + self.dead_after + 3 * self.interval
-        try:
-            while time.monotonic() < deadline and not self._strong:
+        while time.monotonic() < deadline and not self._strong:
+            try:
                 cause, strong = self._diagnose(self._main_store)
                 if strong:
                     self._fault, self._strong = cause, True
                     return
-                if self._thread is None or not self._thread.is_alive():
-                    return
+            except Exception:  # noqa: BLE001 - the store is gone (the watchdog thread names rank 0), or a launcher's
+                pass  # signal handler raised here (Lightning's SIGTERM handler broadcasts over the broken group)
+            if self._thread is None or not self._thread.is_alive():
+                return
+            try:
                 time.sleep(0.1)
-        except Exception:  # noqa: BLE001 - the store is gone, or a launcher's signal handler raised here (Lightning's
-            pass  # SIGTERM handler broadcasts over the broken group): what is known so far is printed
+            except Exception:  # noqa: BLE001 - a signal handler raised: the launcher is ending this process (torchrun
+                deadline = min(deadline, time.monotonic() + 2.0)  # kills it 30 s after its SIGTERM): a last look
 
     def _phase_of(self, frames: Sequence[FrameType]) -> Optional[str]:
         """The phase the stack shows, innermost frame first: a DataLoader's code is ``data``; a Lightning hook of a

@@ -65,6 +65,7 @@ from lightning_hetero.lab.emulation import (
 )
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
+from lightning_hetero.grad.nonfinite import NonFinite, NonFiniteCheck, validate_nonfinite  # [trust-report] item 5
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.data.microbatch import (
     MicroBatchArg,
@@ -85,7 +86,7 @@ from lightning_hetero.grad.precision import (
     resolve_precisions,
 )
 from lightning_hetero.plan.rebalance import ShareController, validate_tuning
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch  # [trust-report] item 5
 from lightning_hetero.data.streaming import STREAM_MODES, StreamMode, build_stream_loader
 from lightning_hetero.resilience.state import RandomState, RankStateCallback
 from lightning_hetero.data.tokens import Balance, Denominator, dataset_costs, resolve_cost_fn
@@ -155,11 +156,15 @@ class HeteroDDPStrategy(DDPStrategy):
             ``"tokens"`` (t_r / T, with the per-sample cost as the token count).
         sample_cost: dotted path ``"package.module.function"`` of a function sample -> cost. Default: the dataset's
             ``lengths``, else the LightningModule's ``sample_cost(sample)``, else the length of the first sequence
-            tensor of each sample.
+            tensor of each sample. The path is imported and called on every sample: a config file that sets it is
+            code, as a LightningCLI ``class_path`` is; run only configs you trust.
         micro_batch: run a rank's share as micro-batches with local accumulation when it exceeds this many samples:
             an int (every rank), a list (one per rank) or ``"auto"`` (the profiled memory cap, or
             ``max_batch_per_rank``). Shares are then split by capacity alone, never capped. See
             :mod:`lightning_hetero.data.microbatch`.
+        nonfinite: a non-finite loss or gradient: ``"stop"`` every rank before the update, naming the rank(s) and
+            step; ``"skip"`` the step on every rank and go on; ``"ignore"`` (no check, plain DDP). See
+            :mod:`lightning_hetero.grad.nonfinite`.
     """
 
     strategy_name = "hetero_ddp"
@@ -198,7 +203,9 @@ class HeteroDDPStrategy(DDPStrategy):
         loss_denominator: Denominator = "samples",
         sample_cost: Optional[str] = None,
         micro_batch: Optional[MicroBatchArg] = None,
+        nonfinite: NonFinite = "stop",  # [trust-report] item 5
     ) -> None:
+        self._nonfinite = validate_nonfinite(nonfinite)  # [trust-report] item 5
         if balance not in ("samples", "tokens", "padded_tokens"):
             raise ValueError(f"`balance`={balance!r} must be 'samples', 'tokens' or 'padded_tokens'.")
         if loss_denominator not in ("samples", "tokens"):
@@ -381,6 +388,9 @@ class HeteroDDPStrategy(DDPStrategy):
         if trainer is not None and self._rank_state not in trainer.callbacks:
             trainer.callbacks.append(self._rank_state)
         self._rank_state.register("rng", self._rng)
+        if trainer is not None and self._nonfinite != "ignore":  # [trust-report] item 5: one check per fit
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, NonFiniteCheck)]
+            trainer.callbacks.append(NonFiniteCheck(self._nonfinite, [d.host for d in self.lab.devices]))
         if trainer is not None and self._resume is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_from_newest(trainer)
         if trainer is not None and self._monitor_enabled:
@@ -550,6 +560,8 @@ class HeteroDDPStrategy(DDPStrategy):
         if stage != RunningStage.TRAINING:
             self._eval_samplers[(str(stage), id(dataloader.dataset))] = batch_sampler  # type: ignore[attr-defined]
         if stage == RunningStage.TRAINING:
+            if not isinstance(dataloader.dataset, IterableDataset):  # [trust-report] item 5: a batch never trained on
+                check_training_batch(batch_sampler, loader_name, explicit=self._global_batch_size is not None)
             self._train_sampler = batch_sampler
             self._attach_costs(batch_sampler, dataloader.dataset)  # type: ignore[attr-defined]
             batch_sampler.cap_shares = self._micro_batch is None
@@ -703,11 +715,13 @@ class HeteroDDPStrategy(DDPStrategy):
         work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
         self._shares.on_train_batch_start(self, batch_idx, work)  # may key a share change to a later batch
 
-    def _enter(self, phase: str, batch: Optional[int] = None) -> None:
-        """Tell the watchdog what this rank is doing (a new phase is progress)."""
+    def _enter(self, phase: str, batch: Optional[int] = None, next_step: bool = False) -> None:
+        """Tell the watchdog what this rank is doing (a new phase is progress). ``next_step``: called at the end of
+        an optimizer step, before Lightning counts it."""
         if self._faults is not None:
             trainer = getattr(self._lightning_module, "_trainer", None)
-            self._faults.enter(phase, trainer.global_step if trainer is not None else None, batch)
+            step = trainer.global_step + int(next_step) if trainer is not None else None  # [trust-report] item 4
+            self._faults.enter(phase, step, batch)
 
     @contextmanager
     def _in_phase(self, phase: str) -> Any:
@@ -724,7 +738,7 @@ class HeteroDDPStrategy(DDPStrategy):
             if self._weighting is not None:
                 self._weighting.reset()
         self._log_comm_bytes()
-        self._enter("data")  # next: the following batch is loaded
+        self._enter("data", next_step=True)  # next: the following batch is loaded
         return out
 
     @override
