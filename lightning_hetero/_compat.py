@@ -35,3 +35,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa:
     _orthogonalize_gram_schmidt as powersgd_orthogonalize_gram_schmidt,
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress as powersgd_should_compress  # noqa: E402,E501
+
+
+def remove_warnings_filter(entry: tuple) -> None:
+    """Remove one entry of ``warnings.filters``: the module adds filters in public (``filterwarnings``) but has no
+    public call to remove one, and its per-module caches must be told that the list changed."""
+    import warnings
+
+    try:
+        warnings.filters.remove(entry)
+    except ValueError:  # already gone (e.g. `warnings.resetwarnings()`)
+        return
+    warnings._filters_mutated()  # type: ignore[attr-defined]

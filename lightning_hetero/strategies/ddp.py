@@ -66,6 +66,10 @@ from lightning_hetero.lab.emulation import (
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
 from lightning_hetero.grad.nonfinite import NonFinite, NonFiniteCheck, validate_nonfinite  # [trust-report] item 5
+from lightning_hetero.observe.notices import (  # [trust-report] item 7
+    restore_inexact_resume_warning,
+    silence_inexact_resume_warning,
+)
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.data.microbatch import (
     MicroBatchArg,
@@ -569,6 +573,8 @@ class HeteroDDPStrategy(DDPStrategy):
             self._rank_state.register("shares", self._shares)
             self._shares.on_train_loader(self, batch_sampler, profile_view)
             self._setup_micro_batching()
+            if self._shares.position > 0 and not isinstance(dataloader.dataset, IterableDataset):  # [trust-report]
+                silence_inexact_resume_warning()  # item 7: resumed mid-epoch at the exact batch of a map-style set
             if self._shares.position == 0:
                 self._rng.apply()  # resumed at an epoch start: the epoch's iterator draws from the saved state
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -865,6 +871,7 @@ class HeteroDDPStrategy(DDPStrategy):
             self._faults.stop()
             self._faults = None
         super().teardown()
+        restore_inexact_resume_warning()  # [trust-report] item 7
         self._shares.teardown()
         if self._emulator is not None:
             self._emulator.restore()
