@@ -292,8 +292,10 @@ class FaultMonitor:
         victim = is_peer_failure(error) or self._fault is not None
         text = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0][:500]
         self._phase = self._phase_of(_frames(tb=error.__traceback__)) or self._phase
+        said_already = False
         try:
-            self._record(self._main_store, "peer" if victim else "error", text)
+            order = self._record(self._main_store, "peer" if victim else "error", text)
+            said_already = not victim and self._recorded_before(self._main_store, text, order)
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0: the watchdog names rank 0
             pass
         if victim:
@@ -303,7 +305,8 @@ class FaultMonitor:
             cause = f"{_describe(self.rank, self._state())} failed{_doing(self._state())}: {text}"
         if hasattr(error, "add_note"):  # Python >= 3.11; the line printed below says it on every version
             error.add_note(f"lightning_hetero: {cause}")
-        _say(self.rank, f"the job failed: {cause}")
+        if not said_already:  # the same error on every rank (a bad setting): the first rank to record it says it
+            _say(self.rank, f"the job failed: {cause}")
         self._ack(self._main_store)
 
     def stop(self) -> None:
@@ -384,10 +387,24 @@ class FaultMonitor:
         store.set(f"{self._ns}/state/{self.rank}",
                   json.dumps({**state, "seq": self._seq, "stalled": stalled, "where": where}))
 
-    def _record(self, store: dist.TCPStore, kind: str, text: str) -> None:
+    def _record(self, store: dist.TCPStore, kind: str, text: str) -> int:
         order = store.add(f"{self._ns}/errors", 1)  # the first recorded error is the likeliest cause
         store.set(f"{self._ns}/error/{self.rank}",
                   json.dumps({**self._state(), "kind": kind, "text": text, "order": order}))
+        return order
+
+    def _recorded_before(self, store: dist.TCPStore, text: str, order: int) -> bool:
+        """Another rank recorded the same error before this one (its record may still be on its way: a moment's
+        wait for the ranks that counted themselves earlier)."""
+        deadline = time.monotonic() + 0.5
+        keys = [f"{self._ns}/error/{r}" for r in range(self.world_size) if r != self.rank]
+        while True:
+            records = [json.loads(store.get(k)) for k in keys if store.check([k])]
+            if any(rec["text"] == text and rec["kind"] == "error" and rec["order"] < order for rec in records):
+                return True
+            if len([rec for rec in records if rec["order"] < order]) >= order - 1 or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
     def _watch(self) -> None:
         assert self._store is not None
