@@ -47,3 +47,7 @@ def remove_warnings_filter(entry: tuple) -> None:
     except ValueError:  # already gone (e.g. `warnings.resetwarnings()`)
         return
     warnings._filters_mutated()  # type: ignore[attr-defined]
+
+# Lightning's fork/spawn launcher: no public name, and its ranks run `fit` without `Strategy.on_exception` (only the
+# launching process calls it), which the fault watchdog needs in every rank (see resilience/faults.py).
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher  # noqa: E402

@@ -381,3 +381,17 @@ def test_an_error_at_the_end_of_an_epoch_names_that_hook(tmp_path):
     steps_per_epoch = 64 // 8
     assert f"failed while in on_train_epoch_end at step {steps_per_epoch}" in line, line
     assert "ValueError: injected failure at the end of the epoch" in line, line
+
+
+@pytest.mark.slow
+def test_fork_launcher_a_killed_rank_is_named_in_rank_0s_first_line(tmp_path):
+    """Lightning's fork launcher, like torchrun, terminates the other ranks right after one dies."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(PYTHONPATH=root, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "_fault_worker.py"), str(tmp_path), "sigkill",
+                           "1", str(TIMEOUT), "fork"], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    line = next((l for l in proc.stderr.splitlines() if l.startswith("[rank 0] lightning_hetero:")), "")
+    assert "the job failed: rank 1 (host " in line and "stopped responding" in line, proc.stderr[-3000:]
+    assert f"(last reported: forward/backward at step {FAULT_BATCH})" in line, line

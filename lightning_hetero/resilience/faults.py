@@ -39,6 +39,7 @@ Example::
     >>> monitor.stop()                        # at the end of a run: peers stop watching this rank
 """
 
+import functools
 import json
 import multiprocessing
 import os
@@ -55,6 +56,8 @@ from types import FrameType, TracebackType
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from lightning_hetero._compat import MultiProcessingLauncher
 
 _JOIN = "lightning_hetero/join"
 _FAULTS = "lightning_hetero/faults"
@@ -552,6 +555,31 @@ class FaultMonitor:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - gone already: nothing to wait for
             pass
+
+
+class ReportingLauncher(MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, whose ranks also report their own exception to their strategy
+    (``Strategy.on_exception``) before it leaves them: Lightning calls it only in the launching process, after a rank
+    is gone, so a rank's watchdog never heard of the rank's own error (nor had the chance to name a dead peer before
+    the launcher terminates the survivors)."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        return super().launch(functools.partial(_report_exceptions, function), *args, trainer=trainer, **kwargs)
+
+
+def _report_exceptions(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a rank's ``trainer._fit_impl`` (or validate/test/predict); its exception goes to the trainer's strategy
+    first. Module level: the spawn launcher pickles it."""
+    try:
+        return function(*args, **kwargs)
+    except BaseException as error:
+        strategy = getattr(getattr(function, "__self__", None), "strategy", None)
+        if strategy is not None:
+            try:
+                strategy.on_exception(error)
+            except Exception:  # noqa: BLE001 - never hide the rank's own exception behind the report's
+                pass
+        raise
 
 
 def _is_stdlib(filename: str) -> bool:
