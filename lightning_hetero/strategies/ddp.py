@@ -166,8 +166,9 @@ class HeteroDDPStrategy(DDPStrategy):
             an int (every rank), a list (one per rank) or ``"auto"`` (the profiled memory cap, or
             ``max_batch_per_rank``). Shares are then split by capacity alone, never capped. See
             :mod:`lightning_hetero.data.microbatch`.
-        nonfinite: a non-finite loss or gradient: ``"stop"`` every rank before the update, naming the rank(s) and
-            step; ``"skip"`` the step on every rank and go on; ``"ignore"`` (no check, plain DDP). See
+        nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank and go on, warning with the
+            rank(s) and step (as a loss scaler does); ``"stop"`` every rank before the update, naming them;
+            ``"ignore"`` (no check, plain DDP). See
             :mod:`lightning_hetero.grad.nonfinite`.
     """
 
@@ -207,7 +208,7 @@ class HeteroDDPStrategy(DDPStrategy):
         loss_denominator: Denominator = "samples",
         sample_cost: Optional[str] = None,
         micro_batch: Optional[MicroBatchArg] = None,
-        nonfinite: NonFinite = "stop",  # [trust-report] item 5
+        nonfinite: NonFinite = "skip",  # [trust-report] item 5
     ) -> None:
         self._nonfinite = validate_nonfinite(nonfinite)  # [trust-report] item 5
         if balance not in ("samples", "tokens", "padded_tokens"):
