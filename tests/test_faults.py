@@ -49,7 +49,8 @@ class StuckAfter(IndexedDataset):
 
     def __getitem__(self, i: int) -> Any:
         self.calls += 1
-        rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))  # torchrun sets RANK; hand-started: NODE_RANK
+        # torchrun sets RANK; the hand-started ranks here, NODE_RANK
+        rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
         if rank == self.stuck_rank and self.calls > self.good:
             _mark(self.out_dir, "worker")
             time.sleep(600)
