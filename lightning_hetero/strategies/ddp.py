@@ -168,8 +168,7 @@ class HeteroDDPStrategy(DDPStrategy):
             :mod:`lightning_hetero.data.microbatch`.
         nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank and go on, warning with the
             rank(s) and step (as a loss scaler does); ``"stop"`` every rank before the update, naming them;
-            ``"ignore"`` (no check, plain DDP). See
-            :mod:`lightning_hetero.grad.nonfinite`.
+            ``"ignore"`` (no check, plain DDP). See :mod:`lightning_hetero.grad.nonfinite`.
     """
 
     strategy_name = "hetero_ddp"
