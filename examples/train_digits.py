@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_hetero  # noqa: F401  (registers "hetero_ddp")
+from lightning_hetero.observe.errors import run_main
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs")
 
@@ -102,4 +103,4 @@ def main(args: Optional[list[str]] = None) -> LightningCLI:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_digits.py")  # a bad argument: one line, not a traceback per rank

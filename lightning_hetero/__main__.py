@@ -23,17 +23,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     report.add_argument("logdir", help="the logger's directory (hetero_monitor.jsonl is searched below it)")
     report.add_argument("--out", help="PNG path (default: beside hetero_monitor.jsonl)")
     args = parser.parse_args(argv)
-    if args.command == "doctor":
-        from lightning_hetero.observe.doctor import dry_run
-        from lightning_hetero.observe.doctor import main as doctor_main
+    try:
+        if args.command == "doctor":
+            from lightning_hetero.observe.doctor import dry_run
+            from lightning_hetero.observe.doctor import main as doctor_main
 
-        doctor_main(as_json=args.json)
-        if args.model:
-            raise SystemExit(dry_run(args.model, args.script, args.steps))
-    elif args.command == "report":
-        from lightning_hetero.observe.report import main as report_main
+            doctor_main(as_json=args.json)
+            if args.model:
+                raise SystemExit(dry_run(args.model, args.script, args.steps))
+        elif args.command == "report":
+            from lightning_hetero.observe.report import main as report_main
 
-        report_main(args.logdir, args.out)
+            report_main(args.logdir, args.out)
+    except (OSError, ValueError) as err:  # what the user gave is wrong: one line saying what to do, no traceback
+        parser.exit(2, f"lightning-hetero {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

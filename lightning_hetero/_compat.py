@@ -116,3 +116,15 @@ def init_process_group(strategy: object, store: object) -> None:
 # dict matches the others'): torch's composable `checkpoint` has no public import path; the public
 # `torch.utils.checkpoint.checkpoint` needs a wrapper module, which renames every parameter.
 from torch.distributed._composable import checkpoint as checkpoint_module_in_place  # noqa: E402
+
+def remove_warnings_filter(entry: tuple) -> None:
+    """Remove one entry of ``warnings.filters``: the module adds filters in public (``filterwarnings``) but has no
+    public call to remove one, and its per-module caches must be told that the list changed."""
+    import warnings
+
+    try:
+        warnings.filters.remove(entry)
+    except ValueError:  # already gone (e.g. `warnings.resetwarnings()`)
+        return
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+

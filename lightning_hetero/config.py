@@ -36,6 +36,7 @@ from lightning_hetero.data.microbatch import MicroBatchArg, parse_micro_batch
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StreamMode = Literal["exact", "shard"]
+NonFinite = Literal["ignore", "skip", "stop"]
 Balance = Literal["samples", "tokens", "padded_tokens"]
 Denominator = Literal["samples", "tokens"]
 
@@ -165,10 +166,15 @@ class Resilience:
             trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
             in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last
             checkpoint stood, also on a different number or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
+        nonfinite: a non-finite loss or gradient: ``"ignore"`` (plain DDP: no check, no cost), ``"skip"`` the step on
+            every rank, warning with the rank(s) and step, or ``"stop"`` every rank before the update, naming them.
+            ``skip``/``stop`` add a :class:`~lightning_hetero.grad.nonfinite.NonFiniteCheck` callback (one read of a
+            flag from the device per step). See :mod:`lightning_hetero.grad.nonfinite`.
     """
 
     timeout: float = 1800.0
     resume: Optional[str] = None
+    nonfinite: NonFinite = "ignore"
 
     def __post_init__(self) -> None:
         check("resilience", "timeout", self.timeout, is_number(self.timeout) and self.timeout > 0,
@@ -176,6 +182,7 @@ class Resilience:
         check("resilience", "resume", self.resume,
               self.resume is None or (isinstance(self.resume, str) and bool(self.resume)),
               "None, 'auto' or a checkpoint directory")
+        check_choice("resilience", "nonfinite", self.nonfinite, ("ignore", "skip", "stop"))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The demo as a new user runs it: ``examples/train_digits.py`` on ``configs/cpu_lab.yaml`` (two CPU ranks, rank 1
 emulated 3x slower, capacities measured on the model). The lab table it prints must split the batch about 3:1."""
 
+import glob
 import os
 import re
 import subprocess
@@ -33,7 +34,7 @@ def test_demo_splits_a_3x_slower_rank_about_3_to_1(tmp_path) -> None:
     cmd = [sys.executable, os.path.join(ROOT, "examples", "train_digits.py"), "fit",
            "--config", os.path.join(ROOT, "configs", "cpu_lab.yaml"),
            "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=0",
-           f"--trainer.default_root_dir={tmp_path}"]
+           "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
@@ -48,3 +49,9 @@ def test_demo_splits_a_3x_slower_rank_about_3_to_1(tmp_path) -> None:
     # co-tenant multiplying matrices on both cores (it slows the fast rank, which the profile rightly sees). The band
     # is a profiled ratio between 2.2 and 3.9.
     assert 13 <= slow <= 20, (fast, slow)
+    # The demo leaves a monitor file, and the report command right after it draws it (it failed with a traceback).
+    assert glob.glob(os.path.join(tmp_path, "**", "hetero_monitor.jsonl"), recursive=True), output[-3000:]
+    report = subprocess.run([sys.executable, "-m", "lightning_hetero", "report", str(tmp_path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert glob.glob(os.path.join(tmp_path, "**", "hetero_monitor.png"), recursive=True)

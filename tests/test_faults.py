@@ -49,7 +49,9 @@ class StuckAfter(IndexedDataset):
 
     def __getitem__(self, i: int) -> Any:
         self.calls += 1
-        if int(os.environ["NODE_RANK"]) == self.stuck_rank and self.calls > self.good:
+        # torchrun sets RANK; the hand-started ranks here, NODE_RANK
+        rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+        if rank == self.stuck_rank and self.calls > self.good:
             _mark(self.out_dir, "worker")
             time.sleep(600)
         return super().__getitem__(i)
@@ -69,14 +71,22 @@ class FaultyModel(TinyModel):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
             if self.fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "exit":
+                os._exit(3)
             if self.fault == "stuck":
                 time.sleep(600)
         return super().training_step(batch, batch_idx)
 
+    def on_train_epoch_end(self) -> None:
+        if self.fault == "epoch_end" and self.global_rank == self.fault_rank:
+            _mark(self.out_dir, "fault")
+            raise ValueError("injected failure at the end of the epoch")
+
     def train_dataloader(self) -> DataLoader:
-        if self.fault != "stuck_loader":
+        if not self.fault.startswith("stuck_loader"):
             return super().train_dataloader()
-        dataset = StuckAfter(self.hparams.n, self.out_dir, self.fault_rank)
+        good = 0 if self.fault == "stuck_loader_first" else 12  # hangs in the first batch's fetch, or in the third
+        dataset = StuckAfter(self.hparams.n, self.out_dir, self.fault_rank, good=good)
         return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True, num_workers=1,
                           multiprocessing_context="fork")
 
@@ -308,3 +318,83 @@ def test_popen_launcher_error_on_rank_1_is_named_by_the_launching_rank(tmp_path)
     assert "RuntimeError: injected failure" in stderr
     assert time_to_fail < 30
     print(f"time to fail (popen launcher, exception on rank 1): {time_to_fail:.1f} s")
+
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _torchrun_job(workdir: str, fault: str, timeout: float = TIMEOUT) -> dict:
+    """Two ranks under ``torchrun`` (its agent serves the store and terminates the survivors a moment after one rank
+    fails); each rank's stderr in its own file."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(PYTHONPATH=root)
+    os.makedirs(workdir, exist_ok=True)
+    logs = os.path.join(workdir, "logs")
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--log-dir", logs, "--redirects", "2",
+           os.path.join(root, "tests", "_fault_worker.py"), workdir, fault, "1", str(timeout)]
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.communicate(timeout=120)
+        leftovers = [pid for pid in _pids(workdir) if not _pid_dead(pid)]
+    finally:
+        proc.kill()
+        for pid in _pids(workdir):
+            if not _pid_dead(pid):
+                os.kill(pid, signal.SIGKILL)
+    stderr = {}
+    for r in (0, 1):
+        found = glob.glob(os.path.join(logs, "**", str(r), "stderr.log"), recursive=True)
+        stderr[r] = open(found[0]).read() if found else ""
+    return {"code": proc.returncode, "stderr": stderr, "leftovers": leftovers}
+
+
+def _first_report(text: str) -> str:
+    """The first line the package printed on a rank."""
+    return next((line for line in text.splitlines() if "lightning_hetero:" in line), "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigkill", "exit"])
+def test_torchrun_a_killed_rank_is_named_in_rank_0s_first_line(tmp_path, fault):
+    """torchrun terminates rank 0 about 0.1 s after rank 1 dies: rank 0 names rank 1, its host, phase and step before
+    that (it printed only gloo's "connection closed" before)."""
+    job = _torchrun_job(str(tmp_path), fault)
+    assert job["code"] != 0 and job["leftovers"] == []
+    line = _first_report(job["stderr"][0])
+    assert "the job failed: rank 1 (host " in line and "stopped responding" in line, job["stderr"][0][-3000:]
+    assert f"(last reported: forward/backward at step {FAULT_BATCH})" in line, line
+
+
+@pytest.mark.slow
+def test_torchrun_a_loader_hang_on_rank_1_is_blamed_on_rank_1_in_data(tmp_path):
+    job = _torchrun_job(str(tmp_path), "stuck_loader_first")
+    assert job["code"] != 0 and job["leftovers"] == []
+    assert glob.glob(os.path.join(tmp_path, "worker.*.pid")), "the worker never hung"
+    for r in (0, 1):
+        line = _first_report(job["stderr"][r])
+        assert "rank 1 (host " in line and "while in data at step 0" in line, (r, job["stderr"][r][-3000:])
+
+
+@pytest.mark.slow
+def test_an_error_at_the_end_of_an_epoch_names_that_hook(tmp_path):
+    job = _run_job(str(tmp_path), "epoch_end")
+    _assert_failed_fast(job)
+    line = next((l for l in _rank0(job).splitlines() if "lightning_hetero:" in l and "rank 1 " in l), _rank0(job))
+    steps_per_epoch = 64 // 8
+    assert f"failed while in on_train_epoch_end at step {steps_per_epoch}" in line, line
+    assert "ValueError: injected failure at the end of the epoch" in line, line
+
+
+@pytest.mark.slow
+def test_fork_launcher_a_killed_rank_is_named_in_rank_0s_first_line(tmp_path):
+    """Lightning's fork launcher, like torchrun, terminates the other ranks right after one dies."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(PYTHONPATH=root, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "_fault_worker.py"), str(tmp_path), "sigkill",
+                           "1", str(TIMEOUT), "fork"], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    line = next((l for l in proc.stderr.splitlines() if l.startswith("[rank 0] lightning_hetero:")), "")
+    assert "the job failed: rank 1 (host " in line and "stopped responding" in line, proc.stderr[-3000:]
+    assert f"(last reported: forward/backward at step {FAULT_BATCH})" in line, line

@@ -203,7 +203,7 @@ def test_fast_rank_waits_two_thirds_with_equal_shares_and_not_with_profiled(tmp_
     assert profiled[-1]["ideal_fraction"] > 0.85
 
 
-def test_report_draws_png_from_sidecar(tmp_path) -> None:
+def test_report_draws_png_from_sidecar(tmp_path, capsys) -> None:
     from lightning_hetero.__main__ import main
 
     run = tmp_path / "lightning_logs" / "version_0"
@@ -218,8 +218,13 @@ def test_report_draws_png_from_sidecar(tmp_path) -> None:
     assert png.stat().st_size > 10_000
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(FileNotFoundError, match="monitor=True"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # a wrong directory: one line saying what to do, no traceback
         main(["report", str(tmp_path / "nothing")])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith("lightning-hetero report: error: no hetero_monitor.jsonl under")
+    assert "monitor=True" in said
 
 
 def test_doctor_model_command(tmp_path) -> None:
@@ -267,3 +272,30 @@ def test_the_wait_in_the_gradient_all_reduce_follows_the_backward_end_mark(tmp_p
     print(f"\n{strategy_name}, equal batches, rank 1 3x slower: fast rank waits {fast_wait:.1%} of its step")
     assert fast_wait == pytest.approx(2 / 3, abs=0.1)
     assert _fraction(windows, "wait", 1) < 0.05
+
+
+def test_summary_table_is_whole_in_a_log_file(capsys) -> None:
+    """Not a terminal (a log file, a pipe): rich cut the table to 80 columns ("ra…", "sha…", "5.038e+…")."""
+    pytest.importorskip("rich")
+    from lightning_hetero.observe.monitor import print_summary
+
+    totals = {"compute": [0.5, 0.25], "wait": [0.01, 0.2], "data": [0.01, 0.01], "comm": [0.05, 0.05],
+              "cycle": [0.6, 0.6], "samples": [2519000.0, 800000.0], "tokens": [0.0, 0.0], "steps": [10.0]}
+    print_summary(totals, (6, 15))
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    assert "steps 6-15 (after warm-up" in out
+    for cell in ("rank", "share", "75.9%", "50.00 (83%)", "20.00 (33%)", "5.038e+06", "3.2e+06"):
+        assert cell in out, (cell, out)
+
+
+def test_warnings_name_their_steps_and_skip_what_the_run_does() -> None:
+    w = _window([[10.0, 1.0, 6.5, 48, 0]] * 2, [[10.0, 1.0, 0.5, 16, 0]] * 2)
+    w = {**w, "first_step": 5}
+    plain = dict(advice(w))["wait"]
+    assert plain.startswith("HeteroMonitor, steps 6-7: rank 0 computes only 25% of each step and waits 60%")
+    assert "capacities='profile' (or 'auto') and rebalance=True" in plain
+    profiled = dict(advice(w, capacity_source="profile", rebalance=False))["wait"]
+    assert "capacities=" not in profiled and "use rebalance=True" in profiled
+    done = dict(advice(w, capacity_source="rebalanced", rebalance=True))["wait"]
+    assert "capacities are measured and rebalanced already" in done and "use " not in done

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, Sampler
 
 from lightning_hetero.plan.split import split_batch, split_by_cost, validate_costs
@@ -408,3 +409,22 @@ class HeteroBatchSampler(BatchSampler):
         self._full_splits.clear()
         self._schedule_epoch = self.sampler.epoch
         self.start_batch = start_batch
+
+
+def check_training_batch(sampler: HeteroBatchSampler, loader_name: str, explicit: bool) -> None:
+    """A training global batch larger than the dataset is never trained on: every epoch is one partial batch of the
+    whole dataset (none with ``drop_last``). A ``ValueError`` when ``global_batch_size`` asked for it, a warning when
+    it comes from the loader's ``batch_size`` × world size."""
+    n = len(sampler.sampler)
+    if sampler.global_batch_size <= n:
+        return
+    epoch = "no batch at all (drop_last=True)" if sampler.drop_last else f"one batch of {n}"
+    if explicit:
+        raise ValueError(
+            f"`global_batch_size`={sampler.global_batch_size} is larger than {loader_name}'s dataset ({n} samples): "
+            f"every epoch would be {epoch}. Set `global_batch_size` <= {n}."
+        )
+    rank_zero_warn(
+        f"lightning_hetero: the global batch ({sampler.global_batch_size} = the loader's batch_size x "
+        f"{sampler.world_size} ranks) is larger than {loader_name}'s dataset ({n} samples): every epoch is {epoch}."
+    )

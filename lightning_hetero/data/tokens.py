@@ -13,7 +13,10 @@ times its longest sample's cost.
 
 The cost of a sample is, in this order of precedence:
 
-1. ``sample_cost="package.module.function"``: a function imported by dotted path, called on each dataset item;
+1. ``sample_cost="package.module.function"``: a function imported by dotted path, called on each dataset item. Any
+   importable callable runs: a config file that sets it is code, as a LightningCLI ``class_path`` is, so run only
+   configs you trust. The target must take one argument and return a number >= 0 for every item; a failure names
+   the function and the item;
 2. a ``lengths`` attribute of the dataset (one number per index; no item is read);
 3. a ``sample_cost(sample)`` method of the LightningModule, called on each dataset item;
 4. otherwise the length (first dimension) of the first tensor with at least one dimension in the item.
@@ -31,6 +34,7 @@ Example::
 """
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional
 
@@ -78,7 +82,27 @@ def import_cost_fn(path: str) -> CostFn:
         raise ValueError(f"`sample_cost`={path!r} cannot be imported: {err}") from err
     if not callable(fn):
         raise ValueError(f"`sample_cost`={path!r} is not callable.")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError as err:
+        raise ValueError(f"`sample_cost`={path!r} must take one argument (a dataset item): {err}") from err
+    except ValueError:  # a builtin without a signature: the first call tells
+        pass
     return fn
+
+
+def _cost_of(cost_fn: CostFn, item: Any, index: int) -> float:
+    """``cost_fn(item)`` as a float; a ``ValueError`` naming the function and the item when it fails (the value
+    itself is checked with the others by :func:`~lightning_hetero.plan.split.validate_costs`)."""
+    try:
+        return float(cost_fn(item))
+    except Exception as err:  # noqa: BLE001 - whatever the user's function raised, said with its context
+        name = f"{getattr(cost_fn, '__module__', None) or ''}.{getattr(cost_fn, '__qualname__', repr(cost_fn))}"
+        raise ValueError(
+            f"the sample cost {name.lstrip('.')} failed on dataset item {index} ({type(item).__name__}): "
+            f"{type(err).__name__}: {err}. Set `sample_cost` to a function item -> number, or give the dataset "
+            "`lengths` or the LightningModule a `sample_cost(sample)` method."
+        ) from err
 
 
 def resolve_cost_fn(spec: Optional[str], module: Any, dataset: Any) -> Optional[CostFn]:
@@ -103,7 +127,7 @@ def dataset_costs(dataset: Any, cost_fn: Optional[CostFn], rank: int, world_size
     per_rank = -(-n // world_size)
     mine = torch.full((per_rank,), -1.0, dtype=torch.float64)
     for k, i in enumerate(range(rank, n, world_size)):
-        mine[k] = float(cost_fn(dataset[i]))
+        mine[k] = _cost_of(cost_fn, dataset[i], i)
     if world_size == 1:
         return mine[:n].tolist()
     # gloo and NCCL both gather float64; the table goes to the device the process group uses.

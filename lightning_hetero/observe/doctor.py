@@ -247,4 +247,6 @@ def _generic_cli() -> None:
 
 
 if __name__ == "__main__":
-    _generic_cli()
+    from lightning_hetero.observe.errors import run_main
+
+    run_main(_generic_cli, "lightning-hetero doctor --model")

@@ -175,6 +175,7 @@ class HeteroMonitor(Callback):
         self.nvml = nvml
         self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
         self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
+        self._summary_steps: Optional[tuple[int, ...]] = None  # rank 0: first and last step the totals cover
         self._warned: set[str] = set()
         self._reset_run()
 
@@ -230,7 +231,7 @@ class HeteroMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
-        self.windows, self.totals = [], None
+        self.windows, self.totals, self._summary_steps = [], None, None
         self._device = trainer.strategy.root_device
         for name in ("_mark", "_seconds", "_backward_ended"):
             self.__dict__.pop(name, None)
@@ -319,7 +320,7 @@ class HeteroMonitor(Callback):
             self._exchange(trainer)
         self._stop_watching(trainer)
         if self.summary and trainer.global_rank == 0 and self.totals is not None:
-            print_summary(self.totals)
+            print_summary(self.totals, self._summary_steps)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_watching(trainer)
@@ -375,16 +376,22 @@ class HeteroMonitor(Callback):
         window.update(step=int(trainer.global_step),
                       nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(_NVML_FIELDS)})
         skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
+        kept: Optional[dict[str, Any]] = None
         if skip < n:
             kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip) if skip else window
             self.totals = _accumulate(self.totals, kept)
+            self._summary_steps = (self._summary_steps or (kept["first_step"] + 1,))[:1] + (int(trainer.global_step),)
         self.windows.append(window)
         self._log(trainer, window)
         if self._sidecar is not None:
             self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
             self._sidecar.flush()  # a crash loses no logged window
-        if self.warn and skip < n:
-            for key, message in advice(window, nvml_util=window["nvml"]["gpu_util"]):
+        if self.warn and kept is not None:  # the steps the table counts too (after warm-up), named in the message
+            lab = getattr(trainer.strategy, "lab", None)  # HeteroDDPStrategy's, during fit
+            shares = getattr(trainer.strategy, "share_controller", None)
+            for key, message in advice(kept, nvml_util=window["nvml"]["gpu_util"],
+                                       capacity_source=getattr(lab, "capacity_source", None),
+                                       rebalance=getattr(shares, "rebalance", None)):
                 if key not in self._warned:
                     self._warned.add(key)
                     rank_zero_warn(message)
@@ -473,10 +480,19 @@ def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, A
     return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
 
 
-def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = ()) -> list[tuple[str, str]]:
-    """(kind, message) for each threshold a window crosses: each message says what to change."""
+# Capacity sources that already come from measuring the model (see HeteroLab.capacity_source).
+_MEASURED_SOURCES = ("profile", "rebalanced", "restored")
+
+
+def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_source: Optional[str] = None,
+           rebalance: Optional[bool] = None) -> list[tuple[str, str]]:
+    """(kind, message) for each threshold a window crosses: each message names the window's steps (its numbers are
+    those steps' means) and says what to change, leaving out what the run already does (``capacity_source``: the
+    lab's, ``rebalance``: whether shares follow drifting speeds; ``None``: unknown)."""
     out = []
     world = len(window["busy"])
+    first = int(window.get("first_step", 0))
+    span = f"HeteroMonitor, steps {first + 1}-{first + int(window.get('steps', 0))}:"
     for r in range(world):
         cycle = window["cycle"][r] or 1e-12
         wait, data = window["wait"][r] / cycle, window["data"][r] / cycle
@@ -488,24 +504,26 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = ()) -> list[t
             solo = window["solo"]
             by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
             now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
+            todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
+            todo += [] if rebalance else ["rebalance=True (speeds drift: throttling, co-tenants)"]
+            use = f"use {' and '.join(todo)}. " if todo else "capacities are measured and rebalanced already. "
             out.append(("wait", (
-                f"HeteroMonitor: rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
-                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): use "
-                "capacities='profile' (or 'auto') and rebalance=True (speeds drift: throttling, co-tenants). If the "
+                f"{span} rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
+                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): {use}If the "
                 "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
                 "raise the batch size.")))
         elif data >= 0.1:
             out.append(("data", (
-                f"HeteroMonitor: rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
+                f"{span} rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
                 "raise the DataLoader's num_workers (and pin_memory=True on GPUs).")))
         elif util is not None and util < 100 * BUSY_THRESHOLD:
             out.append(("util", (
-                f"HeteroMonitor: GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
+                f"{span} GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
                 "small for the card (raise the global batch) or the host too slow to feed it.")))
     ratio = window.get("comm_compute_ratio")
     if ratio is not None and ratio > COMM_RATIO_THRESHOLD:
         out.append(("comm", (
-            f"HeteroMonitor: exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
+            f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
             f"{COMM_RATIO_THRESHOLD}): try compression='fp16'/'bf16' (or 'powersgd' on slow links), a larger "
             "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
             "the backward), or a larger global batch.")))
@@ -549,25 +567,34 @@ def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]]
     return summary_rows(totals, shares), foot
 
 
-def print_summary(totals: Mapping[str, Sequence[float]]) -> None:
-    """The end-of-fit table on stdout (``rich`` when installed)."""
+def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> None:
+    """The end-of-fit table on stdout (``rich`` when installed). ``steps``: the first and last optimizer step the
+    totals cover, for the title (the warnings during the run give single windows' means, these are all steps')."""
     rows, foot = summary_text(totals)
+    title = "HeteroMonitor: where each rank's step time went (after warm-up)"
+    if steps:
+        title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "
+                 "the means of all these steps, where a warning gives one window's)")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(SUMMARY_HEADERS)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = ["HeteroMonitor: where each rank's step time went (after warm-up)", fmt.format(*SUMMARY_HEADERS)]
+        lines = [title, fmt.format(*SUMMARY_HEADERS)]
         lines += [fmt.format(*row) for row in rows] + [foot]
         print("\n".join(lines), flush=True)
         return
-    table = Table(title="HeteroMonitor: where each rank's step time went (after warm-up)", caption=foot)
+    table = Table(title=title, caption=foot)
     for h in SUMMARY_HEADERS:
         table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: rich would cut the table to 80 columns ("sha…", "2.5e+…")
+        console = Console(width=max(console.width, console.measure(table, options=console.options.update(
+            max_width=1000)).maximum))
+    console.print(table)
 
 
 def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:

@@ -95,8 +95,9 @@ def draw(windows: Sequence[dict[str, Any]], out: str) -> str:
     axes[-1].set_xlabel("optimizer step")
     last = windows[-1]
     fraction = last.get("ideal_fraction")
-    fig.suptitle(
-        f"HeteroMonitor: {last['samples_per_s']:.4g} samples/s"
+    span = f"steps {last.get('first_step', 0) + 1}-{last['step']}"
+    fig.suptitle(  # the last window's figures, said as such: the end-of-fit table gives all steps' means
+        f"HeteroMonitor, last window ({span}): {last['samples_per_s']:.4g} samples/s"
         + (f", {fraction:.0%} of ideal" if fraction is not None else "")
         + (f", exposed comm / compute {last['comm_compute_ratio']:.2f}" if last.get("comm_compute_ratio") is not None
            else ""),

@@ -24,6 +24,9 @@ def validate_weights(weights: Sequence[float], name: str) -> list[float]:
             raise ValueError(f"`{name}[{i}]` = {w!r} is not a number.")
         if not math.isfinite(w) or w <= 0:
             raise ValueError(f"`{name}[{i}]` = {w!r}: every weight must be a positive finite number.")
+    if not math.isfinite(sum(values)):  # e.g. [1e308, 1e308]: the shares would be inf / inf = NaN
+        raise ValueError(f"`{name}` = {values!r} sum to more than a float holds: weights are relative, scale them "
+                         "down (e.g. [1, 1]).")
     return [float(w) for w in values]
 
 

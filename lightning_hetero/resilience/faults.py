@@ -4,10 +4,13 @@ A collective timeout ends only the ranks that wait in it, says nothing about *wh
 elsewhere (a dataloader that never returns, a hung kernel) running forever, holding its GPU. Here every rank runs a
 daemon thread that talks to the job's rendezvous store (the TCPStore in rank 0's process), not to the process group:
 
-- it publishes the rank's state about once a second: host, device, pid, phase (``"data"``, ``"forward/backward"``,
-  ``"optimizer"``, ``"collective"``, ``"validation"``, ``"checkpoint"`` ...), step and batch, how long the training
-  thread has been in that phase and where (file:line);
-- a rank whose training thread raises records the error (``on_exception``) before it exits;
+- it publishes the rank's state: host, device, pid, phase (``"data"``, ``"forward/backward"``, ``"optimizer"``,
+  ``"collective"``, ``"validation"``, ``"checkpoint"``, or the Lightning hook that runs, e.g. ``"on_train_epoch_end"``),
+  step and batch, how long the training thread has been in that phase and where (file:line). The training thread
+  publishes each phase change itself (one store write, about 10 µs on one host), so a rank killed the moment after is
+  still named with its true step and phase; the thread beats about once a second besides;
+- a rank whose training thread raises records the error (``on_exception``) before it exits, with the phase read off
+  the error's traceback (a DataLoader's frames: ``data``; a Lightning hook's: its name);
 - a rank whose training thread makes no progress for ``timeout`` seconds outside a collective records itself as
   stuck, with its stack (inside a collective the collective's own timeout fires first; it is the backstop);
 - every watchdog reads the others: a recorded error, a beat that stopped for ``min(timeout, 60)`` s (or a pid gone
@@ -16,8 +19,11 @@ daemon thread that talks to the job's rendezvous store (the TCPStore in rank 0's
   prints the cause, kills the rank's own child processes (dataloader workers) and ends the process with
   ``os._exit(1)``, which is how a rank blocked in C code ends and no orphan is left.
 
-The cause is the first error recorded by a rank that was not merely a victim of a broken collective; else a rank
-that died; else the rank that made no progress while the others failed in a collective. Every rank ends non-zero
+The cause is the first error recorded by a rank that was not merely a victim of a broken collective (or of a launcher
+ending it: a DataLoader worker terminated from outside); else a rank that died; else the rank that made no progress
+while the others failed in a collective. A rank whose collective fails looks for the cause at once (a dead pid on its
+host shows within milliseconds): launchers such as ``torchrun`` or ``srun`` terminate the survivors a fraction of a
+second after one rank dies, and the cause must be printed before that. Every rank ends non-zero
 within ``timeout`` + 30 s: an error, or a death on the same host, in about a second; a stuck rank at ``timeout`` +
 about 5 s; a rank on another host that died, or rank 0's store lost, after ``min(timeout, 60)`` s + about 5 s.
 
@@ -33,6 +39,7 @@ Example::
     >>> monitor.stop()                        # at the end of a run: peers stop watching this rank
 """
 
+import functools
 import json
 import multiprocessing
 import os
@@ -45,15 +52,20 @@ import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from types import FrameType, TracebackType
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from lightning_hetero._compat import MultiProcessingLauncher
 
 _JOIN = "lightning_hetero/join"
 _FAULTS = "lightning_hetero/faults"
 # Frames that mean "waiting for the other ranks": their collective timeout, not this watchdog, ends the wait.
 _PEER_WAIT_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep, os.sep + os.path.join("torch", "autograd"))
 _PEER_WAIT_PHASES = ("collective",)
+# A DataLoader's own frames: the rank is loading data, whatever phase it announced last.
+_DATA_FILES = os.sep + os.path.join("torch", "utils", "data") + os.sep
 
 
 def rendezvous(address: str, port: int, rank: int, world_size: int, timeout: float, ranks_per_node: int = 1
@@ -123,8 +135,42 @@ def is_peer_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     text = str(error)  # gloo raises plain RuntimeErrors
+    # A DataLoader worker terminated (SIGTERM, not the OOM killer's SIGKILL) was ended from outside: a launcher
+    # (torchrun, srun) stopping the job after another rank failed, or this watchdog.
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
-                                   "Timed out waiting", "NCCL"))
+                                   "Timed out waiting", "NCCL", "killed by signal: Terminated"))
+
+
+def lightning_hooks() -> frozenset[str]:
+    """Names of the Lightning hooks (module, data module, callback) that name a phase when they fail or hang; the
+    ``*_step`` hooks are left to the strategy's finer phases (``forward/backward``, ``validation`` ...)."""
+    try:
+        from lightning.pytorch import Callback
+        from lightning.pytorch.core.hooks import CheckpointHooks, DataHooks, ModelHooks
+    except ImportError:
+        return frozenset()
+    names = {n for c in (Callback, ModelHooks, DataHooks, CheckpointHooks) for n in vars(c) if not n.startswith("_")}
+    return frozenset(names - {"state_dict", "load_state_dict", "state_key"})
+
+
+def _hook_owners() -> tuple[type, ...]:
+    try:
+        from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    except ImportError:
+        return ()
+    return (Callback, LightningDataModule, LightningModule)
+
+
+def _frames(tb: Optional[TracebackType] = None, frame: Optional[FrameType] = None) -> list[FrameType]:
+    """Frames outermost first: of a traceback (down to where it was raised) or of a live stack."""
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    while frame is not None:
+        out.insert(0, frame)
+        frame = frame.f_back
+    return out
 
 
 def _pid_dead(pid: int) -> bool:
@@ -160,7 +206,7 @@ class FaultMonitor:
     """One rank's watchdog thread (see the module docstring). ``timeout``: the job's collective timeout, seconds."""
 
     def __init__(self, rank: int, world_size: int, host: str, device: str, timeout: float,
-                 store_address: Optional[tuple[str, int]] = None) -> None:
+                 store_address: Optional[tuple[str, int]] = None, hooks: Optional[frozenset[str]] = None) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.info = {"host": host, "device": device, "pid": os.getpid()}
         self.interval = min(1.0, max(0.1, self.timeout / 10))  # beat period
@@ -171,6 +217,9 @@ class FaultMonitor:
         self._main_store: Optional[dist.TCPStore] = None  # the training thread's
         self._ns = _FAULTS
         self._phase, self._step, self._batch = "setup", 0, None
+        self._hooks = lightning_hooks() if hooks is None else hooks  # names that label a phase (see `_phase_of`)
+        self._hook_owners = _hook_owners()
+        self._published: Optional[tuple[str, int, Optional[int]]] = None  # last state the training thread published
         self._progress = time.monotonic()
         self._trainer_thread = threading.get_ident()
         self._thread: Optional[threading.Thread] = None
@@ -218,6 +267,14 @@ class FaultMonitor:
         if step is not None:
             self._step = step
         self._progress = time.monotonic()
+        if self.active and self._failed_at is None and self._published != (phase, self._step, batch):
+            assert self._main_store is not None
+            # Published now, not at the next beat: a rank killed the moment after is named where it truly was.
+            self._published = (phase, self._step, batch)
+            try:
+                self._publish(self._main_store)
+            except Exception:  # noqa: BLE001 - the store is gone with rank 0: the watchdog thread reports that
+                pass
 
     @contextmanager
     def phase(self, phase: str, step: Optional[int] = None, batch: Optional[int] = None) -> Iterator[None]:
@@ -234,22 +291,25 @@ class FaultMonitor:
             return
         self._failed_at = time.monotonic()
         assert self._main_store is not None
-        victim = is_peer_failure(error)
+        # A fault already known (the watchdog ended this rank's loader workers, a peer failed) makes this a victim.
+        victim = is_peer_failure(error) or self._fault is not None
         text = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0][:500]
+        self._phase = self._phase_of(_frames(tb=error.__traceback__)) or self._phase
+        said_already = False
         try:
-            self._record(self._main_store, "peer" if victim else "error", text)
+            order = self._record(self._main_store, "peer" if victim else "error", text)
+            said_already = not victim and self._recorded_before(self._main_store, text, order)
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0: the watchdog names rank 0
             pass
-        if victim:  # wait for the cause elsewhere (a dead peer is known after `dead_after`)
-            deadline = time.monotonic() + self.dead_after + 3 * self.interval
-            while not self._strong and time.monotonic() < deadline and self._thread.is_alive():  # type: ignore
-                time.sleep(0.05)
+        if victim:
+            self._find_cause()
             cause = self._fault or f"{_describe(self.rank, self._state())} failed in a collective: {text}"
         else:
             cause = f"{_describe(self.rank, self._state())} failed{_doing(self._state())}: {text}"
         if hasattr(error, "add_note"):  # Python >= 3.11; the line printed below says it on every version
             error.add_note(f"lightning_hetero: {cause}")
-        _say(self.rank, f"the job failed: {cause}")
+        if not said_already:  # the same error on every rank (a bad setting): the first rank to record it says it
+            _say(self.rank, f"the job failed: {cause}")
         self._ack(self._main_store)
 
     def stop(self) -> None:
@@ -271,6 +331,38 @@ class FaultMonitor:
             pass
         self._stopped.set()
 
+    def _find_cause(self) -> None:
+        """This rank failed in a collective: look for the cause now, from this thread (a dead pid on this host shows
+        at once), and again every 0.1 s until the watchdog thread or this loop finds it (a peer on another host shows
+        once silent for ``dead_after``; a lost store, rank 0's, only to the watchdog thread)."""
+        assert self._main_store is not None
+        deadline = time.monotonic() + self.dead_after + 3 * self.interval
+        while time.monotonic() < deadline and not self._strong:
+            try:
+                cause, strong = self._diagnose(self._main_store)
+                if strong:
+                    self._fault, self._strong = cause, True
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone (the watchdog thread names rank 0), or a launcher's
+                pass  # signal handler raised here (Lightning's SIGTERM handler broadcasts over the broken group)
+            if self._thread is None or not self._thread.is_alive():
+                return
+            try:
+                time.sleep(0.1)
+            except Exception:  # noqa: BLE001 - a signal handler raised: the launcher is ending this process (torchrun
+                deadline = min(deadline, time.monotonic() + 2.0)  # kills it 30 s after its SIGTERM): a last look
+
+    def _phase_of(self, frames: Sequence[FrameType]) -> Optional[str]:
+        """The phase the stack shows, innermost frame first: a DataLoader's code is ``data``; a Lightning hook of a
+        module, data module or callback is its own name (``on_train_epoch_end``)."""
+        for frame in reversed(frames):
+            if _DATA_FILES in frame.f_code.co_filename:
+                return "data"
+            name = frame.f_code.co_name
+            if name in self._hooks and isinstance(frame.f_locals.get("self"), self._hook_owners):
+                return name
+        return None
+
     # -- the watchdog thread --------------------------------------------------------------------------------------
     def _state(self) -> dict:
         return {**self.info, "phase": self._phase, "step": self._step, "batch": self._batch}
@@ -289,14 +381,33 @@ class FaultMonitor:
     def _publish(self, store: dist.TCPStore) -> None:
         self._seq += 1
         stalled = round(time.monotonic() - self._progress, 1)
-        where = self._where()[0] if stalled >= self.interval else ""  # only a slow phase needs its stack
+        state = self._state()
+        where = ""
+        if stalled >= self.interval and self._failed_at is None:  # only a slow phase needs its stack
+            where = self._where()[0]
+            frame = sys._current_frames().get(self._trainer_thread)
+            state["phase"] = self._phase_of(_frames(frame=frame)) or state["phase"]  # e.g. the first batch's fetch
         store.set(f"{self._ns}/state/{self.rank}",
-                  json.dumps({**self._state(), "seq": self._seq, "stalled": stalled, "where": where}))
+                  json.dumps({**state, "seq": self._seq, "stalled": stalled, "where": where}))
 
-    def _record(self, store: dist.TCPStore, kind: str, text: str) -> None:
+    def _record(self, store: dist.TCPStore, kind: str, text: str) -> int:
         order = store.add(f"{self._ns}/errors", 1)  # the first recorded error is the likeliest cause
         store.set(f"{self._ns}/error/{self.rank}",
                   json.dumps({**self._state(), "kind": kind, "text": text, "order": order}))
+        return order
+
+    def _recorded_before(self, store: dist.TCPStore, text: str, order: int) -> bool:
+        """Another rank recorded the same error before this one (its record may still be on its way: a moment's
+        wait for the ranks that counted themselves earlier)."""
+        deadline = time.monotonic() + 0.5
+        keys = [f"{self._ns}/error/{r}" for r in range(self.world_size) if r != self.rank]
+        while True:
+            records = [json.loads(store.get(k)) for k in keys if store.check([k])]
+            if any(rec["text"] == text and rec["kind"] == "error" and rec["order"] < order for rec in records):
+                return True
+            if len([rec for rec in records if rec["order"] < order]) >= order - 1 or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
     def _watch(self) -> None:
         assert self._store is not None
@@ -306,7 +417,7 @@ class FaultMonitor:
             try:
                 self._publish(self._store)
                 self._check_self()
-                cause, strong = self._diagnose()
+                cause, strong = self._diagnose(self._store)
                 lost_since = None
                 if cause is not None:
                     self._ack(self._store)
@@ -350,43 +461,43 @@ class FaultMonitor:
             return
         frame = sys._current_frames().get(self._trainer_thread)
         stack = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else ""
-        _say(self.rank, f"no progress for {stalled:.0f} s{_doing(self._state())}; training thread:\n{stack}")
+        self._phase = self._phase_of(_frames(frame=frame)) or self._phase
+        _say(self.rank, f"{_describe(self.rank, self._state())} is stuck: no progress for {stalled:.0f} s"
+                        f"{_doing(self._state())}; training thread:\n{stack}")
         assert self._store is not None
         self._record(self._store, "stuck", f"no progress for {stalled:.0f} s (timeout={self.timeout:g} s) at {where}")
         self._failed_at = time.monotonic()
         self._stuck = True  # its training thread cannot raise: end the process now
 
-    def _diagnose(self) -> tuple[Optional[str], bool]:
+    def _diagnose(self, store: dist.TCPStore) -> tuple[Optional[str], bool]:
         """The job's fault as a sentence naming the rank (``None`` while all is well), and whether it names the
-        cause rather than only a failed collective."""
-        assert self._store is not None
+        cause rather than only a failed collective. ``store``: the calling thread's connection."""
         now = time.monotonic()
         peers = [r for r in range(self.world_size) if r != self.rank]
-        for r, raw in zip(peers, self._store.multi_get([f"{self._ns}/state/{r}" for r in peers])):
+        for r, raw in zip(peers, store.multi_get([f"{self._ns}/state/{r}" for r in peers])):
             state = json.loads(raw)
             self._states[r] = state
             if self._seen.get(r, (None,))[0] != state["seq"]:
                 self._seen[r] = (state["seq"], now)
-        errors = int(self._store.add(f"{self._ns}/errors", 0))
-        dead = [r for r in peers if self._silent(r, now)]
+        errors = int(store.add(f"{self._ns}/errors", 0))
+        dead = [r for r in peers if self._silent(store, r, now)]
         if not errors and not dead:
             return None, False
-        return self._cause(dead)
+        return self._cause(store, dead)
 
-    def _silent(self, r: int, now: float) -> bool:
+    def _silent(self, store: dist.TCPStore, r: int, now: float) -> bool:
         state = self._states[r]
         silent = now - self._seen[r][1] > self.dead_after or (
             state["host"] == self.info["host"] and _pid_dead(int(state["pid"])))
         # A rank that finished its run is silent on purpose (asked only then: one round trip less per beat).
-        return silent and self._store is not None and not self._store.check([f"{self._ns}/done/{r}"])
+        return silent and not store.check([f"{self._ns}/done/{r}"])
 
-    def _cause(self, dead: Sequence[int]) -> tuple[Optional[str], bool]:
-        assert self._store is not None
+    def _cause(self, store: dist.TCPStore, dead: Sequence[int]) -> tuple[Optional[str], bool]:
         records = []
         for r in range(self.world_size):
             key = f"{self._ns}/error/{r}"
-            if self._store.check([key]):
-                records.append((r, json.loads(self._store.get(key))))
+            if store.check([key]):
+                records.append((r, json.loads(store.get(key))))
         own = [(rec["order"], r, rec) for r, rec in records if rec["kind"] != "peer"]
         if own:
             _, r, rec = min(own)
@@ -394,8 +505,10 @@ class FaultMonitor:
             return f"{_describe(r, rec)} {verb}{_doing(rec)}: {rec['text']}", True
         if dead:
             r = dead[0]
-            return (f"{_describe(r, self._states.get(r))} stopped responding{_doing(self._states.get(r))}: its "
-                    "process died (killed, out of host memory) or its host dropped"), True
+            last = self._states.get(r)
+            doing = f" (last reported: {last['phase']} at step {last['step']})" if last else ""
+            return (f"{_describe(r, last)} stopped responding{doing}: its process died (killed, out of host memory, "
+                    "os._exit) or its host dropped"), True
         if not records:
             return None, False
         failed = {r for r, _ in records}
@@ -442,6 +555,31 @@ class FaultMonitor:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - gone already: nothing to wait for
             pass
+
+
+class ReportingLauncher(MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, whose ranks also report their own exception to their strategy
+    (``Strategy.on_exception``) before it leaves them: Lightning calls it only in the launching process, after a rank
+    is gone, so a rank's watchdog never heard of the rank's own error (nor had the chance to name a dead peer before
+    the launcher terminates the survivors)."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        return super().launch(functools.partial(_report_exceptions, function), *args, trainer=trainer, **kwargs)
+
+
+def _report_exceptions(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a rank's ``trainer._fit_impl`` (or validate/test/predict); its exception goes to the trainer's strategy
+    first. Module level: the spawn launcher pickles it."""
+    try:
+        return function(*args, **kwargs)
+    except BaseException as error:
+        strategy = getattr(getattr(function, "__self__", None), "strategy", None)
+        if strategy is not None:
+            try:
+                strategy.on_exception(error)
+            except Exception:  # noqa: BLE001 - never hide the rank's own exception behind the report's
+                pass
+        raise
 
 
 def _is_stdlib(filename: str) -> bool:

@@ -11,8 +11,9 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hetero._compat import FIT_FUNCTION_NAME, MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_hetero._compat import FIT_FUNCTION_NAME, SubprocessScriptLauncher
 from lightning_hetero.resilience.checkpoint import newest_checkpoint
+from lightning_hetero.resilience.faults import ReportingLauncher
 
 
 def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
@@ -72,8 +73,9 @@ class ResumingSubprocessLauncher(SubprocessScriptLauncher):
         return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)
 
 
-class ResumingMultiProcessingLauncher(MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher that resolves resume in the parent (the children get its trainer)."""
+class ResumingMultiProcessingLauncher(ReportingLauncher):
+    """Lightning's spawn/fork launcher whose ranks report their own errors to the watchdog, resolving resume in the
+    parent (the children get its trainer)."""
 
     def __init__(self, strategy: Any, start_method: str = "spawn", resume: Optional[str] = None) -> None:
         super().__init__(strategy, start_method=start_method)

@@ -34,9 +34,10 @@ from lightning_hetero import _compat
 from lightning_hetero.config import Options
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, micro_limits, parse_micro_batch, run_micro_batches
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
 from lightning_hetero.data.streaming import build_stream_loader
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
+from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import (
     PrecisionPolicy,
     apply_tf32,
@@ -49,6 +50,7 @@ from lightning_hetero.grad.precision import (
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
 from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.observe.notices import restore_inexact_resume_warning, silence_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
@@ -201,6 +203,12 @@ class HeteroCore:
                 trainer.callbacks.append(HeteroMonitor())
                 rank_zero_info(f"{type(strategy).__name__}(observation={{'monitor': True}}): added a HeteroMonitor "
                                "callback to the trainer.")
+        nonfinite = self.options.resilience.nonfinite
+        if trainer is not None and nonfinite != "ignore":
+            if not any(isinstance(c, NonFiniteCheck) for c in trainer.callbacks):
+                trainer.callbacks.append(NonFiniteCheck(nonfinite, [d.host for d in self.lab.devices]))
+                rank_zero_info(f"{type(strategy).__name__}(resilience={{'nonfinite': '{nonfinite}'}}): added a "
+                               "NonFiniteCheck callback to the trainer.")
 
     def link_pacer(self, participants: int) -> Optional[LinkPacer]:
         """The emulated inter-host link's pacing (only with emulated hosts and ``inter_host_gbit``)."""
@@ -266,6 +274,9 @@ class HeteroCore:
         return new_loader
 
     def _on_train_loader(self, batch_sampler: HeteroBatchSampler, dataloader: Any, profile_view: Any) -> None:
+        map_style = not isinstance(dataloader.dataset, IterableDataset)
+        if map_style:  # a global batch the dataset cannot fill is never trained on
+            check_training_batch(batch_sampler, "train_dataloader", explicit=self.global_batch_size is not None)
         self.train_sampler = batch_sampler
         self._attach_costs(batch_sampler, dataloader.dataset)
         batch_sampler.cap_shares = self.micro_batch is None
@@ -273,6 +284,8 @@ class HeteroCore:
         self.rank_states.register("shares", self.shares)
         self.shares.on_train_loader(self, batch_sampler, profile_view)
         self._setup_micro_batching()
+        if self.shares.position > 0 and map_style:  # resumed at the exact batch: Lightning's warning is wrong here
+            silence_inexact_resume_warning()
         if self.shares.position == 0:
             self.rng.apply()  # resumed at an epoch start: the epoch's iterator draws from the saved state
 
@@ -418,7 +431,7 @@ class HeteroCore:
         self.enter("optimizer")
 
     def after_optimizer_step(self) -> None:
-        self.enter("data")  # next: the following batch is loaded
+        self.enter("data", next_step=True)  # Lightning counts the step only after this hook  # next: the following batch is loaded
 
     def reduce_weighted_mean(self, tensor: Tensor, group: Optional[Any]) -> Tensor:
         """A mean over ranks weighted by each rank's batch size (ranks see unequal batches)."""
@@ -441,11 +454,12 @@ class HeteroCore:
         return mean.reshape(tensor.shape).to(tensor.dtype)
 
     # -- faults ----------------------------------------------------------------------------------------------------
-    def enter(self, phase: str, batch: Optional[int] = None) -> None:
+    def enter(self, phase: str, batch: Optional[int] = None, next_step: bool = False) -> None:
         """Tell the watchdog what this rank is doing (a new phase is progress)."""
         if self.faults is not None:
             trainer = _compat.trainer_of(self.strategy.lightning_module)
-            self.faults.enter(phase, trainer.global_step if trainer is not None else None, batch)
+            step = trainer.global_step + int(next_step) if trainer is not None else None
+            self.faults.enter(phase, step, batch)
 
     def in_phase(self, phase: str) -> Any:
         return self.faults.phase(phase) if self.faults is not None else nullcontext()
@@ -480,6 +494,7 @@ class HeteroCore:
             self.faults = None
 
     def after_teardown(self) -> None:
+        restore_inexact_resume_warning()
         self.shares.teardown()
         if self.emulation is not None:
             self.emulation.restore()
