@@ -68,8 +68,8 @@ def test_skip_keeps_replicas_identical_and_the_weights_finite(tmp_path, policy):
 
 
 @pytest.mark.slow
-def test_ignore_is_plain_ddp(tmp_path):
-    records = fit_distributed(NaNOnRank1(n=64), str(tmp_path), 2, {"capacities": "equal", "nonfinite": "ignore"},
+def test_ignore_is_plain_ddp_and_the_default(tmp_path):
+    records = fit_distributed(NaNOnRank1(n=64), str(tmp_path), 2, {"capacities": "equal"},
                               max_epochs=1, default_root_dir=tmp_path)
     assert open(os.path.join(tmp_path, "nonfinite0.txt")).read() == "no check"  # no callback, no cost
     assert not bool(torch.isfinite(records[0]["params"][-1]).all())  # what the check is there for
