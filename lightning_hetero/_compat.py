@@ -110,3 +110,10 @@ def init_process_group(strategy: object, store: object) -> None:
     init_dist_connection(strategy.cluster_environment, strategy._process_group_backend,  # type: ignore[attr-defined]
                          timeout=strategy._timeout, store=store,  # type: ignore[attr-defined]
                          device_id=root if root.type != "cpu" else None)
+
+
+def slurm_requeue(trainer: object, signum: int) -> None:
+    """Lightning's SLURM auto-requeue (save the HPC checkpoint, ``scontrol requeue`` on rank 0): only reachable as
+    the signal connector's private handler, which must not run inside a signal handler here (it saves, a collective).
+    """
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[attr-defined]

@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero._compat import FIT_FUNCTION_NAME, MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_hetero.resilience.checkpoint import newest_checkpoint
+from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
+from lightning_hetero.resilience.preemption import forwarding_signals
 
 
 def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
@@ -28,7 +29,7 @@ def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
             )
     else:
         directories = [resume]
-    return newest_checkpoint(directories)
+    return find_resume_checkpoint(resume, directories)  # [trust-ckpt] a mistyped directory is an error
 
 
 def resolve_resume(resume: Optional[str], function: Callable, args: tuple, kwargs: dict, trainer: Any) -> bool:
@@ -80,4 +81,5 @@ class ResumingMultiProcessingLauncher(MultiProcessingLauncher):
         self.resume = resume
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)
+        with forwarding_signals(self):  # [trust-ckpt: preemption] SIGTERM to this parent reaches the ranks
+            return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)
