@@ -4,8 +4,9 @@
     python tests/_preempt_worker.py OUT_DIR popen       # the script's process is rank 0, it starts rank 1
     torchrun --nproc-per-node 2 tests/_preempt_worker.py OUT_DIR torchrun
 
-Every process writes ``<pid>.pid``, each rank ``rank<r>`` (its pid); rank 0 writes ``started`` once step 3 is done and ``final.pt`` (the parameters)
-when training ends. Checkpoints go to ``OUT_DIR/ckpts`` (``resume="auto"``): run it again to go on.
+Every process writes ``<pid>.pid``, each rank ``rank<r>`` (its pid); rank 0 writes ``started`` once step 3 is done
+and ``final.pt`` (the parameters) when training ends. Checkpoints go to ``OUT_DIR/ckpts`` (``resume="auto"``): run it
+again to go on.
 """
 
 import atexit

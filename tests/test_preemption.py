@@ -31,6 +31,11 @@ def _command(out_dir: str, launcher: str) -> list[str]:
     return [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), WORKER, out_dir, "torchrun"]
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -46,7 +51,7 @@ def _run(out_dir: str, launcher: str, target: Optional[str] = None) -> dict:
                   *glob.glob(os.path.join(out_dir, "rank?")), *glob.glob(os.path.join(out_dir, "started"))]:
         os.remove(stale)
     env = {**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())}
-    log = open(os.path.join(out_dir, "log.txt"), "a")
+    log = open(os.path.join(out_dir, "log.txt"), "a")  # noqa: SIM115 - the job writes to it; closed below
     proc = subprocess.Popen(_command(out_dir, launcher), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     result: dict = {"signalled_at": None}
@@ -54,16 +59,16 @@ def _run(out_dir: str, launcher: str, target: Optional[str] = None) -> dict:
         if target is not None:
             deadline = time.time() + 120
             while not os.path.exists(os.path.join(out_dir, "started")) and time.time() < deadline:
-                assert proc.poll() is None, open(os.path.join(out_dir, "log.txt")).read()
+                assert proc.poll() is None, _read(os.path.join(out_dir, "log.txt"))
                 time.sleep(0.05)
-            pid = proc.pid if target == "parent" else int(open(os.path.join(out_dir, "rank1")).read())
+            pid = proc.pid if target == "parent" else int(_read(os.path.join(out_dir, "rank1")))
             result["signalled_at"] = time.time()
             os.kill(pid, signal.SIGTERM)
-            ranks = [int(open(os.path.join(out_dir, f"rank{r}")).read()) for r in range(2)]
+            ranks = [int(_read(os.path.join(out_dir, f"rank{r}"))) for r in range(2)]
             while any(_alive(p) for p in ranks) and time.time() - result["signalled_at"] < 60:
                 time.sleep(0.02)
             result["ranks_gone_after"] = time.time() - result["signalled_at"]
-            exits = [float(open(p).read()) for p in glob.glob(os.path.join(out_dir, "*.exit"))]
+            exits = [float(_read(p)) for p in glob.glob(os.path.join(out_dir, "*.exit"))]
             result["exit_reached_after"] = max(exits, default=float("inf")) - result["signalled_at"]
         result["code"] = proc.wait(timeout=120)
         result["launcher_gone_after"] = time.time() - (result["signalled_at"] or time.time())
@@ -75,7 +80,7 @@ def _run(out_dir: str, launcher: str, target: Optional[str] = None) -> dict:
         except ProcessLookupError:
             pass
         log.close()
-    result["log"] = open(os.path.join(out_dir, "log.txt")).read()
+    result["log"] = _read(os.path.join(out_dir, "log.txt"))
     return result
 
 

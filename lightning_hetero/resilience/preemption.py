@@ -8,16 +8,17 @@ is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume``
 SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and ``resume`` goes on from it.
 
 With ``SLURMEnvironment(auto_requeue=True)``, its requeue signal (SIGUSR1 unless configured) is handled the same way,
-and at the agreed step Lightning's own SLURM requeue runs on every rank (HPC checkpoint, ``scontrol requeue``). Lightning's
-own SIGTERM handler is replaced while training runs: it broadcasts from inside the handler, a collective that the
-other ranks do not join.
+and at the agreed step Lightning's own SLURM requeue runs on every rank (HPC checkpoint, ``scontrol requeue``).
+Lightning's own SIGTERM handler is replaced while training runs: it broadcasts from inside the handler, a collective
+that the other ranks do not join.
 
 The fork/spawn launcher's parent is no rank: :func:`forwarding_signals` makes it pass the signal on to its ranks and
 exit with their code.
 
 Example::
 
-    trainer = Trainer(strategy=HeteroDDPStrategy(resume="auto"),   # the strategy adds the handler to the callbacks
+    # HeteroDDPStrategy adds the handler to the trainer's callbacks
+    trainer = Trainer(strategy=HeteroDDPStrategy(resilience=Resilience(resume="auto")),
                       callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=500)])
     trainer.fit(model)   # `kill -TERM <pid>`: ckpts/preempted.ckpt, exit 143; run again: goes on from it
 """
@@ -52,7 +53,7 @@ class Preempted(SystemExit):
         self.signum = signum
 
 
-def exit_codes(signals: tuple[int, ...]) -> set[int]:
+def _exit_codes(signals: tuple[int, ...]) -> set[int]:
     return {128 + s for s in signals}
 
 
@@ -179,7 +180,7 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
     try:
         yield
     except torch.multiprocessing.ProcessExitedException as err:
-        if err.exit_code in exit_codes(signals):  # the ranks stopped on a signal (and said so)
+        if err.exit_code in _exit_codes(signals):  # the ranks stopped on a signal (and said so)
             _exit_quickly()
             raise Preempted(err.exit_code - 128) from None
         raise
