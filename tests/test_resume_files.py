@@ -276,11 +276,15 @@ def test_files_are_created_with_the_umask(tmp_path: Any, umask: int, mode: int) 
 def test_a_mistyped_resume_directory_is_an_error(tmp_path: Any, caplog: Any) -> None:
     from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
 
+    from types import SimpleNamespace
+
+    from lightning_hetero.resilience.resume import checkpoint_to_resume
+
     typo = str(tmp_path / "chekpoints")
-    with pytest.raises(ValueError, match="`resume`='.*chekpoints'"):
-        find_resume_checkpoint(typo, [typo])
+    with pytest.raises(ValueError, match="`resilience.resume`='.*chekpoints': no such directory"):
+        checkpoint_to_resume(typo, SimpleNamespace(checkpoint_callbacks=[]))  # what the launchers call before `fit`
     AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "a.ckpt")
-    with pytest.raises(ValueError, match="`resume`.*is a file"):
+    with pytest.raises(ValueError, match="`resilience.resume`.*is a file"):
         find_resume_checkpoint(str(tmp_path / "a.ckpt"), [])
     (tmp_path / "empty").mkdir()
     with caplog.at_level("INFO"):

@@ -199,11 +199,12 @@ def find_resume_checkpoint(resume: str, directories: list[_PATH]) -> Optional[st
     scratch silently."""
     if resume != "auto":
         if os.path.isfile(resume):
-            raise ValueError(f"`resume`={resume!r} is a file: pass a checkpoint file as `fit(ckpt_path=...)`; "
-                             "`resume` accepts None, 'auto' or the directory checkpoints are saved in.")
+            raise ValueError(f"`resilience.resume`={resume!r} is a file: pass a checkpoint file as "
+                             "`fit(ckpt_path=...)`; `resume` accepts None, 'auto' or the directory checkpoints are "
+                             "saved in.")
         if not os.path.isdir(resume):
-            raise ValueError(f"`resume`={resume!r}: no such directory (accepted: None, 'auto' or an existing "
-                             "directory of checkpoints; create it empty for a fresh start).")
+            raise ValueError(f"`resilience.resume`={resume!r}: no such directory (accepted: None, 'auto' or an "
+                             "existing directory of checkpoints; create it empty for a fresh start).")
     found = newest_checkpoint(directories)
     if found is None:
         rank_zero_info(f"resume={resume!r}: no checkpoint in {[os.fspath(d) for d in directories]}: a fresh start.")
