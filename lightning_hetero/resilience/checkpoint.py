@@ -213,8 +213,12 @@ def find_resume_checkpoint(resume: str, directories: list[_PATH]) -> Optional[st
 
 def file_checksum(path: _PATH) -> str:
     """SHA-256 of the file at ``path`` (hex), as ``sha256sum`` prints it."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    digest, buffer = hashlib.sha256(), bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:  # `hashlib.file_digest` does the same from Python 3.11
+        while size := f.readinto(buffer):
+            digest.update(view[:size])
+    return digest.hexdigest()
 
 
 def write_manifest(directory: _PATH, threads: int = 4) -> str:
