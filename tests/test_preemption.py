@@ -200,3 +200,25 @@ def test_the_slurm_requeue_signal_requeues_through_lightning(tmp_path, monkeypat
         handler.uninstall()
     assert err.value.code == 128 + signal.SIGUSR2
     assert requeued == [signal.SIGUSR2] and trainer.saved == []  # Lightning's requeue writes its HPC checkpoint
+
+
+def test_the_launching_process_forwards_and_its_forked_ranks_do_not_inherit_it():
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_hetero.resilience.preemption import Preempted, forwarding_signals
+
+    killed = []
+    launcher = SimpleNamespace(_strategy=SimpleNamespace(cluster_environment=LightningEnvironment()),
+                               kill=killed.append)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as err, forwarding_signals(launcher):
+        os.kill(os.getpid(), signal.SIGTERM)  # passed on to the ranks, not the end of this process
+        pid = os.fork()
+        if pid == 0:  # a rank as the fork launcher starts it: SIGTERM as before the launch
+            os._exit(0 if signal.getsignal(signal.SIGTERM) == before else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        raise torch.multiprocessing.ProcessExitedException("rank 0 exited", 0, 1, 128 + signal.SIGTERM)
+    assert killed == [signal.SIGTERM] and err.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -177,6 +177,7 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
             previous[signum] = signal.signal(signum, lambda s, f: launcher.kill(s))
+    _FORWARDING.update(previous)
     try:
         yield
     except torch.multiprocessing.ProcessExitedException as err:
@@ -185,8 +186,24 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
             raise Preempted(err.exit_code - 128) from None
         raise
     finally:
+        _FORWARDING.clear()
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+# Signal -> the handler before a launcher's forwarding, while a launch runs. A forked rank must not inherit the
+# forwarding: it would pass its own SIGTERM to its siblings, and (a Python handler) could not end it while it is
+# inside C code before its own handlers are installed.
+_FORWARDING: dict[int, Any] = {}
+
+
+def _drop_forwarding_in_child() -> None:
+    for signum, handler in _FORWARDING.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    _FORWARDING.clear()
+
+
+os.register_at_fork(after_in_child=_drop_forwarding_in_child)
 
 
 def _exit_quickly() -> None:
