@@ -202,11 +202,12 @@ def test_the_slurm_requeue_signal_requeues_through_lightning(tmp_path, monkeypat
     assert requeued == [signal.SIGUSR2] and trainer.saved == []  # Lightning's requeue writes its HPC checkpoint
 
 
-def test_the_launching_process_forwards_and_its_forked_ranks_do_not_inherit_it():
+def test_the_launching_process_forwards_and_its_forked_ranks_do_not_inherit_it(monkeypatch):
     from types import SimpleNamespace
 
     from lightning.fabric.plugins.environments import LightningEnvironment
 
+    from lightning_hetero.resilience import preemption
     from lightning_hetero.resilience.preemption import Preempted, forwarding_signals
 
     killed = []
@@ -222,3 +223,9 @@ def test_the_launching_process_forwards_and_its_forked_ranks_do_not_inherit_it()
         raise torch.multiprocessing.ProcessExitedException("rank 0 exited", 0, 1, 128 + signal.SIGTERM)
     assert killed == [signal.SIGTERM] and err.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before
+    monkeypatch.setattr(preemption, "FORWARD_DEADLINE_S", 0.2)
+    killed.clear()
+    with forwarding_signals(launcher):  # ranks that do not stop in time are killed
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+    assert killed == [signal.SIGTERM, signal.SIGKILL]

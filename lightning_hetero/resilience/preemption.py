@@ -43,6 +43,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_hetero._compat import slurm_requeue
 
 CHECKPOINT_NAME = "preempted.ckpt"
+FORWARD_DEADLINE_S = 30.0  # after passing a signal on, the launching process kills the ranks still running
 
 
 class Preempted(SystemExit):
@@ -173,10 +174,19 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
     requeue signal) on to its ranks, and exits with their code once they stopped on it. Without it the parent dies
     and the ranks train on."""
     signals = stop_signals(launcher._strategy.cluster_environment)
+    # Ranks that do not end within the deadline (stuck in C code, a hung collective) are killed, as torchrun does.
+    deadline = threading.Timer(FORWARD_DEADLINE_S, lambda: launcher.kill(signal.SIGKILL))
+    deadline.daemon = True
+
+    def forward(signum: int, frame: Optional[FrameType]) -> None:
+        launcher.kill(signum)
+        if deadline.ident is None:  # the first signal starts the clock
+            deadline.start()
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
-            previous[signum] = signal.signal(signum, lambda s, f: launcher.kill(s))
+            previous[signum] = signal.signal(signum, forward)
     _FORWARDING.update(previous)
     try:
         yield
@@ -186,6 +196,7 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
             raise Preempted(err.exit_code - 128) from None
         raise
     finally:
+        deadline.cancel()
         _FORWARDING.clear()
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
