@@ -128,3 +128,8 @@ def remove_warnings_filter(entry: tuple) -> None:
         return
     warnings._filters_mutated()  # type: ignore[attr-defined]
 
+def slurm_requeue(trainer: object, signum: int) -> None:
+    """Lightning's SLURM auto-requeue (save the HPC checkpoint, ``scontrol requeue`` on rank 0): only reachable as
+    the signal connector's private handler, which must not run inside a signal handler here (it saves, a collective).
+    """
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[attr-defined]

@@ -119,7 +119,8 @@ def test_auto_resume_after_crash(uninterrupted: list[dict], monkeypatch: Any) ->
     ckpt_dir = tempfile.mkdtemp()
     with pytest.raises(Exception, match="killed"):
         _fit(tempfile.mkdtemp(), ckpt_dir=ckpt_dir, every=3, resume="auto", extra=(_Crash(8),))
-    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"]  # no temporary files
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=3.ckpt", "epoch=0-step=3.ckpt.sha256", "epoch=0-step=6.ckpt",
+                                            "epoch=0-step=6.ckpt.sha256"]  # no temporary files
     resumed = _fit(tempfile.mkdtemp(), ckpt_dir=ckpt_dir, every=3, resume="auto")
     for r in range(2):
         assert resumed[r]["indices"] == uninterrupted[r]["indices"][6:]

@@ -34,7 +34,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Any, monkeyp
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(_ckpt(2.0), path)
     monkeypatch.setattr(checkpoint_module.torch, "save", real_save)
-    assert os.listdir(tmp_path) == ["last.ckpt"]  # the temporary file is gone, the old file whole
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "last.ckpt.sha256"]  # the temporary files are gone
     assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.full((64,), 1.0))
     io.save_checkpoint(_ckpt(3.0), path)
     assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.full((64,), 3.0))
@@ -182,3 +182,135 @@ def test_hierarchical_residuals_go_to_the_new_leaders() -> None:
            for r in range(2)]
     assert torch.allclose(new[0]["buckets"]["residual"][0], torch.full((24,), (1.0 + 3.0) * 1 / 2))
     assert new[1]["buckets"]["residual"] == {}  # not a leader any more: its hook does not compress
+
+
+def _saved_pair(directory: Any) -> tuple[Any, Any]:
+    """An older and a newer checkpoint (1 MB each) in ``directory``, by mtime."""
+    io = AtomicCheckpointIO()
+    older, newer = directory / "step=3.ckpt", directory / "step=6.ckpt"
+    big = {"state_dict": {"w": torch.randn(256, 1024)}, "epoch": 0, "global_step": 3}
+    io.save_checkpoint(big, older)
+    io.save_checkpoint({**big, "global_step": 6}, newer)
+    now = time.time()
+    os.utime(older, (now - 20, now - 20))
+    os.utime(newer, (now - 10, now - 10))
+    return older, newer
+
+
+def _overwrite(path: Any, offset: int, data: bytes) -> None:
+    stat = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a silent bit rot keeps the mtime
+
+
+def test_damaged_bytes_are_caught_and_resume_falls_back_to_the_older_checkpoint(tmp_path: Any) -> None:
+    import zipfile
+
+    older, newer = _saved_pair(tmp_path)
+    assert (tmp_path / "step=6.ckpt.sha256").read_text().endswith("  step=6.ckpt\n")  # `sha256sum -c` reads it
+    _overwrite(newer, os.path.getsize(newer) // 2, os.urandom(256))  # inside the tensor data
+    assert zipfile.is_zipfile(newer)  # the zip directory is intact: only the checksum tells
+    with pytest.warns(UserWarning, match="step=6.ckpt.*damaged"):
+        assert newest_checkpoint([tmp_path]) == str(older)
+    with pytest.raises(CheckpointError, match="damaged") as err:
+        HeteroDDPStrategy().load_checkpoint(newer)
+    assert "step=6.ckpt" in str(err.value)
+    _overwrite(older, 40, b"\x00")  # one byte of a local zip header
+    with pytest.warns(UserWarning, match="damaged"):
+        assert newest_checkpoint([tmp_path]) is None
+
+
+def test_a_missing_checksum_file_is_not_trusted(tmp_path: Any) -> None:
+    older, newer = _saved_pair(tmp_path)
+    os.remove(str(newer) + ".sha256")
+    with pytest.warns(UserWarning, match="step=6.ckpt.*no checksum file"):
+        assert newest_checkpoint([tmp_path]) == str(older)
+    os.remove(str(older) + ".sha256")  # none verified (e.g. written by plain Lightning): the newest, with a warning
+    with pytest.warns(UserWarning, match="unverified"):
+        assert newest_checkpoint([tmp_path]) == str(newer)
+    (tmp_path / "step=6.ckpt.sha256").write_text(f"{'0' * 64}  step=3.ckpt\n")  # another file's checksum
+    with pytest.warns(UserWarning, match="unverified"):
+        assert torch.equal(HeteroDDPStrategy().load_checkpoint(newer)["state_dict"]["w"],
+                           torch.load(newer)["state_dict"]["w"])
+    AtomicCheckpointIO().remove_checkpoint(older)
+    assert sorted(os.listdir(tmp_path)) == ["step=6.ckpt", "step=6.ckpt.sha256"]
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path: Any) -> None:
+    old = time.time() - 2 * checkpoint_module.STALE_AFTER_S
+    legacy = tmp_path / ".last.ckpt.k2x_9abc.tmp"  # `mkstemp` naming of a save killed long ago
+    legacy.write_bytes(b"PK" * 1000)
+    os.utime(legacy, (old, old))
+    fresh_legacy = tmp_path / ".last.ckpt.q8r7s6t5.tmp"  # maybe a save in progress: too young to tell
+    fresh_legacy.write_bytes(b"PK")
+    host = checkpoint_module._HOST
+    dead = tmp_path / f".last.ckpt.{host}-999999999-0a1b2c3d.tmp"  # this host, its writer gone
+    dead.write_bytes(b"PK")
+    live = tmp_path / f".last.ckpt.{host}-{os.getpid()}-0a1b2c3d.tmp"  # a save of this process, in progress
+    live.write_bytes(b"PK")
+    other = tmp_path / ".notes.tmp"  # not ours
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [fresh_legacy.name, live.name, other.name, "last.ckpt", "last.ckpt.sha256"])
+    os.utime(fresh_legacy, (old, old))
+    newest_checkpoint([tmp_path])  # a resume cleans too
+    assert fresh_legacy.name not in os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_files_are_created_with_the_umask(tmp_path: Any, umask: int, mode: int) -> None:
+    previous = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "a.ckpt")
+        checkpoint_module.write_manifest(tmp_path)
+    finally:
+        os.umask(previous)
+    for name in ("a.ckpt", "a.ckpt.sha256", checkpoint_module.MANIFEST_NAME):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == mode, name
+
+
+def test_a_mistyped_resume_directory_is_an_error(tmp_path: Any, caplog: Any) -> None:
+    from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
+
+    from types import SimpleNamespace
+
+    from lightning_hetero.resilience.resume import checkpoint_to_resume
+
+    typo = str(tmp_path / "chekpoints")
+    with pytest.raises(ValueError, match="`resilience.resume`='.*chekpoints': no such directory"):
+        checkpoint_to_resume(typo, SimpleNamespace(checkpoint_callbacks=[]))  # what the launchers call before `fit`
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match="`resilience.resume`.*is a file"):
+        find_resume_checkpoint(str(tmp_path / "a.ckpt"), [])
+    (tmp_path / "empty").mkdir()
+    with caplog.at_level("INFO"):
+        assert find_resume_checkpoint(str(tmp_path / "empty"), [tmp_path / "empty"]) is None
+    assert "fresh start" in caplog.text
+    assert find_resume_checkpoint("auto", [typo]) is None  # `ModelCheckpoint` creates its directory on the first save
+    assert find_resume_checkpoint(str(tmp_path), [tmp_path]) == str(tmp_path / "a.ckpt")
+
+
+def test_directory_manifest_finds_changed_missing_and_added_files(tmp_path: Any) -> None:
+    from lightning_hetero.resilience.checkpoint import verify_manifest, write_manifest
+
+    shards = tmp_path / "step=10"
+    (shards / "sub").mkdir(parents=True)
+    for i in range(3):
+        (shards / f"__{i}_0.distcp").write_bytes(os.urandom(10_000))
+    (shards / "sub" / ".metadata").write_bytes(b"meta")
+    assert verify_manifest(shards).startswith("no checksum file")
+    assert write_manifest(shards) == str(shards / "checksums.sha256")
+    assert verify_manifest(shards) is None
+    assert len((shards / "checksums.sha256").read_text().splitlines()) == 4
+    _overwrite(shards / "__1_0.distcp", 5000, b"\xff")
+    assert "__1_0.distcp" in verify_manifest(shards) and "damaged" in verify_manifest(shards)
+    write_manifest(shards)
+    os.remove(shards / "sub" / ".metadata")
+    assert "missing" in verify_manifest(shards) and ".metadata" in verify_manifest(shards)
+    write_manifest(shards)
+    (shards / "__3_0.distcp").write_bytes(b"late")
+    assert "__3_0.distcp" in verify_manifest(shards)

@@ -6,7 +6,14 @@
   transaction whose temporary file lives in ``$TMPDIR``: the final move is a copy (not atomic) when that is another
   file system, and nothing is synced.
 * Loading a truncated, damaged or foreign file raises :class:`CheckpointError` naming the file and what is wrong.
-* :func:`newest_checkpoint`: the most recent readable ``*.ckpt`` in some directories (``resume="auto"``).
+* Every local save also writes ``<file>.sha256`` (``sha256sum -c`` reads it), hashed while the bytes are written and
+  renamed into place with the file; a load verifies it, so a bit flip anywhere, a truncation or a lost checksum file is
+  found before the weights are used. :func:`write_manifest` / :func:`verify_manifest` do the same for a checkpoint
+  *directory* (sharded checkpoints).
+* Files are created with the process's umask (as Lightning's are), and temporaries that a killed save left behind are
+  removed by the next save or resume.
+* :func:`newest_checkpoint`: the most recent verified ``*.ckpt`` in some directories (``resume="auto"``); a damaged one
+  is skipped with a warning naming it.
 
 Example::
 
@@ -15,21 +22,36 @@ Example::
     trainer.fit(model)  # the same command after a crash (or under `torchrun --max-restarts`) goes on from ckpts/
 """
 
+import hashlib
 import os
-import tempfile
+import re
+import socket
+import time
 import zipfile
-from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import IO, Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hetero._compat import PathType as _PATH
 from lightning_hetero._compat import is_local_path as _is_local_file_protocol
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
+CHECKSUM_SUFFIX = ".sha256"  # the checksum file next to each checkpoint file, in `sha256sum` format
+MANIFEST_NAME = "checksums.sha256"  # a checkpoint directory's checksums, one line per file
+_CHUNK = 8 << 20
+# Our temporaries: ".<target>.<host>-<pid>-<8 hex>.tmp"; and "<target>.<8 chars>.tmp" from `tempfile.mkstemp`, which
+# earlier versions used. The owner's host and pid tell a killed save's leftover from a save in progress.
+_TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]*)-(?P<pid>\d+)-[0-9a-f]{8}\.tmp$")
+_LEGACY_TEMP = re.compile(r"^\.(?P<target>.+\.ckpt)\.[a-z0-9_]{8}\.tmp$")
+# A temporary of another host (or of a live pid here) untouched this long is left over: a save rewrites it constantly.
+STALE_AFTER_S = 600.0
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
 
 
 class CheckpointError(ValueError):
@@ -37,7 +59,7 @@ class CheckpointError(ValueError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` with crash-safe local writes and readable errors on load."""
+    """``TorchCheckpointIO`` with crash-safe, checksummed local writes, and verified loads with readable errors."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -46,18 +68,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        _fsync_dir(directory)  # the rename itself is durable only once the directory entry is on disk
+        remove_stale_temporaries(directory)
+        with _temporary(path) as (data_tmp, data), _temporary(path + CHECKSUM_SUFFIX) as (sum_tmp, sums):
+            writer = _HashingWriter(data)
+            torch.save(checkpoint, writer)
+            _sync(data)
+            sums.write(_checksum_line(writer.hexdigest(), os.path.basename(path)).encode())
+            _sync(sums)
+            os.replace(data_tmp, path)
+            # A crash between the two renames leaves a file whose checksum does not match: found at load.
+            os.replace(sum_tmp, path + CHECKSUM_SUFFIX)
+        _fsync_dir(directory)  # the renames are durable only once the directory entries are on disk
+        _remember_verified(path, writer.hexdigest())
 
     @override
     def load_checkpoint(
@@ -69,12 +91,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not _is_local_file_protocol(path) or not os.path.exists(path):  # Lightning's FileNotFoundError
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         problem = check_checkpoint_file(path)
-        if problem is not None:
+        if problem is not None and problem.startswith(_NO_CHECKSUM):
+            rank_zero_warn(f"loading {os.fspath(path)!r} unverified: {problem}")  # e.g. written by plain Lightning
+        elif problem is not None:
             raise CheckpointError(f"cannot resume from {os.fspath(path)!r}: {problem}")
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         except RuntimeError as err:  # torch's zip reader on a damaged archive
             raise CheckpointError(f"cannot resume from {os.fspath(path)!r}: the file is damaged ({err}).") from err
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        super().remove_checkpoint(path)
+        if _is_local_file_protocol(path) and os.path.isfile(os.fspath(path) + CHECKSUM_SUFFIX):
+            os.remove(os.fspath(path) + CHECKSUM_SUFFIX)
 
 
 def check_trainer_checkpoint(checkpoint: Any, path: _PATH) -> None:
@@ -90,10 +120,14 @@ def check_trainer_checkpoint(checkpoint: Any, path: _PATH) -> None:
         )
 
 
-def check_checkpoint_file(path: _PATH) -> Optional[str]:
-    """Why the local file at ``path`` cannot be a readable torch checkpoint, or ``None`` if it looks whole.
+_NO_CHECKSUM = "no checksum file"
 
-    Cheap: torch writes a zip archive whose directory sits at the end, so a truncated file has none.
+
+def check_checkpoint_file(path: _PATH) -> Optional[str]:
+    """Why the local file at ``path`` cannot be used as a checkpoint, or ``None`` if it is whole and verified.
+
+    The answer starts with ``"no checksum file"`` for a file that looks whole but has no ``<file>.sha256`` next to it
+    (written by another ``CheckpointIO``, or its checksum file was lost): it cannot be verified.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -103,21 +137,32 @@ def check_checkpoint_file(path: _PATH) -> Optional[str]:
     size = os.path.getsize(path)
     if size == 0:
         return "the file is empty (0 bytes): a save was interrupted before any data was written."
-    if zipfile.is_zipfile(path):
+    if not zipfile.is_zipfile(path):  # torch writes a zip archive whose directory sits at the end
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head[:2] == b"PK":
+            return f"the file is truncated ({size} bytes, the zip archive has no end): a save was interrupted."
+        if head[:1] != _PICKLE_PROTOCOL_2:  # torch's legacy format is a pickle
+            return f"not a torch checkpoint ({size} bytes starting with {head!r})."
+    expected = _read_checksum(path + CHECKSUM_SUFFIX, os.path.basename(path))
+    if expected is None:
+        return f"{_NO_CHECKSUM} {os.path.basename(path) + CHECKSUM_SUFFIX!r} next to it: it cannot be verified."
+    if _verified.get(_identity(path)) == expected:
         return None
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head[:1] == _PICKLE_PROTOCOL_2:
-        return None  # torch's legacy format: let torch read it
-    if head[:2] == b"PK":
-        return f"the file is truncated ({size} bytes, the zip archive has no end): a save was interrupted."
-    return f"not a torch checkpoint ({size} bytes starting with {head!r})."
+    actual = file_checksum(path)
+    if actual != expected:
+        return (f"the file is damaged: its SHA-256 is {actual[:12]}..., its checksum file says {expected[:12]}... "
+                "(bytes changed after the save, or a save was cut between its two renames).")
+    _remember_verified(path, actual)
+    return None
 
 
 def newest_checkpoint(directories: Iterable[_PATH], exclude: Iterable[_PATH] = ()) -> Optional[str]:
-    """The most recently written readable ``*.ckpt`` file in ``directories`` (``None`` if there is none).
+    """The most recently written verified ``*.ckpt`` file in ``directories`` (``None`` if there is none).
 
-    Unreadable files (truncated by a writer that is not atomic) are skipped with a warning naming them.
+    Damaged files are skipped with a warning naming them. Files without a checksum file are used only when no file is
+    verified (checkpoints written by another ``CheckpointIO``), the newest first, with a warning. Temporaries left by
+    killed saves are removed on the way.
     """
     skip = {os.path.abspath(os.fspath(p)) for p in exclude}
     candidates = []
@@ -125,16 +170,226 @@ def newest_checkpoint(directories: Iterable[_PATH], exclude: Iterable[_PATH] = (
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             continue
+        remove_stale_temporaries(directory)
         for name in os.listdir(directory):
             path = os.path.abspath(os.path.join(directory, name))
             if name.endswith(".ckpt") and not name.startswith(".") and path not in skip and os.path.isfile(path):
                 candidates.append((os.path.getmtime(path), path))
+    unverified: list[tuple[str, str]] = []
     for _, path in sorted(candidates, reverse=True):
         problem = check_checkpoint_file(path)
         if problem is None:
+            for other, why in unverified:
+                rank_zero_warn(f"resume: skipping {other!r}: {why}")
             return path
-        rank_zero_warn(f"HeteroDDPStrategy resume: skipping {path!r}: {problem}")
+        if problem.startswith(_NO_CHECKSUM):
+            unverified.append((path, problem))
+        else:
+            rank_zero_warn(f"resume: skipping {path!r}: {problem}")
+    if unverified:
+        path, why = unverified[0]
+        rank_zero_warn(f"resume: no verified checkpoint; using {path!r} unverified ({why})")
+        return path
     return None
+
+
+def find_resume_checkpoint(resume: str, directories: list[_PATH]) -> Optional[str]:
+    """The checkpoint that ``resume`` (``"auto"`` or a directory) goes on from, or ``None`` for a fresh start (said in
+    one info line). A ``resume`` directory that does not exist is a ``ValueError``: a typo would otherwise train from
+    scratch silently."""
+    if resume != "auto":
+        if os.path.isfile(resume):
+            raise ValueError(f"`resilience.resume`={resume!r} is a file: pass a checkpoint file as "
+                             "`fit(ckpt_path=...)`; `resume` accepts None, 'auto' or the directory checkpoints are "
+                             "saved in.")
+        if not os.path.isdir(resume):
+            raise ValueError(f"`resilience.resume`={resume!r}: no such directory (accepted: None, 'auto' or an "
+                             "existing directory of checkpoints; create it empty for a fresh start).")
+    found = newest_checkpoint(directories)
+    if found is None:
+        rank_zero_info(f"resume={resume!r}: no checkpoint in {[os.fspath(d) for d in directories]}: a fresh start.")
+    return found
+
+
+def file_checksum(path: _PATH) -> str:
+    """SHA-256 of the file at ``path`` (hex), as ``sha256sum`` prints it."""
+    digest, buffer = hashlib.sha256(), bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:  # `hashlib.file_digest` does the same from Python 3.11
+        while size := f.readinto(buffer):
+            digest.update(view[:size])
+    return digest.hexdigest()
+
+
+def write_manifest(directory: _PATH, threads: int = 4) -> str:
+    """Write ``<directory>/checksums.sha256``: the SHA-256 of every file below ``directory`` (``sha256sum -c`` reads
+    it); atomically, with the umask. Call it once every file of a (sharded) checkpoint is written; returns its path.
+    """
+    directory = os.fspath(directory)
+    remove_stale_temporaries(directory)
+    files = _directory_files(directory)
+    digests = _checksums(directory, files, threads)
+    target = os.path.join(directory, MANIFEST_NAME)
+    with _temporary(target) as (tmp, out):
+        out.write("".join(_checksum_line(d, f) for f, d in zip(files, digests)).encode())
+        _sync(out)
+        os.replace(tmp, target)
+    _fsync_dir(directory)
+    return target
+
+
+def verify_manifest(directory: _PATH, threads: int = 4) -> Optional[str]:
+    """Why the checkpoint directory does not match its ``checksums.sha256`` (a file missing, added or changed, or no
+    manifest), or ``None`` if every file matches."""
+    directory = os.fspath(directory)
+    manifest = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isdir(directory):
+        return "the directory does not exist."
+    if not os.path.isfile(manifest):
+        return f"{_NO_CHECKSUM} {MANIFEST_NAME!r} in it: it cannot be verified (a save was interrupted?)."
+    expected = {}
+    with open(manifest, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            digest, _, name = line.rstrip("\n").partition("  ")
+            expected[name] = digest
+    present = [f for f in _directory_files(directory) if not _TEMP.match(os.path.basename(f))]
+    missing = sorted(set(expected) - set(present))
+    if missing:
+        return f"{len(missing)} file(s) of the manifest are missing: {missing[:4]}."
+    added = sorted(set(present) - set(expected))
+    if added:
+        return f"{len(added)} file(s) not in the manifest: {added[:4]} (written after it, or a save was interrupted)."
+    changed = [f for f, d in zip(present, _checksums(directory, present, threads)) if d != expected[f]]
+    if changed:
+        return f"{len(changed)} file(s) are damaged (SHA-256 differs from the manifest): {changed[:4]}."
+    return None
+
+
+def remove_stale_temporaries(directory: _PATH) -> list[str]:
+    """Remove the temporaries of our own naming in ``directory`` that a killed save left; returns their paths.
+
+    One is left over when its writer (a pid on this host) is gone, or when it was not written to for
+    ``STALE_AFTER_S`` seconds (another host's, or one written by an earlier version).
+    """
+    directory = os.fspath(directory)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        ours = _TEMP.match(name)
+        if ours is None and _LEGACY_TEMP.match(name) is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            idle = now - os.path.getmtime(path)
+            writer_gone = ours is not None and ours["host"] == _HOST and not _pid_alive(int(ours["pid"]))
+            if (writer_gone or idle > STALE_AFTER_S) and os.path.isfile(path):
+                size = os.path.getsize(path)
+                os.remove(path)
+                removed.append(path)
+                rank_zero_info(f"removed {path!r} ({size} bytes) left by an interrupted save")
+        except FileNotFoundError:  # its writer renamed or removed it meanwhile
+            continue
+    return removed
+
+
+class _HashingWriter:
+    """A file object that hashes what ``torch.save`` writes (torch writes a file object strictly in order)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file, self._hash = file, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self._hash.update(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+@contextmanager
+def _temporary(target: str) -> Iterator[tuple[str, IO[bytes]]]:
+    """A new file next to ``target``, named as ours, created with the umask (``mkstemp`` forces 0600); removed unless
+    the caller renamed it."""
+    directory, name = os.path.split(os.path.abspath(target))
+    while True:
+        tmp = os.path.join(directory, f".{name}.{_HOST}-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield tmp, f
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _sync(f: IO[bytes]) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _checksum_line(digest: str, name: str) -> str:
+    return f"{digest}  {name}\n"
+
+
+def _read_checksum(path: str, name: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            digest, _, listed = f.readline().rstrip("\n").partition("  ")
+    except OSError:
+        return None
+    # A checksum file naming another file (copied next to the wrong checkpoint) proves nothing.
+    return digest if listed == name and re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+
+# Files verified (or written) by this process, by identity: rank 0 verifies while choosing, then loads the same file.
+_verified: dict[tuple, str] = {}
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_ino, st.st_size, st.st_ctime_ns  # ctime: any write or utime changes it
+
+
+def _remember_verified(path: str, digest: str) -> None:
+    _verified[_identity(path)] = digest
+
+
+def _directory_files(directory: str) -> list[str]:
+    """Every file below ``directory`` (relative, sorted), without the manifest."""
+    files = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel != MANIFEST_NAME:
+                files.append(rel)
+    return sorted(files)
+
+
+def _checksums(directory: str, files: list[str], threads: int) -> list[str]:
+    # hashlib releases the GIL on large reads: shards hash in parallel.
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return list(pool.map(lambda f: file_checksum(os.path.join(directory, f)), files))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _fsync_dir(directory: str) -> None:

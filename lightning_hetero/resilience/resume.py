@@ -12,8 +12,9 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero._compat import FIT_FUNCTION_NAME, SubprocessScriptLauncher
-from lightning_hetero.resilience.checkpoint import newest_checkpoint
+from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
 from lightning_hetero.resilience.faults import ReportingLauncher
+from lightning_hetero.resilience.preemption import forwarding_signals
 
 
 def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
@@ -29,7 +30,7 @@ def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
             )
     else:
         directories = [resume]
-    return newest_checkpoint(directories)
+    return find_resume_checkpoint(resume, directories)  # [trust-ckpt] a mistyped directory is an error
 
 
 def resolve_resume(resume: Optional[str], function: Callable, args: tuple, kwargs: dict, trainer: Any) -> bool:
@@ -82,4 +83,5 @@ class ResumingMultiProcessingLauncher(ReportingLauncher):
         self.resume = resume
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)
+        with forwarding_signals(self):  # [trust-ckpt: preemption] SIGTERM to this parent reaches the ranks
+            return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)

@@ -55,6 +55,7 @@ from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capaciti
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
 from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
+from lightning_hetero.resilience.preemption import PreemptionHandler
 from lightning_hetero.resilience.state import RandomState, RankStates
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class HeteroCore:
         self.groups_: Optional[LabGroups] = None
         self.emulation: Optional[Emulator] = None
         self.faults: Optional[FaultMonitor] = None
+        # [trust-ckpt: preemption] SIGTERM / SLURM requeue: every rank stops after the same step, saves, exits. A
+        # callback: the batch end (where ModelCheckpoint saves, resumed exactly) has no strategy hook.
+        self.preemption = PreemptionHandler(resume=options.resilience.resume, before_stop=self.stop_watchdog)
         self.monitor: Optional[Any] = None  # the HeteroMonitor timing in-step collectives, while it watches
         self.precision_modes: Optional[tuple[str, ...]] = None
         self.train_sampler: Optional[HeteroBatchSampler] = None
@@ -196,6 +200,8 @@ class HeteroCore:
                 rank_zero_warn(lab_warning(summaries))
         self.rank_states.register("rng", self.rng)
         trainer = _compat.trainer_of(strategy.lightning_module)
+        if trainer is not None and self.preemption not in trainer.callbacks:  # [trust-ckpt: preemption]
+            trainer.callbacks.append(self.preemption)
         if trainer is not None and self.options.observation.monitor:
             from lightning_hetero.observe.monitor import HeteroMonitor
 
@@ -487,6 +493,11 @@ class HeteroCore:
             # The sampler knows where the epoch stood; Lightning may have recorded it as finished.
             reopen_interrupted_epoch(checkpoint, self.train_sampler.sampler.epoch, self.shares.position,
                                      trainer.num_training_batches)
+
+    def stop_watchdog(self) -> None:
+        """[trust-ckpt: preemption] Before a signal's agreed exit: the other ranks must not take it for a fault."""
+        if self.faults is not None:
+            self.faults.stop()
 
     def teardown(self) -> None:
         if self.faults is not None:  # first: rank 0 keeps the store up until every rank got here

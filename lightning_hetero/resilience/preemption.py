@@ -1,0 +1,229 @@
+"""SIGTERM and pre-emption: every rank stops after the same optimizer step, saves, and exits.
+
+A signal reaches the ranks of a job at different times, or only some of them (the launcher's parent, one host). Each
+rank's handler only notes it; after every optimizer step the ranks take the maximum of their notes in one small
+all-reduce, so all of them see the stop at the same step. Then, on every rank: the fault watchdog is stopped (an exit
+is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume`` directory or the first
+``ModelCheckpoint`` directory (if there is none, no checkpoint), and the process exits with ``128 + signal`` (143 for
+SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and ``resume`` goes on from it.
+
+With ``SLURMEnvironment(auto_requeue=True)``, its requeue signal (SIGUSR1 unless configured) is handled the same way,
+and at the agreed step Lightning's own SLURM requeue runs on every rank (HPC checkpoint, ``scontrol requeue``).
+Lightning's own SIGTERM handler is replaced while training runs: it broadcasts from inside the handler, a collective
+that the other ranks do not join.
+
+The fork/spawn launcher's parent is no rank: :func:`forwarding_signals` makes it pass the signal on to its ranks and
+exit with their code.
+
+Example::
+
+    # HeteroDDPStrategy adds the handler to the trainer's callbacks
+    trainer = Trainer(strategy=HeteroDDPStrategy(resilience=Resilience(resume="auto")),
+                      callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=500)])
+    trainer.fit(model)   # `kill -TERM <pid>`: ckpts/preempted.ckpt, exit 143; run again: goes on from it
+"""
+
+import atexit
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_hetero._compat import slurm_requeue
+
+CHECKPOINT_NAME = "preempted.ckpt"
+FORWARD_DEADLINE_S = 30.0  # after passing a signal on, the launching process kills the ranks still running
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after a signal stopped training (and the checkpoint is written): exit code 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _exit_codes(signals: tuple[int, ...]) -> set[int]:
+    return {128 + s for s in signals}
+
+
+def stop_signals(environment: Any) -> tuple[int, ...]:
+    """SIGTERM, and the SLURM requeue signal when Lightning's SLURM auto-requeue is on."""
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+        return signal.SIGTERM, int(environment.requeue_signal)
+    return (signal.SIGTERM,)
+
+
+class PreemptionHandler(Callback):
+    """Stops every rank after the same optimizer step once any rank got a stop signal (see the module docstring).
+
+    Args:
+        resume: the strategy's ``resume`` (a directory: the checkpoint goes there; else the first ``ModelCheckpoint``
+            directory).
+        before_stop: called on every rank once the stop is agreed, before the save (stops the fault watchdog).
+    """
+
+    def __init__(self, resume: Optional[str] = None, before_stop: Optional[Callable[[], None]] = None) -> None:
+        self.resume, self.before_stop = resume, before_stop
+        self.received: Optional[int] = None  # the first stop signal this process got
+        self.requeue_signal: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+        self._checked_step = -1
+        self._rank = 0
+
+    # -- signal handling (main thread) --------------------------------------------------------------------------
+    def install(self, signals: tuple[int, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only: nothing to install from here
+        for signum in signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        # No collective and no I/O beyond one line here: the main thread may be anywhere, even inside a collective.
+        if self.received is None:
+            self.received = signum
+            _say(self._rank, f"received {signal.Signals(signum).name}: every rank stops after the next optimizer step")
+
+    # -- Lightning hooks ------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After Lightning registered its handlers (they run in `Trainer._run`, after the strategy's setup).
+        signals = stop_signals(trainer.strategy.cluster_environment)
+        self.requeue_signal = signals[1] if len(signals) > 1 else None
+        self._checked_step, self._rank = trainer.global_step, trainer.global_rank
+        self.install(signals)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._checked_step:
+            return  # accumulating gradients: stop only where an optimizer step ended (every rank steps together)
+        self._checked_step = trainer.global_step
+        agreed = self.agree(trainer)
+        if agreed is not None:
+            self.stop(trainer, agreed)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.uninstall()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.uninstall()
+
+    # -- the stop -------------------------------------------------------------------------------------------------
+    def agree(self, trainer: Trainer) -> Optional[int]:
+        """The stop signal any rank got (the requeue signal first), the same on every rank; ``None``: go on."""
+        received = self.received
+        notes = torch.tensor([int(received is not None and received != self.requeue_signal),
+                              int(received is not None and received == self.requeue_signal)],
+                             dtype=torch.int32, device=trainer.strategy.root_device)
+        if trainer.world_size > 1 and dist.is_initialized():  # one collective (the strategy's `reduce` adds a barrier)
+            dist.all_reduce(notes, op=dist.ReduceOp.MAX)
+        term, requeue = (bool(v) for v in notes.tolist())
+        if requeue:
+            return self.requeue_signal
+        return int(signal.SIGTERM) if term else None
+
+    def checkpoint_path(self, trainer: Trainer) -> Optional[str]:
+        """Where the stop's checkpoint goes: the ``resume`` directory, else the first ``ModelCheckpoint``'s."""
+        if self.resume not in (None, "auto"):
+            return os.path.join(self.resume, CHECKPOINT_NAME)
+        directory = next((cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)), None)
+        return os.path.join(directory, CHECKPOINT_NAME) if directory else None
+
+    def stop(self, trainer: Trainer, signum: int) -> None:
+        """On every rank at once: save (if asked for), requeue (SLURM), exit with ``128 + signum``."""
+        began = time.monotonic()
+        if self.before_stop is not None:
+            self.before_stop()
+        path = None
+        if signum == self.requeue_signal:
+            slurm_requeue(trainer, signum)  # saves Lightning's HPC checkpoint, which a requeued job restores
+        else:
+            path = self.checkpoint_path(trainer)
+            if path is not None:
+                trainer.save_checkpoint(path)  # every rank calls it: barriers around rank 0's write
+        if trainer.is_global_zero:
+            saved = f", saved {path}" if path else (", requeued" if signum == self.requeue_signal else "")
+            _say(self._rank, f"stopped after step {trainer.global_step} on {signal.Signals(signum).name}{saved} "
+                 f"({time.monotonic() - began:.1f} s); exiting with {128 + signum}")
+        self.uninstall()
+        _exit_quickly()
+        raise Preempted(signum)
+
+
+@contextmanager
+def forwarding_signals(launcher: Any) -> Iterator[None]:
+    """While Lightning's fork/spawn ``launcher`` runs: its launching process (no rank) passes SIGTERM (and the SLURM
+    requeue signal) on to its ranks, and exits with their code once they stopped on it. Without it the parent dies
+    and the ranks train on."""
+    signals = stop_signals(launcher._strategy.cluster_environment)
+    # Ranks that do not end within the deadline (stuck in C code, a hung collective) are killed, as torchrun does.
+    deadline = threading.Timer(FORWARD_DEADLINE_S, lambda: launcher.kill(signal.SIGKILL))
+    deadline.daemon = True
+
+    def forward(signum: int, frame: Optional[FrameType]) -> None:
+        launcher.kill(signum)
+        if deadline.ident is None:  # the first signal starts the clock
+            deadline.start()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in signals:
+            previous[signum] = signal.signal(signum, forward)
+    _FORWARDING.update(previous)
+    try:
+        yield
+    except torch.multiprocessing.ProcessExitedException as err:
+        if err.exit_code in _exit_codes(signals):  # the ranks stopped on a signal (and said so)
+            _exit_quickly()
+            raise Preempted(err.exit_code - 128) from None
+        raise
+    finally:
+        deadline.cancel()
+        _FORWARDING.clear()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+# Signal -> the handler before a launcher's forwarding, while a launch runs. A forked rank must not inherit the
+# forwarding: it would pass its own SIGTERM to its siblings, and (a Python handler) could not end it while it is
+# inside C code before its own handlers are installed.
+_FORWARDING: dict[int, Any] = {}
+
+
+def _drop_forwarding_in_child() -> None:
+    for signum, handler in _FORWARDING.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    _FORWARDING.clear()
+
+
+os.register_at_fork(after_in_child=_drop_forwarding_in_child)
+
+
+def _exit_quickly() -> None:
+    """Skip the interpreter's final garbage collection at exit: over every object of torch and Lightning it took
+    seconds of CPU on a loaded host (0.4-0.8 s with it skipped), time a pre-empted job does not have. Registered at
+    exit, so a caller that catches the ``SystemExit`` keeps a normal collector."""
+    atexit.register(gc.freeze)  # the last one registered runs first: the user's exit handlers still run after it
+
+
+def _say(rank: int, message: str) -> None:
+    sys.stderr.write(f"[rank {rank}] lightning_hetero: {message}\n")
+    sys.stderr.flush()
