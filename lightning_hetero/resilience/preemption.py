@@ -130,11 +130,12 @@ class PreemptionHandler(Callback):
     def agree(self, trainer: Trainer) -> Optional[int]:
         """The stop signal any rank got (the requeue signal first), the same on every rank; ``None``: go on."""
         received = self.received
+        if trainer.world_size == 1 or not dist.is_initialized():  # nobody to agree with: no device work, no sync
+            return None if received is None else int(received)
         notes = torch.tensor([int(received is not None and received != self.requeue_signal),
                               int(received is not None and received == self.requeue_signal)],
                              dtype=torch.int32, device=trainer.strategy.root_device)
-        if trainer.world_size > 1 and dist.is_initialized():  # one collective (the strategy's `reduce` adds a barrier)
-            dist.all_reduce(notes, op=dist.ReduceOp.MAX)
+        dist.all_reduce(notes, op=dist.ReduceOp.MAX)  # one collective (the strategy's `reduce` adds a barrier)
         term, requeue = (bool(v) for v in notes.tolist())
         if requeue:
             return self.requeue_signal
