@@ -4,8 +4,9 @@ Each entry says which public API is missing. Nothing else in the package imports
 ``lightning`` or ``torch``: when an upstream release moves one of these, this file is the only one to change.
 """
 
+import inspect
 from os import PathLike
-from typing import Union
+from typing import Any, Callable, Optional, Union
 
 # Checkpoint paths: Lightning's `_PATH` alias has no public spelling.
 PathType = Union[str, PathLike]
@@ -35,3 +36,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa:
     _orthogonalize_gram_schmidt as powersgd_orthogonalize_gram_schmidt,
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress as powersgd_should_compress  # noqa: E402,E501
+
+
+def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]) -> dict[str, Optional[bool]]:
+    """``{"weights_only": weights_only}`` when ``load`` takes that argument, else ``{}``.
+
+    Lightning 2.6 added ``weights_only`` to ``Strategy.load_checkpoint`` and ``CheckpointIO.load_checkpoint``; 2.5 has
+    it on neither (and never passes it), so an override that forwards it must leave it out there.
+    """
+    return {"weights_only": weights_only} if "weights_only" in inspect.signature(load).parameters else {}

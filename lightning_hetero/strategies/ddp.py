@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_hetero._compat import IndexBatchSamplerWrapper as _IndexBatchSamplerWrapper
 from lightning_hetero._compat import init_dist_connection as _init_dist_connection
+from lightning_hetero._compat import weights_only_argument  # [docs-ci] Lightning 2.5 support
 from lightning_hetero.grad.autocompress import AutoCompression, choose, link_column, measure_links
 from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities, resolve_static_capacities
 from lightning_hetero.resilience.checkpoint import (
@@ -144,7 +145,9 @@ class HeteroDDPStrategy(DDPStrategy):
             trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
             in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last
             checkpoint stood, also on a different number or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
-        ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
+        ddp_comm_hook: a torch comm hook; it receives the weighted gradient.
+        ddp_comm_state: the state passed to ``ddp_comm_hook``.
+        ddp_comm_wrapper: a wrapper around ``ddp_comm_hook`` (torch's fp16/bf16 compress wrappers).
 
     Checkpoints are written atomically (:class:`~lightning_hetero.resilience.checkpoint.AtomicCheckpointIO`) unless a
     ``checkpoint_io`` is given.
@@ -828,7 +831,9 @@ class HeteroDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # [docs-ci] Lightning 2.5's Strategy.load_checkpoint has no weights_only: forwarded only where it exists.
+        load_options = weights_only_argument(super().load_checkpoint, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, **load_options)
         check_trainer_checkpoint(checkpoint, checkpoint_path)  # a clear error for a foreign file, not a KeyError
         return checkpoint
 
