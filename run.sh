@@ -2,6 +2,8 @@
 # The two commands of the README:
 #   bash run.sh demo   # trains the digits example on whatever is here (GPUs, or CPU processes emulating a lab)
 #   bash run.sh test   # runs the test suite (GPU tests are skipped without GPUs)
+# and the one CI adds:
+#   bash run.sh docs   # builds the documentation site in strict mode (installs the `docs` extra; not the others)
 # Inside a virtual environment (or a conda environment) both install what is missing into it. Otherwise they create
 # and reuse .venv here, since a system Python refuses pip installs (PEP 668, "externally-managed-environment").
 # PYTHON=/path/to/python picks the interpreter (default python3).
@@ -34,6 +36,8 @@ select_python() {
     PY=.venv/bin/python
 }
 
+# ensure_installed [EXTRA IMPORT]: torch, this package with its usual extras, and optionally one more extra (whose
+# module IMPORT tells whether it is there already).
 ensure_installed() {
     select_python
     if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -41,11 +45,15 @@ ensure_installed() {
         "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q torch
     fi
     local extras="test,examples,plots,rich"
+    local imports="lightning_hetero, lightning, jsonargparse, sklearn, pytest, matplotlib, rich"
     if command -v nvidia-smi >/dev/null 2>&1; then
         extras="$extras,monitor"  # NVML readings (utilisation, power, temperature, clocks) for the monitor
     fi
-    if ! "$PY" -c "import lightning_hetero, lightning, jsonargparse, sklearn, pytest, matplotlib, rich" 2>/dev/null \
-        || ! "$PY" -m pip show -q lightning-hetero >/dev/null 2>&1; then
+    if [ -n "${1:-}" ]; then
+        extras="$extras,$1"
+        imports="$imports, $2"
+    fi
+    if ! "$PY" -c "import $imports" 2>/dev/null || ! "$PY" -m pip show -q lightning-hetero >/dev/null 2>&1; then
         "$PY" -m pip install -q -e ".[$extras]"
     fi
 }
@@ -61,8 +69,13 @@ case "${1:-}" in
         shift
         exec "$PY" -m pytest -q "$@"
         ;;
+    docs)
+        ensure_installed docs "mkdocs, material, mkdocstrings_handlers.python"
+        shift
+        exec "$PY" -m mkdocs build --strict "$@"
+        ;;
     *)
-        echo "usage: bash run.sh demo|test [extra args]" >&2
+        echo "usage: bash run.sh demo|test|docs [extra args]" >&2
         exit 2
         ;;
 esac

@@ -5,8 +5,9 @@ Each entry says which public API is missing. Nothing else in the package imports
 ``lightning`` or ``torch``: when an upstream release moves one of these, this file is the only one to change.
 """
 
+import inspect
 from os import PathLike
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 # Checkpoint paths: Lightning's `_PATH` alias has no public spelling.
 PathType = Union[str, PathLike]
@@ -133,3 +134,11 @@ def slurm_requeue(trainer: object, signum: int) -> None:
     the signal connector's private handler, which must not run inside a signal handler here (it saves, a collective).
     """
     trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[attr-defined]
+
+def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]) -> dict[str, Optional[bool]]:
+    """``{"weights_only": weights_only}`` when ``load`` takes that argument, else ``{}``.
+
+    Lightning 2.6 added ``weights_only`` to ``Strategy.load_checkpoint`` and ``CheckpointIO.load_checkpoint``; 2.5 has
+    it on neither (and never passes it), so an override that forwards it must leave it out there.
+    """
+    return {"weights_only": weights_only} if "weights_only" in inspect.signature(load).parameters else {}

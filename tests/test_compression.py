@@ -399,8 +399,8 @@ def uncompressed(tmp_path_factory) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "topk-momentum" else name
-                                  for name in TRAIN_SETTINGS])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRAIN_SETTINGS))
 def test_compressed_training_reaches_uncompressed_loss_and_resumes_exactly(tmp_path, uncompressed, name):
     """300 steps (20 epochs, global batch 128 split 96/32, SGD lr 0.05 momentum 0.9): the final loss over all digits
     is at most 1% above the uncompressed run's; resuming from the checkpoint after step 150 repeats steps 151-300

@@ -288,6 +288,7 @@ def test_emulate_round_trips_through_constructor_and_config():
 
 
 # -- the lab benchmark runs end to end on CPU -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_lab_tiny_cpu_run(tmp_path):
     import sys
 

@@ -299,6 +299,7 @@ def _popen_job_with_failing_rank_1(workdir: str) -> tuple[subprocess.Popen, str,
     return proc, stderr, time_to_fail, leftovers
 
 
+@pytest.mark.slow
 def test_popen_launcher_error_on_rank_1_is_named_by_the_launching_rank(tmp_path):
     """Lightning's own launcher: rank 0 runs the script and starts rank 1, which fails. (A generous timeout: the
     re-executed script must import Lightning before it joins, which takes well over 5 s on a loaded machine.)

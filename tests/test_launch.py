@@ -25,6 +25,7 @@ def _records(out_dir, world):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_registry_name_with_popen_launcher(tmp_path):
     subprocess.run([sys.executable, WORKER, str(tmp_path), "registry"], env=_env(), check=True, timeout=300,
                    cwd=ROOT)
@@ -33,6 +34,7 @@ def test_registry_name_with_popen_launcher(tmp_path):
     assert torch.equal(records[0]["params"][-1], records[1]["params"][-1])
 
 
+@pytest.mark.slow
 def test_two_nodes_rendezvous_on_loopback(tmp_path):
     env = _env(WORLD_SIZE="2", LOCAL_RANK="0")
     procs = [
@@ -54,6 +56,7 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path):
     assert lab["split"] == [6, 2] and lab["capacity_source"] == "explicit"
 
 
+@pytest.mark.slow
 def test_yaml_class_path_config_runs(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_digits.py"), "fit", "--config",

@@ -1,4 +1,4 @@
-"""The multi-host launch recipes of the README, run as written on CPU (gloo) on one machine.
+"""The multi-host launch recipes of docs/several-machines.md, run as written on CPU (gloo) on one machine.
 
 - torchrun on each host, hosts with unequal process counts (2 + 1), configs/two_hosts_cpu.yaml (emulated hosts);
 - SLURM: the environment ``srun --nodes 2 --ntasks-per-node 1`` gives each task, read by Lightning's

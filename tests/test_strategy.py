@@ -138,6 +138,7 @@ class _SpawnModel(TinyModel):
         return DataLoader(IndexedDataset(20, seed=1), batch_size=4)
 
 
+@pytest.mark.slow
 def test_spawn_launcher_fits(tmp_path):
     seed_everything(0)
     os.environ["MASTER_PORT"] = str(free_port())

@@ -115,6 +115,7 @@ PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
     "MI300X": (1307.0, 1307.0, 163.4),
     "MI250": (362.1, 362.1, 47.9),
 }
+"""Published dense TFLOP/s (bf16, fp16, fp32) by device-name substring: what ``capacities="peak"`` reads."""
 
 # Per-SM dense tensor rate by compute capability (TFLOP/s per SM), for cards missing from the table.
 _TFLOPS_PER_SM: dict[tuple[int, int], float] = {

@@ -114,6 +114,7 @@ PRESETS: dict[str, Preset] = {
     "V100": Preset("Tesla V100-SXM2-32GB", 32, (7, 0), "nvlink"),
     "T4": Preset("Tesla T4", 16, (7, 5), "pcie"),
 }
+"""The cards ``emulate=[...]`` accepts by name: reported name, memory, compute capability and link class of each."""
 
 _PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown",
                  "host", "inter_host_gbit")

@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_hetero._compat import PathType as _PATH
 from lightning_hetero._compat import is_local_path as _is_local_file_protocol
+from lightning_hetero._compat import weights_only_argument
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
 CHECKSUM_SUFFIX = ".sha256"  # the checksum file next to each checkpoint file, in `sha256sum` format
@@ -88,15 +89,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
+        load_options = weights_only_argument(super().load_checkpoint, weights_only)  # Lightning 2.5: no weights_only
         if not _is_local_file_protocol(path) or not os.path.exists(path):  # Lightning's FileNotFoundError
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location, **load_options)
         problem = check_checkpoint_file(path)
         if problem is not None and problem.startswith(_NO_CHECKSUM):
             rank_zero_warn(f"loading {os.fspath(path)!r} unverified: {problem}")  # e.g. written by plain Lightning
         elif problem is not None:
             raise CheckpointError(f"cannot resume from {os.fspath(path)!r}: {problem}")
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location, **load_options)
         except RuntimeError as err:  # torch's zip reader on a damaged archive
             raise CheckpointError(f"cannot resume from {os.fspath(path)!r}: the file is damaged ({err}).") from err
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_hetero import _compat
 from lightning_hetero.config import (
     DataSplit,
     Observation,
@@ -137,7 +138,8 @@ class FSDP2Strategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)  # one full file (e.g. from one device)
+            load = super().load_checkpoint  # one full file (e.g. from one device)
+            return load(path, **_compat.weights_only_argument(load, weights_only))
         checkpoint = load_sharded(path, self.lightning_module, list(self.optimizers),
                                   strict=self.lightning_module.strict_loading)
         checkpoint["state_dict"] = {}  # loaded already; Lightning's own model load is a no-op

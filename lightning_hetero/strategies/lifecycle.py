@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hetero import _compat
 from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
@@ -224,7 +225,8 @@ class HeteroLifecycle:
     # -- checkpoints and teardown -----------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        load = super().load_checkpoint  # type: ignore[misc]
+        checkpoint = load(checkpoint_path, **_compat.weights_only_argument(load, weights_only))
         self.core.on_load(checkpoint, checkpoint_path)
         return checkpoint
 
