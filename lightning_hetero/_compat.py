@@ -142,3 +142,8 @@ def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]
     it on neither (and never passes it), so an override that forwards it must leave it out there.
     """
     return {"weights_only": weights_only} if "weights_only" in inspect.signature(load).parameters else {}
+
+
+def launcher_strategy(launcher: object) -> object:
+    """The strategy a Lightning process launcher was made for (kept under a private name)."""
+    return launcher._strategy  # type: ignore[attr-defined]

@@ -34,25 +34,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from lightning_hetero import _compat
+from lightning_hetero.config import check as _check
+from lightning_hetero.config import is_int as _is_int
+from lightning_hetero.config import is_number as _is_num
 from lightning_hetero._compat import powersgd_orthogonalize as _torch_orthogonalize
 from lightning_hetero._compat import powersgd_orthogonalize_gram_schmidt as _orthogonalize_gram_schmidt
 from lightning_hetero._compat import powersgd_should_compress as _should_compress
 
 CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk", "auto"]
 GroupBy = Literal["host", "class"]
-
-
-def _check(cls: str, name: str, value: Any, ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"`{cls}.{name}`={value!r} must be {what}.")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_hop(cls: str, hierarchical: Any, group_by: Any) -> None:

@@ -36,7 +36,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hetero.grad.compression import CastCompression, NoCompression, _check, _is_int, _is_num
+from lightning_hetero.config import check as _check
+from lightning_hetero.config import is_int as _is_int
+from lightning_hetero.config import is_number as _is_num
+from lightning_hetero.grad.compression import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 

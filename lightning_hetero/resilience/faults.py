@@ -57,6 +57,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_hetero import _compat
 from lightning_hetero._compat import MultiProcessingLauncher
 
 _JOIN = "lightning_hetero/join"
@@ -122,7 +123,7 @@ def rendezvous(address: str, port: int, rank: int, world_size: int, timeout: flo
 
 def _default_store_address() -> Optional[tuple[str, int]]:
     """Host and port of the TCPStore under the default process group (``None``: another kind of store)."""
-    store: Any = dist.distributed_c10d._get_default_store()
+    store: Any = _compat.default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     if isinstance(store, dist.TCPStore):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_hetero import _compat
 from lightning_hetero._compat import slurm_requeue
 
 CHECKPOINT_NAME = "preempted.ckpt"
@@ -174,7 +175,7 @@ def forwarding_signals(launcher: Any) -> Iterator[None]:
     """While Lightning's fork/spawn ``launcher`` runs: its launching process (no rank) passes SIGTERM (and the SLURM
     requeue signal) on to its ranks, and exits with their code once they stopped on it. Without it the parent dies
     and the ranks train on."""
-    signals = stop_signals(launcher._strategy.cluster_environment)
+    signals = stop_signals(_compat.launcher_strategy(launcher).cluster_environment)
     # Ranks that do not end within the deadline (stuck in C code, a hung collective) are killed, as torchrun does.
     deadline = threading.Timer(FORWARD_DEADLINE_S, lambda: launcher.kill(signal.SIGKILL))
     deadline.daemon = True
