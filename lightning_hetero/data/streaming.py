@@ -1,7 +1,7 @@
 """Streaming (iterable) datasets split by capacity: LitData's ``StreamingDataset`` or any torch ``IterableDataset``.
 
 A stream has no indices to permute, so :class:`HeteroStreamLoader` cuts the stream itself. Two modes
-(``HeteroDDPStrategy(stream_mode=...)``):
+(``HeteroDDPStrategy(data=DataSplit(stream_mode=...))``):
 
 - ``"exact"`` (default): every rank reads the *whole* stream, in the same order, cuts it into global batches of G
   samples and keeps its capacity share of each: training is exactly one device on the same stream. The price is that

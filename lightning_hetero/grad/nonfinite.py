@@ -29,7 +29,7 @@ gradient that one rank alone could see non-finite).
 
 Example::
 
-    >>> trainer = Trainer(callbacks=[NonFiniteCheck("skip")])  # HeteroDDPStrategy(nonfinite="skip") adds it itself
+    >>> trainer = Trainer(callbacks=[NonFiniteCheck("skip")])  # resilience={"nonfinite": "skip"} adds it itself
 """
 
 from collections.abc import Sequence

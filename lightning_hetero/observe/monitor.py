@@ -38,7 +38,7 @@ once per kind when a threshold is crossed (busy < 85 %: rebalance or more loader
 
 Example::
 
-    trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or HeteroDDPStrategy(monitor=True)
+    trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or observation={"monitor": True}
 """
 
 import json

@@ -17,7 +17,7 @@
 
 Example::
 
-    trainer = Trainer(strategy=HeteroDDPStrategy(resume="auto"),
+    trainer = Trainer(strategy=HeteroDDPStrategy(resilience=Resilience(resume="auto")),
                       callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_top_k=-1)])
     trainer.fit(model)  # the same command after a crash (or under `torchrun --max-restarts`) goes on from ckpts/
 """

@@ -46,22 +46,21 @@ from lightning_hetero.strategies.core import HeteroCore
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
-
 class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     """Data-parallel training over unequal devices, with the math of one device on the global batch.
+
+    The flat spellings of earlier releases (``timeout=``, ``resume=``, ``monitor=``, ``profile_steps=``,
+    ``balance=`` ...) still work: each folds into its group below with a ``FutureWarning`` naming the new spelling.
 
     Args:
         capacities: relative speed of each rank: a list (one per global rank), a mapping from device-name
             substring to weight (``{"A100": 3, "3090": 1, "*": 1}``), or ``"equal"``, ``"peak"`` (published rates),
             ``"profile"`` (measured on the model), ``"auto"`` (best available).
         global_batch_size: samples per optimizer step over all ranks. Default: the loader's ``batch_size`` × world
-            size, which is what plain DDP trains on, so hyper-parameters transfer unchanged. A resumed run keeps its
-            checkpoint's, on any number of devices.
+            size, as plain DDP, so hyper-parameters transfer unchanged. A resumed run keeps its checkpoint's.
         profiling: how ``"profile"``/``"auto"`` capacities are measured (:class:`~lightning_hetero.config.Profiling`).
-        rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`: re-derive shares while training from
-            each rank's measured compute time per sample.
-        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`: streams, token balance,
-            micro-batches).
+        rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`: re-derive shares while training.
+        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`: streams, tokens, micro-batches).
         precision_policy: per-rank mixed precision, one loss scale: ``"auto"`` (bf16 on compute capability >= 8.0,
             fp16 + loss scaling below, fp32 on CPU), one mode for all, a mapping from device-name substring or
             ``"rank:N"`` to a mode, or a :class:`~lightning_hetero.PrecisionPolicy`. ``None``: the Trainer's.
@@ -70,22 +69,22 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             ``PowerSGDCompression`` / ``TopKCompression`` (``hierarchical=True``: compress only between hosts or
             device classes). With ``periodic_sync``: the dtype of the outer exchange (none, fp16, bf16).
         periodic_sync: hosts on a slow link sync every H steps: a :class:`~lightning_hetero.PeriodicSync` (or a dict
-            of its fields). Exact sync inside each host; every ``every`` steps the hosts' sample-weighted parameter
-            deltas go through an outer step (average: local SGD; nesterov: DiLoCo).
-        emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``,
-            ``"RTX3090"`` ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie", "slowdown": 3}``) or
-            ``None`` (the real device). See :mod:`lightning_hetero.lab.emulation`.
-        resilience: the fault timeout and ``resume`` (:class:`~lightning_hetero.config.Resilience`).
+            of its fields); exact sync inside each host, an outer step between hosts (local SGD or DiLoCo).
+        emulate: emulate a mixed lab on identical devices, one entry per rank: a preset name (``"A100-40GB"``
+            ...), a dict (``{"sm_share": 0.25, "memory_gib": 24, "link": "pcie", "slowdown": 3}``) or ``None``.
+        resilience: fault timeout, ``resume``, ``nonfinite`` (:class:`~lightning_hetero.config.Resilience`).
         observation: the monitor and the lab table (:class:`~lightning_hetero.config.Observation`).
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph`` ...).
-        start_method: ``"popen"`` (Lightning's script launcher; also under torchrun / SLURM), ``"spawn"``, ``"fork"``
-            or ``"forkserver"``.
+        start_method: ``"popen"`` (Lightning's script launcher; also torchrun / SLURM), ``"spawn"``, ``"fork"``, ...
         process_group_backend: ``"nccl"``, ``"gloo"`` ... (default: by device).
-        accelerator / parallel_devices / cluster_environment / checkpoint_io / precision_plugin: as for Lightning's
-            ``DDPStrategy``; checkpoints are written atomically unless a ``checkpoint_io`` is given.
-        ddp_comm_state / ddp_comm_hook / ddp_comm_wrapper: a torch comm hook; it receives the weighted gradient.
-        timeout ... micro_batch: the flat spellings of earlier releases (``timeout``, ``resume``, ``monitor``,
-            ``profile_steps``, ``balance`` ...), folded into the groups above with a ``FutureWarning`` naming the new one.
+        accelerator: as for Lightning's ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``; default: atomic writes with a ``.sha256`` sidecar, verified on load.
+        precision_plugin: as for ``DDPStrategy`` (``precision_policy`` or this, not both).
+        ddp_comm_state: the state ``ddp_comm_hook`` receives.
+        ddp_comm_hook: a torch comm hook; it receives the weighted gradient.
+        ddp_comm_wrapper: wraps ``ddp_comm_hook``, as for ``DDPStrategy``.
     """
 
     strategy_name = "hetero_ddp"

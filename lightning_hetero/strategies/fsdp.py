@@ -181,8 +181,24 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             own. A model that shards itself in ``configure_model`` keeps its sharding.
         hybrid: on several hosts with equal GPU counts, shard inside each host and replicate across hosts (HSDP), so
             only the replicated gradient all-reduce crosses the slow link. Unequal hosts shard over all ranks.
-        capacities ... precision_plugin: as for :class:`~lightning_hetero.HeteroDDPStrategy` (bf16 all-gather and
+        capacities: relative speed of each rank, as for :class:`~lightning_hetero.HeteroDDPStrategy`.
+        global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
+        profiling: how measured capacities are profiled (:class:`~lightning_hetero.config.Profiling`).
+        rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
+        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); ``micro_batch`` must stay
+            ``None`` (every rank's forward joins the same all-gathers: hold large shares with ``memory``).
+        precision_policy: per-rank mixed precision, as for ``HeteroDDPStrategy`` (bf16 all-gather and
             reduce-scatter when every rank trains in bf16; fp32 master weights always).
+        emulate: emulate a mixed lab on identical devices, as for ``HeteroDDPStrategy``.
+        resilience: fault timeout, ``resume``, ``nonfinite`` (:class:`~lightning_hetero.config.Resilience`).
+        observation: the monitor and the lab table (:class:`~lightning_hetero.config.Observation`).
+        start_method: ``"popen"`` (Lightning's script launcher; also torchrun / SLURM), ``"spawn"`` or ``"fork"``.
+        process_group_backend: ``"nccl"``, ``"gloo"`` ... (default: by device).
+        accelerator: as for Lightning's ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``; default: atomic writes, verified by their checksums.
+        precision_plugin: as for ``DDPStrategy`` (``precision_policy`` or this, not both).
     """
 
     strategy_name = "hetero_fsdp"
