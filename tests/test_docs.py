@@ -34,6 +34,7 @@ def test_every_public_module_has_its_reference_line() -> None:
 def test_every_exported_name_has_its_row() -> None:
     index = open(os.path.join(API, "index.md"), encoding="utf-8").read()
     listed = set(re.findall(r"^\| \[`(\w+)`\]\[lightning_hetero\.", index, flags=re.MULTILINE))
-    assert len(lightning_hetero.__all__) > 20
+    # the user-facing API is exported (internals are not: they are reached through their modules)
+    assert {"HeteroDDPStrategy", "HeteroFSDPStrategy", "PeriodicSync", "Profiling", "Resilience"} <= set(lightning_hetero.__all__)
     missing = sorted(set(lightning_hetero.__all__) - listed)
     assert not missing, f"add a row to docs/api/index.md for each of {missing}"
