@@ -302,6 +302,22 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
     assert single.global_step == state["step"].item() > 5
 
 
+@pytest.mark.slow
+def test_a_damaged_shard_is_refused_before_it_is_loaded(tmp_path):
+    """Every sharded save carries a checksum manifest; a flipped byte in one shard stops the resume, naming it."""
+    from lightning_hetero.resilience.checkpoint import MANIFEST_NAME
+
+    _fit_fsdp(str(tmp_path / "a"), 2, [3, 1], ckpt_dir=str(tmp_path / "ckpt"), max_steps=5)
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    assert (checkpoint / MANIFEST_NAME).is_file()
+    shard = next(p for p in sorted(checkpoint.iterdir()) if p.name.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(Exception, match=shard.name):
+        _fit_fsdp(str(tmp_path / "b"), 2, [3, 1], ckpt_path=str(checkpoint))
+
+
 @pytest.mark.parametrize("config", ["fsdp_cpu.yaml", "fsdp_lab.yaml"])
 def test_fsdp_configs_parse(config):
     """The shipped YAML files are valid LightningCLI configs for the fine-tuning example (without training)."""

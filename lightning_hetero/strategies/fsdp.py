@@ -73,7 +73,7 @@ from lightning_hetero.plan.memory import (
     parse_memory_policy,
     resolve_memory,
 )
-from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
+from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, verify_manifest, write_manifest
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.core import HeteroCore
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
@@ -130,9 +130,9 @@ class FSDP2Strategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # A checksum manifest of the directory (resilience.checkpoint) plugs in as `before_publish`.
+        # Rank 0 writes the directory's checksum manifest once every shard is on disk, before it is published.
         save_sharded(self.broadcast(str(filepath)), checkpoint, self.lightning_module, list(self.optimizers),
-                     self.global_rank, self.barrier)
+                     self.global_rank, self.barrier, before_publish=write_manifest)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -140,6 +140,9 @@ class FSDP2Strategy(DDPStrategy):
         if not is_sharded_checkpoint(path):
             load = super().load_checkpoint  # one full file (e.g. from one device)
             return load(path, **_compat.weights_only_argument(load, weights_only))
+        problem = self.broadcast(verify_manifest(path) if self.global_rank == 0 else None)  # one verdict for all
+        if problem is not None:
+            raise CheckpointError(f"cannot resume from {path!r}: {problem}")
         checkpoint = load_sharded(path, self.lightning_module, list(self.optimizers),
                                   strict=self.lightning_module.strict_loading)
         checkpoint["state_dict"] = {}  # loaded already; Lightning's own model load is a no-op
