@@ -99,10 +99,10 @@ class PreemptionHandler(Callback):
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
-        # No collective and no I/O beyond one line here: the main thread may be anywhere, even inside a collective.
+        # No collective and no I/O here: the main thread may be anywhere, even inside a collective. Nothing is printed
+        # yet either: a launcher also sends SIGTERM when a peer died, and then the fault report must come first.
         if self.received is None:
             self.received = signum
-            _say(self._rank, f"received {signal.Signals(signum).name}: every rank stops after the next optimizer step")
 
     # -- Lightning hooks ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -152,6 +152,8 @@ class PreemptionHandler(Callback):
     def stop(self, trainer: Trainer, signum: int) -> None:
         """On every rank at once: save (if asked for), requeue (SLURM), exit with ``128 + signum``."""
         began = time.monotonic()
+        if self.received is not None:
+            _say(self._rank, f"received {signal.Signals(self.received).name}: every rank stops after this step")
         if self.before_stop is not None:
             self.before_stop()
         path = None
