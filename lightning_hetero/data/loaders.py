@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.data.sampler import GlobalOrder
 
 # What a loader built around a batch sampler must not also be given (DataLoader refuses the combination).

@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_hetero.config import check
 from lightning_hetero.grad.compression import (
     CastCompression,
     NoCompression,
     PowerSGDCompression,
     TopKCompression,
-    _check,
     describe_compression,
 )
 
@@ -66,15 +66,15 @@ class AutoCompression:
 
     def __post_init__(self) -> None:
         c = "AutoCompression"
-        _check(c, "step_seconds", self.step_seconds, self.step_seconds is None or (
+        check(c, "step_seconds", self.step_seconds, self.step_seconds is None or (
             isinstance(self.step_seconds, (int, float)) and self.step_seconds > 0), "None or > 0")
-        _check(c, "exposed_fraction", self.exposed_fraction,
+        check(c, "exposed_fraction", self.exposed_fraction,
                isinstance(self.exposed_fraction, (int, float)) and 0 < self.exposed_fraction <= 1, "in (0, 1]")
-        _check(c, "exposed_seconds", self.exposed_seconds,
+        check(c, "exposed_seconds", self.exposed_seconds,
                isinstance(self.exposed_seconds, (int, float)) and self.exposed_seconds >= 0, ">= 0")
-        _check(c, "strong", self.strong, self.strong in ("bf16", "powersgd", "topk"),
+        check(c, "strong", self.strong, self.strong in ("bf16", "powersgd", "topk"),
                '"bf16", "powersgd" or "topk"')
-        _check(c, "probe_mb", self.probe_mb, isinstance(self.probe_mb, (int, float)) and 0 < self.probe_mb <= 1024,
+        check(c, "probe_mb", self.probe_mb, isinstance(self.probe_mb, (int, float)) and 0 < self.probe_mb <= 1024,
                "in (0, 1024]")
 
     @property

@@ -33,21 +33,16 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from lightning_hetero import _compat
-from lightning_hetero.config import check as _check
-from lightning_hetero.config import is_int as _is_int
-from lightning_hetero.config import is_number as _is_num
-from lightning_hetero._compat import powersgd_orthogonalize as _torch_orthogonalize
-from lightning_hetero._compat import powersgd_orthogonalize_gram_schmidt as _orthogonalize_gram_schmidt
-from lightning_hetero._compat import powersgd_should_compress as _should_compress
+import lightning_hetero._compat as _compat
+from lightning_hetero.config import check, is_int, is_number
 
 CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk", "auto"]
 GroupBy = Literal["host", "class"]
 
 
 def _check_hop(cls: str, hierarchical: Any, group_by: Any) -> None:
-    _check(cls, "hierarchical", hierarchical, isinstance(hierarchical, bool), "True or False")
-    _check(cls, "group_by", group_by, group_by in ("host", "class"), '"host" or "class"')
+    check(cls, "hierarchical", hierarchical, isinstance(hierarchical, bool), "True or False")
+    check(cls, "group_by", group_by, group_by in ("host", "class"), '"host" or "class"')
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ class CastCompression:
     group_by: GroupBy = "host"
 
     def __post_init__(self) -> None:
-        _check("CastCompression", "dtype", self.dtype, self.dtype in ("fp16", "bf16"), '"fp16" or "bf16"')
+        check("CastCompression", "dtype", self.dtype, self.dtype in ("fp16", "bf16"), '"fp16" or "bf16"')
         _check_hop("CastCompression", self.hierarchical, self.group_by)
 
     def describe(self) -> str:
@@ -98,21 +93,21 @@ class PowerSGDCompression:
 
     def __post_init__(self) -> None:
         c = "PowerSGDCompression"
-        _check(c, "rank", self.rank, _is_int(self.rank) and self.rank >= 1, "a positive integer")
-        _check(c, "start_iter", self.start_iter, _is_int(self.start_iter) and self.start_iter >= 0,
+        check(c, "rank", self.rank, is_int(self.rank) and self.rank >= 1, "a positive integer")
+        check(c, "start_iter", self.start_iter, is_int(self.start_iter) and self.start_iter >= 0,
                "a non-negative integer")
-        _check(c, "warm_start", self.warm_start, isinstance(self.warm_start, bool), "True or False")
-        _check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
+        check(c, "warm_start", self.warm_start, isinstance(self.warm_start, bool), "True or False")
+        check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
         if (self.warm_start or self.error_feedback) and self.start_iter < 2:
             raise ValueError(
                 f"`PowerSGDCompression.start_iter`={self.start_iter!r} must be >= 2 with error feedback or warm start: "
                 "DDP rebuilds its buckets after the first step."
             )
-        _check(c, "min_compression_rate", self.min_compression_rate,
-               _is_num(self.min_compression_rate) and self.min_compression_rate >= 0, ">= 0")
-        _check(c, "orthogonalization_epsilon", self.orthogonalization_epsilon,
-               _is_num(self.orthogonalization_epsilon) and self.orthogonalization_epsilon >= 0, ">= 0")
-        _check(c, "seed", self.seed, _is_int(self.seed) and self.seed >= 0, "a non-negative integer")
+        check(c, "min_compression_rate", self.min_compression_rate,
+               is_number(self.min_compression_rate) and self.min_compression_rate >= 0, ">= 0")
+        check(c, "orthogonalization_epsilon", self.orthogonalization_epsilon,
+               is_number(self.orthogonalization_epsilon) and self.orthogonalization_epsilon >= 0, ">= 0")
+        check(c, "seed", self.seed, is_int(self.seed) and self.seed >= 0, "a non-negative integer")
         _check_hop(c, self.hierarchical, self.group_by)
 
     def describe(self) -> str:
@@ -146,15 +141,15 @@ class TopKCompression:
 
     def __post_init__(self) -> None:
         c = "TopKCompression"
-        _check(c, "ratio", self.ratio, _is_num(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]")
-        _check(c, "warmup_steps", self.warmup_steps, _is_int(self.warmup_steps) and self.warmup_steps >= 0,
+        check(c, "ratio", self.ratio, is_number(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]")
+        check(c, "warmup_steps", self.warmup_steps, is_int(self.warmup_steps) and self.warmup_steps >= 0,
                "a non-negative integer")
-        _check(c, "warmup_ratio", self.warmup_ratio, _is_num(self.warmup_ratio)
+        check(c, "warmup_ratio", self.warmup_ratio, is_number(self.warmup_ratio)
                and (self.warmup_steps == 0 or self.ratio <= self.warmup_ratio <= 1), f"in [ratio={self.ratio}, 1]")
-        _check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
-        _check(c, "momentum", self.momentum, isinstance(self.momentum, (int, float)) and not isinstance(
+        check(c, "error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "True or False")
+        check(c, "momentum", self.momentum, isinstance(self.momentum, (int, float)) and not isinstance(
             self.momentum, bool) and 0 <= self.momentum < 1, "in [0, 1)")
-        _check(c, "momentum_masking", self.momentum_masking, isinstance(self.momentum_masking, bool), "True or False")
+        check(c, "momentum_masking", self.momentum_masking, isinstance(self.momentum_masking, bool), "True or False")
         _check_hop(c, self.hierarchical, self.group_by)
 
     def ratio_at(self, step: int) -> float:
@@ -343,7 +338,7 @@ def _powersgd_segments(rank: int, min_rate: float, part: str) -> Segments:
             n = shape[0]
             m = math.prod(shape) // n
             r = min(n, m, rank)
-            if _should_compress(n, m, r, min_rate)[0]:
+            if _compat.powersgd_should_compress(n, m, r, min_rate)[0]:
                 groups.setdefault((n, m), []).append((pos, (n if part == "p" else m) * r))
         return [seg for group in groups.values() for seg in group]
 
@@ -401,7 +396,8 @@ def _orthogonalize(matrices: Sequence[Tensor], epsilon: float) -> None:
     On CUDA torch's Gram-Schmidt (about 8 small kernels per column, whatever the batch); elsewhere torch's choice
     (LAPACK's QR for r > 2 in full precision: faster on a CPU). torch's hook runs a QR per matrix on CUDA too.
     """
-    orthogonalize = _orthogonalize_gram_schmidt if matrices and matrices[0].is_cuda else _torch_orthogonalize
+    cuda = bool(matrices) and matrices[0].is_cuda
+    orthogonalize = _compat.powersgd_orthogonalize_gram_schmidt if cuda else _compat.powersgd_orthogonalize
     by_rank: dict[int, list[Tensor]] = {}
     for x in matrices:
         by_rank.setdefault(x.shape[2], []).append(x)
@@ -457,7 +453,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     for tensor in bucket.gradients():
         n = tensor.shape[0] if tensor.dim() > 0 else 1
         m = tensor.numel() // n
-        compress, before, after = _should_compress(n, m, min(n, m, ps.matrix_approximation_rank),
+        compress, before, after = _compat.powersgd_should_compress(n, m, min(n, m, ps.matrix_approximation_rank),
                                                    ps.min_compression_rate)
         ps.total_numel_before_compression += before
         ps.total_numel_after_compression += after if compress else before

@@ -36,9 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hetero.config import check as _check
-from lightning_hetero.config import is_int as _is_int
-from lightning_hetero.config import is_number as _is_num
+from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.grad.compression import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
@@ -71,15 +69,15 @@ class PeriodicSync:
 
     def __post_init__(self) -> None:
         c = "PeriodicSync"
-        _check(c, "every", self.every, _is_int(self.every) and self.every >= 1,
+        check(c, "every", self.every, is_int(self.every) and self.every >= 1,
                "a positive integer (optimizer steps between outer steps)")
-        _check(c, "outer", self.outer, self.outer in ("average", "nesterov"), '"average" or "nesterov"')
-        _check(c, "outer_lr", self.outer_lr, _is_num(self.outer_lr) and self.outer_lr > 0, "a positive finite number")
-        _check(c, "outer_momentum", self.outer_momentum,
-               _is_num(self.outer_momentum) and 0 <= self.outer_momentum < 1, "a number in [0, 1)")
-        _check(c, "warmup_steps", self.warmup_steps, _is_int(self.warmup_steps) and self.warmup_steps >= 0,
+        check(c, "outer", self.outer, self.outer in ("average", "nesterov"), '"average" or "nesterov"')
+        check(c, "outer_lr", self.outer_lr, is_number(self.outer_lr) and self.outer_lr > 0, "a positive finite number")
+        check(c, "outer_momentum", self.outer_momentum,
+               is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1, "a number in [0, 1)")
+        check(c, "warmup_steps", self.warmup_steps, is_int(self.warmup_steps) and self.warmup_steps >= 0,
                "a non-negative integer")
-        _check(c, "overlap", self.overlap, isinstance(self.overlap, bool), "True or False")
+        check(c, "overlap", self.overlap, isinstance(self.overlap, bool), "True or False")
 
     def describe(self) -> str:
         outer = "average" if self.outer == "average" else f"nesterov lr {self.outer_lr:g} m {self.outer_momentum:g}"

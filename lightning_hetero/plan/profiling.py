@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.plan.split import split_batch
 
 ContextFactory = Callable[[], AbstractContextManager]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.data.sampler import HeteroBatchSampler

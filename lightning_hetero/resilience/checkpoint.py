@@ -38,8 +38,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hetero._compat import PathType as _PATH
-from lightning_hetero._compat import is_local_path as _is_local_file_protocol
+import lightning_hetero._compat as _compat
+from lightning_hetero._compat import PathType
 from lightning_hetero._compat import weights_only_argument
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
@@ -63,8 +63,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with crash-safe, checksummed local writes, and verified loads with readable errors."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not _compat.is_local_path(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
@@ -85,12 +85,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PathType,
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         load_options = weights_only_argument(super().load_checkpoint, weights_only)  # Lightning 2.5: no weights_only
-        if not _is_local_file_protocol(path) or not os.path.exists(path):  # Lightning's FileNotFoundError
+        if not _compat.is_local_path(path) or not os.path.exists(path):  # Lightning's FileNotFoundError
             return super().load_checkpoint(path, map_location=map_location, **load_options)
         problem = check_checkpoint_file(path)
         if problem is not None and problem.startswith(_NO_CHECKSUM):
@@ -103,13 +103,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointError(f"cannot resume from {os.fspath(path)!r}: the file is damaged ({err}).") from err
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathType) -> None:
         super().remove_checkpoint(path)
-        if _is_local_file_protocol(path) and os.path.isfile(os.fspath(path) + CHECKSUM_SUFFIX):
+        if _compat.is_local_path(path) and os.path.isfile(os.fspath(path) + CHECKSUM_SUFFIX):
             os.remove(os.fspath(path) + CHECKSUM_SUFFIX)
 
 
-def check_trainer_checkpoint(checkpoint: Any, path: _PATH) -> None:
+def check_trainer_checkpoint(checkpoint: Any, path: PathType) -> None:
     """:class:`CheckpointError` unless ``checkpoint`` (read from ``path``) is a Lightning trainer checkpoint.
 
     Not part of :class:`AtomicCheckpointIO`: Lightning's launchers pass bare state dicts through the same IO.
@@ -125,7 +125,7 @@ def check_trainer_checkpoint(checkpoint: Any, path: _PATH) -> None:
 _NO_CHECKSUM = "no checksum file"
 
 
-def check_checkpoint_file(path: _PATH) -> Optional[str]:
+def check_checkpoint_file(path: PathType) -> Optional[str]:
     """Why the local file at ``path`` cannot be used as a checkpoint, or ``None`` if it is whole and verified.
 
     The answer starts with ``"no checksum file"`` for a file that looks whole but has no ``<file>.sha256`` next to it
@@ -159,7 +159,7 @@ def check_checkpoint_file(path: _PATH) -> Optional[str]:
     return None
 
 
-def newest_checkpoint(directories: Iterable[_PATH], exclude: Iterable[_PATH] = ()) -> Optional[str]:
+def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathType] = ()) -> Optional[str]:
     """The most recently written verified ``*.ckpt`` file in ``directories`` (``None`` if there is none).
 
     Damaged files are skipped with a warning naming them. Files without a checksum file are used only when no file is
@@ -195,7 +195,7 @@ def newest_checkpoint(directories: Iterable[_PATH], exclude: Iterable[_PATH] = (
     return None
 
 
-def find_resume_checkpoint(resume: str, directories: list[_PATH]) -> Optional[str]:
+def find_resume_checkpoint(resume: str, directories: list[PathType]) -> Optional[str]:
     """The checkpoint that ``resume`` (``"auto"`` or a directory) goes on from, or ``None`` for a fresh start (said in
     one info line). A ``resume`` directory that does not exist is a ``ValueError``: a typo would otherwise train from
     scratch silently."""
@@ -213,7 +213,7 @@ def find_resume_checkpoint(resume: str, directories: list[_PATH]) -> Optional[st
     return found
 
 
-def file_checksum(path: _PATH) -> str:
+def file_checksum(path: PathType) -> str:
     """SHA-256 of the file at ``path`` (hex), as ``sha256sum`` prints it."""
     digest, buffer = hashlib.sha256(), bytearray(_CHUNK)
     view = memoryview(buffer)
@@ -223,7 +223,7 @@ def file_checksum(path: _PATH) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: _PATH, threads: int = 4) -> str:
+def write_manifest(directory: PathType, threads: int = 4) -> str:
     """Write ``<directory>/checksums.sha256``: the SHA-256 of every file below ``directory`` (``sha256sum -c`` reads
     it); atomically, with the umask. Call it once every file of a (sharded) checkpoint is written; returns its path.
     """
@@ -240,7 +240,7 @@ def write_manifest(directory: _PATH, threads: int = 4) -> str:
     return target
 
 
-def verify_manifest(directory: _PATH, threads: int = 4) -> Optional[str]:
+def verify_manifest(directory: PathType, threads: int = 4) -> Optional[str]:
     """Why the checkpoint directory does not match its ``checksums.sha256`` (a file missing, added or changed, or no
     manifest), or ``None`` if every file matches."""
     directory = os.fspath(directory)
@@ -267,7 +267,7 @@ def verify_manifest(directory: _PATH, threads: int = 4) -> Optional[str]:
     return None
 
 
-def remove_stale_temporaries(directory: _PATH) -> list[str]:
+def remove_stale_temporaries(directory: PathType) -> list[str]:
     """Remove the temporaries of our own naming in ``directory`` that a killed save left; returns their paths.
 
     One is left over when its writer (a pid on this host) is gone, or when it was not written to for

@@ -57,7 +57,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero._compat import MultiProcessingLauncher
 
 _JOIN = "lightning_hetero/join"

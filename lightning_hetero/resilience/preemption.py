@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero._compat import slurm_requeue
 
 CHECKPOINT_NAME = "preempted.ckpt"

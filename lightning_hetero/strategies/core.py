@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, micro_limits, parse_micro_batch, run_micro_batches

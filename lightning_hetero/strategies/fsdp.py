@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.config import (
     DataSplit,
     Observation,

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero import _compat
+import lightning_hetero._compat as _compat
 from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
