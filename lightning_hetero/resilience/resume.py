@@ -30,7 +30,7 @@ def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
             )
     else:
         directories = [resume]
-    return find_resume_checkpoint(resume, directories)  # [trust-ckpt] a mistyped directory is an error
+    return find_resume_checkpoint(resume, directories)  # a mistyped directory is an error
 
 
 def resolve_resume(resume: Optional[str], function: Callable, args: tuple, kwargs: dict, trainer: Any) -> bool:
@@ -83,5 +83,5 @@ class ResumingMultiProcessingLauncher(ReportingLauncher):
         self.resume = resume
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        with forwarding_signals(self):  # [trust-ckpt: preemption] SIGTERM to this parent reaches the ranks
+        with forwarding_signals(self):  # SIGTERM to this parent reaches the ranks
             return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)

@@ -103,7 +103,7 @@ class HeteroCore:
         self.groups_: Optional[LabGroups] = None
         self.emulation: Optional[Emulator] = None
         self.faults: Optional[FaultMonitor] = None
-        # [trust-ckpt: preemption] SIGTERM / SLURM requeue: every rank stops after the same step, saves, exits. A
+        # SIGTERM / SLURM requeue: every rank stops after the same step, saves, exits. A
         # callback: the batch end (where ModelCheckpoint saves, resumed exactly) has no strategy hook.
         self.preemption = PreemptionHandler(resume=options.resilience.resume, before_stop=self.stop_watchdog)
         self.monitor: Optional[Any] = None  # the HeteroMonitor timing in-step collectives, while it watches
@@ -200,7 +200,7 @@ class HeteroCore:
                 rank_zero_warn(lab_warning(summaries))
         self.rank_states.register("rng", self.rng)
         trainer = _compat.trainer_of(strategy.lightning_module)
-        if trainer is not None and self.preemption not in trainer.callbacks:  # [trust-ckpt: preemption]
+        if trainer is not None and self.preemption not in trainer.callbacks:
             trainer.callbacks.append(self.preemption)
         if trainer is not None and self.options.observation.monitor:
             from lightning_hetero.observe.monitor import HeteroMonitor
@@ -495,7 +495,7 @@ class HeteroCore:
                                      trainer.num_training_batches)
 
     def stop_watchdog(self) -> None:
-        """[trust-ckpt: preemption] Before a signal's agreed exit: the other ranks must not take it for a fault."""
+        """Before a signal's agreed exit: the other ranks must not take it for a fault."""
         if self.faults is not None:
             self.faults.stop()
 
