@@ -256,16 +256,17 @@ def test_bad_strategy_arguments_name_the_field(kwargs, message):
     assert message in str(err.value)
 
 
-def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1):
+def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1, resume=None):
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
     model = TinyModel("adam", batch_size=4, n=64)
     strategy = HeteroFSDPStrategy(start_method="fork", observation={"print_table": False},
-                                  resilience={"timeout": 120}, capacities=capacities, global_batch_size=8)
+                                  resilience={"timeout": 120, "resume": resume}, capacities=capacities,
+                                  global_batch_size=8)
     callbacks = [Recorder(out_dir)]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max(max_steps, 0), save_top_k=-1))
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=2, max_steps=max_steps,
                       callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
@@ -300,6 +301,18 @@ def test_strategy_resumes_mid_epoch_on_another_world_size_and_exports_one_file(t
     single.fit(TinyModel("adam", batch_size=8, n=64), ckpt_path=str(tmp_path / "full.ckpt"))
     state = single.optimizers[0].state[single.lightning_module.net[0].weight]
     assert single.global_step == state["step"].item() > 5
+
+
+@pytest.mark.slow
+def test_resume_auto_goes_on_from_the_newest_sharded_checkpoint(tmp_path):
+    """A re-run with ``resume="auto"`` finds the sharded directory ModelCheckpoint wrote and ends where an
+    uninterrupted run ends."""
+    whole = _fit_fsdp(str(tmp_path / "whole"), 2, [3, 1])
+    _fit_fsdp(str(tmp_path / "a"), 2, [3, 1], ckpt_dir=str(tmp_path / "ckpt"), max_steps=5)
+    again = _fit_fsdp(str(tmp_path / "b"), 2, [3, 1], ckpt_dir=str(tmp_path / "ckpt"), resume="auto")
+    assert again[0]["steps"] == whole[0]["steps"] == 16
+    assert len(again[0]["params"]) == len(whole[0]["params"]) - 5  # went on from step 5, not from scratch
+    assert max_rel_diff(again[0]["params"][-1], whole[0]["params"][-1]) <= TOLERANCE
 
 
 @pytest.mark.slow

@@ -314,3 +314,24 @@ def test_directory_manifest_finds_changed_missing_and_added_files(tmp_path: Any)
     write_manifest(shards)
     (shards / "__3_0.distcp").write_bytes(b"late")
     assert "__3_0.distcp" in verify_manifest(shards)
+
+
+def test_resume_finds_the_newest_sharded_directory_and_skips_a_damaged_one(tmp_path: Any) -> None:
+    """A sharded checkpoint (a ``*.ckpt`` directory with its checksum manifest) is a resume candidate like a file;
+    a flipped byte in one of its shards sends the resume to the next older good checkpoint, with a warning."""
+    from lightning_hetero.resilience.checkpoint import write_manifest
+
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "epoch=0-step=2.ckpt")
+    time.sleep(0.05)
+    sharded = tmp_path / "epoch=0-step=4.ckpt"
+    sharded.mkdir()
+    (sharded / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
+    (sharded / "meta.pt").write_bytes(b"meta")
+    write_manifest(sharded)
+    (tmp_path / "half-written.ckpt").mkdir()  # no manifest: never published, not a candidate
+    assert newest_checkpoint([tmp_path]) == str(sharded)
+    data = bytearray((sharded / "__0_0.distcp").read_bytes())
+    data[7] ^= 0xFF
+    (sharded / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="__0_0.distcp"):
+        assert newest_checkpoint([tmp_path]) == str(tmp_path / "epoch=0-step=2.ckpt")

@@ -160,7 +160,8 @@ def check_checkpoint_file(path: PathType) -> Optional[str]:
 
 
 def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathType] = ()) -> Optional[str]:
-    """The most recently written verified ``*.ckpt`` file in ``directories`` (``None`` if there is none).
+    """The most recently written verified ``*.ckpt`` file (or sharded ``*.ckpt`` directory with its checksum manifest)
+    in ``directories`` (``None`` if there is none).
 
     Damaged files are skipped with a warning naming them. Files without a checksum file are used only when no file is
     verified (checkpoints written by another ``CheckpointIO``), the newest first, with a warning. Temporaries left by
@@ -175,11 +176,15 @@ def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathTyp
         remove_stale_temporaries(directory)
         for name in os.listdir(directory):
             path = os.path.abspath(os.path.join(directory, name))
-            if name.endswith(".ckpt") and not name.startswith(".") and path not in skip and os.path.isfile(path):
+            if not name.endswith(".ckpt") or name.startswith(".") or path in skip:
+                continue
+            if os.path.isfile(path):
                 candidates.append((os.path.getmtime(path), path))
+            elif os.path.isfile(os.path.join(path, MANIFEST_NAME)):  # a sharded checkpoint, published whole
+                candidates.append((os.path.getmtime(os.path.join(path, MANIFEST_NAME)), path))
     unverified: list[tuple[str, str]] = []
     for _, path in sorted(candidates, reverse=True):
-        problem = check_checkpoint_file(path)
+        problem = verify_manifest(path) if os.path.isdir(path) else check_checkpoint_file(path)
         if problem is None:
             for other, why in unverified:
                 rank_zero_warn(f"resume: skipping {other!r}: {why}")
