@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.config import Options
+from lightning_hetero.config import Options, check, is_int
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, micro_limits, parse_micro_batch, run_micro_batches
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
@@ -39,6 +39,7 @@ from lightning_hetero.data.streaming import build_stream_loader
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import (
+    parse_precision_policy,
     PrecisionPolicy,
     apply_tf32,
     build_precision_plugin,
@@ -48,10 +49,10 @@ from lightning_hetero.grad.precision import (
     resolve_precisions,
 )
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
+from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, parse_emulate, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.observe.notices import restore_inexact_resume_warning, silence_inexact_resume_warning
-from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
+from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities, resolve_static_capacities
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
 from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
@@ -519,3 +520,14 @@ def _stream_loader_settings(dataloader: DataLoader) -> dict[str, Any]:
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     return kwargs
+
+
+def core_from_arguments(strategy: Any, capacities: Any, global_batch_size: Optional[int], options: Options,
+                        emulate: Any, precision_policy: Any, precision_plugin: Any) -> HeteroCore:
+    """A strategy's core from its user-facing arguments, each checked with the argument named."""
+    check("", "global_batch_size", global_batch_size, global_batch_size is None or (
+        is_int(global_batch_size) and global_batch_size >= 1), "a positive integer or None")
+    policy = parse_precision_policy(precision_policy)
+    if policy is not None and precision_plugin is not None:
+        raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
+    return HeteroCore(strategy, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate), policy)

@@ -29,7 +29,6 @@ from lightning_hetero.config import (
     Profiling,
     Rebalancing,
     Resilience,
-    check,
     check_ddp_kwargs,
     check_strategy_arguments,
     from_flat_arguments,
@@ -37,12 +36,12 @@ from lightning_hetero.config import (
 from lightning_hetero.grad.autocompress import resolve_compression
 from lightning_hetero.grad.compression import CompressionArg, GradientCompression, parse_compression
 from lightning_hetero.grad.periodic import PeriodicSyncArg, periodic_runtime
-from lightning_hetero.grad.precision import PrecisionPolicyArg, parse_precision_policy
+from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
-from lightning_hetero.lab.emulation import PacedState, paced_hook, parse_emulate
-from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
+from lightning_hetero.lab.emulation import PacedState, paced_hook
+from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
-from lightning_hetero.strategies.core import HeteroCore
+from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
@@ -138,15 +137,9 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             "rebalance_smoothing": rebalance_smoothing, "monitor": monitor, "stream_mode": stream_mode,
             "resume": resume, "balance": balance, "loss_denominator": loss_denominator, "sample_cost": sample_cost,
             "micro_batch": micro_batch})
-        check("", "global_batch_size", global_batch_size,
-              global_batch_size is None or (isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool)
-                                            and global_batch_size >= 1), "a positive integer or None")
         self.compression_request = parse_compression(compression)  # "auto" is resolved at setup, per fit
         if self.compression_request is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
-        policy = parse_precision_policy(precision_policy)
-        if policy is not None and precision_plugin is not None:
-            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices, cluster_environment,
                                checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(
@@ -157,8 +150,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
             **check_ddp_kwargs(ddp_kwargs),
         )
-        self.core = HeteroCore(self, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate),
-                               policy)
+        self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
+                                        precision_plugin)
         self.periodic = periodic_runtime(periodic_sync, self.compression_request, ddp_comm_hook, ddp_comm_wrapper)
         self.compression_config = self.compression_request  # the method in use ("auto" is resolved at setup)
         self.compression: Optional[GradientCompression] = None  # bytes per step, per-rank state (after setup)

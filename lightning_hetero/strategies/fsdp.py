@@ -50,7 +50,7 @@ from lightning_hetero.config import (
     check_strategy_arguments,
     from_flat_arguments,
 )
-from lightning_hetero.grad.precision import PrecisionPolicyArg, parse_precision_policy
+from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     default_blocks,
     device_mesh,
@@ -60,8 +60,7 @@ from lightning_hetero.grad.sharding import (
     set_gradient_sync,
     shard_module,
 )
-from lightning_hetero.lab.emulation import parse_emulate
-from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
+from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
     MemoryPolicy,
     MemoryPolicyArg,
@@ -75,7 +74,7 @@ from lightning_hetero.plan.memory import (
 )
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, verify_manifest, write_manifest
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
-from lightning_hetero.strategies.core import HeteroCore
+from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
@@ -237,12 +236,6 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
               "`memory`: 'checkpoint' or 'offload')")
-        check("", "global_batch_size", global_batch_size, global_batch_size is None or (
-            isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1),
-            "a positive integer or None")
-        policy = parse_precision_policy(precision_policy)
-        if policy is not None and precision_plugin is not None:
-            raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -251,8 +244,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
             timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
         )
-        self.core = HeteroCore(self, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate),
-                               policy)
+        self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
+                                        precision_plugin)
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         self._footprint: Optional[ModelFootprint] = None
 
