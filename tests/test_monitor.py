@@ -224,7 +224,7 @@ def test_report_draws_png_from_sidecar(tmp_path, capsys) -> None:
     assert exited.value.code == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.startswith("lightning-hetero report: error: no hetero_monitor.jsonl under")
-    assert "monitor=True" in said
+    assert "observation={'monitor': True}" in said and "monitor=True" not in said
 
 
 def test_doctor_model_command(tmp_path) -> None:

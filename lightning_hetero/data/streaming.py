@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.observe.naming import running_strategy
 
 StreamMode = Literal["exact", "shard"]
 STREAM_MODES = ("exact", "shard")
@@ -187,7 +188,7 @@ class HeteroStreamLoader(DataLoader):
             counts = [c for c, _ in rows]
             if exact and (len(set(counts)) > 1 or len({f for _, f in rows}) > 1):
                 raise RuntimeError(
-                    f"HeteroDDPStrategy(stream_mode='exact'): the ranks read different streams (global batch {k} "
+                    f"{running_strategy()}(data={{'stream_mode': 'exact'}}): the ranks read different streams (global batch {k} "
                     f"has {counts} samples / differing contents across ranks). Exact mode needs the same stream on "
                     "every rank; a dataset that shards itself by rank needs `stream_mode='shard'`."
                 )
@@ -196,7 +197,7 @@ class HeteroStreamLoader(DataLoader):
             empty = [r for r, (_, flag) in enumerate(rows) if flag] if not exact else []
             if empty:
                 raise RuntimeError(
-                    f"HeteroDDPStrategy(stream_mode='shard'): the streams of rank(s) {empty} are empty while other "
+                    f"{running_strategy()}(data={{'stream_mode': 'shard'}}): the streams of rank(s) {empty} are empty while other "
                     "ranks' are not; give every rank at least one sample per epoch."
                 )
             total = counts[0] if exact else sum(counts)

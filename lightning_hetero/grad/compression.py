@@ -35,6 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.observe.naming import running_strategy
 
 CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk", "auto"]
 GroupBy = Literal["host", "class"]
@@ -800,7 +801,7 @@ class GradientCompression:
         if rank == 0 and any(t != i for i, t in enumerate(target)):
             moved = [i for i, t in enumerate(target) if t != i]
             rank_zero_info(
-                f"HeteroDDPStrategy resume: error-feedback memory of saved ranks {moved} folded into rank 0; "
+                f"{running_strategy()} resume: error-feedback memory of saved ranks {moved} folded into rank 0; "
                 f"all memories scaled by {len(self._compressing)}/{saved_n} compressing ranks."
             )
         out["buckets"] = buckets

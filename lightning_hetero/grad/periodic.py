@@ -40,6 +40,7 @@ from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.grad.compression import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
+from lightning_hetero.observe.naming import running_strategy
 
 OuterName = Literal["average", "nesterov"]
 
@@ -155,7 +156,7 @@ class PeriodicCrossHostSync:
         """Learn the hosts and this rank's groups. ``pacer``: the emulated link between hosts, if any."""
         self._rank = rank
         if len(lab.hosts) < 2:
-            rank_zero_warn("HeteroDDPStrategy: `periodic_sync` needs two or more hosts; with one host every step is "
+            rank_zero_warn(f"{running_strategy()}: `periodic_sync` needs two or more hosts; with one host every step is "
                            "an exact sync and `periodic_sync` does nothing.")
             self.active = False
             return

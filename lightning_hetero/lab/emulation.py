@@ -612,13 +612,24 @@ def start_emulation(
     return emulator
 
 
-def lab_warning(summaries: Sequence[str]) -> str:
-    """The rank-0 warning that the numbers come from an emulation."""
+def lab_warning(strategy_name: str, device_type: str, summaries: Sequence[str]) -> str:
+    """The rank-0 warning that the numbers come from an emulation, naming the running strategy and only what the
+    emulation does on ``device_type`` ("cuda": green-context SM caps, memory caps, NCCL link classes; otherwise:
+    pauses that slow each rank's CPU steps, the link between ranks not emulated).
+
+    Example::
+        >>> lab_warning("HeteroFSDPStrategy", "cpu", ["slowdown 3.00x, gloo (link not emulated)", "real device"])
+    """
+    if device_type == "cuda":
+        how = ("SM shares are green-context caps on the host GPU, memory a cap on its allocator, links NCCL's "
+               "transport settings; NCCL kernels are not capped")
+    else:
+        how = ("a rank's slowdown is a pause of (slowdown - 1) x its step's CPU time; the link between ranks is not "
+               "emulated")
     lines = [f"  rank {r}: {s}" for r, s in enumerate(summaries)]
     return (
-        "HeteroDDPStrategy is EMULATING a mixed lab: device names, memory and speed below are imposed on the host "
-        "device (green-context SM caps / CPU sleeps), NCCL kernels are not capped. Timings are not those of real "
-        "cards.\n" + "\n".join(lines)
+        f"{strategy_name} is EMULATING a mixed lab on {device_type.upper()}: device names, memory and speed below are "
+        f"imposed on the host device ({how}). Timings are not those of real cards.\n" + "\n".join(lines)
     )
 
 

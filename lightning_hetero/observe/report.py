@@ -32,7 +32,8 @@ def find_sidecar(logdir: str) -> str:
     found = glob.glob(os.path.join(logdir, "**", SIDECAR), recursive=True)
     if not found:
         raise FileNotFoundError(
-            f"no {SIDECAR} under {logdir!r}: train with HeteroDDPStrategy(monitor=True) or callbacks=[HeteroMonitor()] "
+            f"no {SIDECAR} under {logdir!r}: train with the strategy's `observation={{'monitor': True}}` or "
+            "`callbacks=[HeteroMonitor()]` "
             "and pass the logger's directory (e.g. lightning_logs/)."
         )
     return max(found, key=os.path.getmtime)

@@ -34,6 +34,7 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.data.sampler import HeteroBatchSampler
+from lightning_hetero.observe.naming import running_strategy
 
 
 def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:
@@ -145,7 +146,7 @@ class Decision:
         new = ", ".join(f"{s}" for s in self.new_split)
         rates = ", ".join(f"{c:.4g}" for c in self.new_capacities)
         return (
-            f"HeteroDDPStrategy rebalance from global batch {self.first_batch}: split [{old}] -> [{new}] "
+            f"{running_strategy()} rebalance from global batch {self.first_batch}: split [{old}] -> [{new}] "
             f"(step predicted {self.gain:.1%} shorter, {self.moved:.1%} of the batch moves; measured samples/s "
             f"[{rates}])"
         )
@@ -271,7 +272,7 @@ class ShareController:
         if restored is not None:
             self._restore(restored, sampler, trainer, strategy, replan is not None)
             if replan is not None:
-                rank_zero_info(f"HeteroDDPStrategy resume: {replan}; shares are planned for this lab "
+                rank_zero_info(f"{running_strategy()} resume: {replan}; shares are planned for this lab "
                                f"(capacities '{strategy.lab.capacity_source}').")
         if restored is None or replan is not None:
             # One rank has nobody to share with: profiling it would only delay the first step.
@@ -297,7 +298,7 @@ class ShareController:
     def _run_profile(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> Optional[ProfileResult]:
         module = strategy.lightning_module
         if not module.automatic_optimization:
-            rank_zero_warn("HeteroDDPStrategy: manual optimization cannot be profiled; keeping "
+            rank_zero_warn(f"{running_strategy()}: manual optimization cannot be profiled; keeping "
                            f"'{strategy.lab.capacity_source}' capacities.")
             return None
         order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
@@ -322,11 +323,11 @@ class ShareController:
             classes=[d.device_class for d in strategy.lab.devices],
         )
         if result is None:
-            rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "
+            rank_zero_warn(f"{running_strategy()}: `training_step` returned no loss to time; keeping "
                            f"'{strategy.lab.capacity_source}' capacities.")
             return None
         rates = ", ".join(f"{c:.4g}" for c in result.capacities)
-        rank_zero_info(f"HeteroDDPStrategy profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
+        rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
                        + (f", memory caps {list(result.caps)}" if result.caps else ""))
         return result
 
@@ -346,7 +347,7 @@ class ShareController:
                 "`global_batch_size` unset (the checkpoint's is kept) or start a new run."
             )
         if saved_g is not None and saved_g != sampler.global_batch_size:
-            rank_zero_info(f"HeteroDDPStrategy resume: keeping the checkpoint's global batch of {saved_g} samples "
+            rank_zero_info(f"{running_strategy()} resume: keeping the checkpoint's global batch of {saved_g} samples "
                            f"(the loader's batch_size x {sampler.world_size} ranks would give "
                            f"{sampler.global_batch_size}).")
             sampler.global_batch_size = int(saved_g)  # before counting the epoch's batches below
@@ -371,7 +372,7 @@ class ShareController:
             sampler.start_batch = start
             if start:
                 rank_zero_warn(
-                    f"HeteroDDPStrategy resume: the checkpoint stopped at batch {start} of epoch {epoch} but holds no "
+                    f"{running_strategy()} resume: the checkpoint stopped at batch {start} of epoch {epoch} but holds no "
                     "sampler state of this strategy, so which samples that epoch had drawn is unknown. The epoch goes "
                     f"on from global batch {start} of this strategy's order: some of its samples may repeat or be "
                     "missed. From the next epoch on every sample is seen once."
@@ -398,7 +399,7 @@ class ShareController:
             expected, self._expect_batch = self._expect_batch, None
             if batch_idx != expected:
                 raise RuntimeError(
-                    f"HeteroDDPStrategy resumed its sampler at global batch {expected} but Lightning resumed at "
+                    f"{running_strategy()} resumed its sampler at global batch {expected} but Lightning resumed at "
                     f"batch_idx {batch_idx}; samples would be lost or repeated."
                 )
         self.position = batch_idx + 1

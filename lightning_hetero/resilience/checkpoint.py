@@ -41,6 +41,7 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero._compat import PathType
 from lightning_hetero._compat import weights_only_argument
+from lightning_hetero.observe.naming import running_strategy
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
 CHECKSUM_SUFFIX = ".sha256"  # the checksum file next to each checkpoint file, in `sha256sum` format
@@ -433,7 +434,7 @@ def reopen_interrupted_epoch(checkpoint: dict[str, Any], epoch: int, position: i
             raise KeyError("batch position")
     except (KeyError, TypeError) as err:
         raise RuntimeError(
-            f"HeteroDDPStrategy: this checkpoint is taken after training stopped inside epoch {epoch} (at batch "
+            f"{running_strategy()}: this checkpoint is taken after training stopped inside epoch {epoch} (at batch "
             f"{position} of {batches}), and its loop state has an unexpected layout ({err}); a resume from it would "
             "skip the rest of the epoch. Save from a `ModelCheckpoint(every_n_train_steps=...)` instead."
         ) from err

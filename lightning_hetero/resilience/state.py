@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero._compat import collect_rng_states, set_rng_states
+from lightning_hetero.observe.naming import running_strategy
 
 
 class Stateful(Protocol):
@@ -73,7 +74,7 @@ class RankStates:
         reshard = getattr(self.parts[name], "reshard", None)
         if reshard is None:
             rank_zero_warn(
-                f"HeteroDDPStrategy: the checkpoint's per-rank '{name}' state was written by {len(states)} ranks and "
+                f"{running_strategy()}: the checkpoint's per-rank '{name}' state was written by {len(states)} ranks and "
                 f"cannot be carried over to {world}; '{name}' starts fresh."
             )
             return None

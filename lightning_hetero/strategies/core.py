@@ -198,7 +198,7 @@ class HeteroCore:
             dist.all_gather_object(summaries, summary)
             self.add_lab_columns({"emulated": summaries})
             if strategy.global_rank == 0:
-                rank_zero_warn(lab_warning(summaries))
+                rank_zero_warn(lab_warning(type(strategy).__name__, strategy.root_device.type, summaries))
         self.rank_states.register("rng", self.rng)
         trainer = _compat.trainer_of(strategy.lightning_module)
         if trainer is not None and self.preemption not in trainer.callbacks:

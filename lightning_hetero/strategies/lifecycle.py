@@ -21,6 +21,7 @@ from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
+from lightning_hetero.observe.naming import name_running_strategy
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
@@ -125,6 +126,7 @@ class HeteroLifecycle:
 
     @override
     def setup_environment(self) -> None:
+        name_running_strategy(self)
         self.core.before_process_group()
         super().setup_environment()  # type: ignore[misc]
         self.core.after_process_group()
