@@ -25,6 +25,9 @@ from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  #
 # and takes none from outside.
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: E402
 
+# Rewriting a known error's message in place, as Lightning's strategies do in `on_exception`: no public helper.
+from lightning.pytorch.utilities.exceptions import _augment_message as augment_message  # noqa: E402
+
 # The prediction loop's index-tracking batch-sampler wrapper: no public name, and a rebuilt prediction loader must
 # keep it for `return_predictions` / `BasePredictionWriter` batch indices.
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper as IndexBatchSamplerWrapper  # noqa: E402

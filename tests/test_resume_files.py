@@ -328,10 +328,38 @@ def test_resume_finds_the_newest_sharded_directory_and_skips_a_damaged_one(tmp_p
     (sharded / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
     (sharded / "meta.pt").write_bytes(b"meta")
     write_manifest(sharded)
-    (tmp_path / "half-written.ckpt").mkdir()  # no manifest: never published, not a candidate
-    assert newest_checkpoint([tmp_path]) == str(sharded)
+    (tmp_path / "no-manifest.ckpt").mkdir()  # no manifest: cannot be verified, never used (and said so)
+    with pytest.warns(UserWarning, match="skipping .*no-manifest.ckpt.*no checksum file 'checksums.sha256'"):
+        assert newest_checkpoint([tmp_path]) == str(sharded)
+    (tmp_path / "no-manifest.ckpt").rmdir()
     data = bytearray((sharded / "__0_0.distcp").read_bytes())
     data[7] ^= 0xFF
     (sharded / "__0_0.distcp").write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="__0_0.distcp"):
         assert newest_checkpoint([tmp_path]) == str(tmp_path / "epoch=0-step=2.ckpt")
+
+
+def test_resume_says_why_it_skips_a_sharded_directory_whose_manifest_was_deleted(tmp_path: Any) -> None:
+    """``resume="auto"`` with the newest sharded checkpoint's ``checksums.sha256`` deleted goes on from the previous
+    checkpoint and says why, naming the directory and the missing manifest (not only "going on from")."""
+    from lightning_hetero.resilience.checkpoint import find_resume_checkpoint, write_manifest
+
+    older = tmp_path / "epoch=0-step=2.ckpt"
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), older)
+    time.sleep(0.05)
+    sharded = tmp_path / "epoch=0-step=4.ckpt"
+    sharded.mkdir()
+    (sharded / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
+    (sharded / "meta.pt").write_bytes(b"meta")
+    write_manifest(sharded)
+    assert find_resume_checkpoint("auto", [tmp_path]) == str(sharded)
+    (sharded / "checksums.sha256").unlink()
+    with pytest.warns(UserWarning) as said:
+        assert find_resume_checkpoint("auto", [tmp_path]) == str(older)
+    lines = [str(w.message) for w in said]
+    assert any(str(sharded) in line and "no checksum file 'checksums.sha256'" in line for line in lines), lines
+    # Nothing verified left: the unverifiable directory is still not used, a fresh start (and the skip said).
+    older.unlink()
+    os.unlink(str(older) + ".sha256")
+    with pytest.warns(UserWarning, match="skipping .*epoch=0-step=4.ckpt"):
+        assert find_resume_checkpoint("auto", [tmp_path]) is None

@@ -165,7 +165,8 @@ def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathTyp
     in ``directories`` (``None`` if there is none).
 
     Damaged files are skipped with a warning naming them. Files without a checksum file are used only when no file is
-    verified (checkpoints written by another ``CheckpointIO``), the newest first, with a warning. Temporaries left by
+    verified (checkpoints written by another ``CheckpointIO``), the newest first, with a warning; a directory without
+    its manifest (an interrupted save, or the manifest deleted) is skipped with a warning saying so. Temporaries left by
     killed saves are removed on the way.
     """
     skip = {os.path.abspath(os.fspath(p)) for p in exclude}
@@ -183,6 +184,8 @@ def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathTyp
                 candidates.append((os.path.getmtime(path), path))
             elif os.path.isfile(os.path.join(path, MANIFEST_NAME)):  # a sharded checkpoint, published whole
                 candidates.append((os.path.getmtime(os.path.join(path, MANIFEST_NAME)), path))
+            elif os.path.isdir(path):  # no manifest: never used, but its skip is said where it is the newer one
+                candidates.append((os.path.getmtime(path), path))
     unverified: list[tuple[str, str]] = []
     for _, path in sorted(candidates, reverse=True):
         problem = verify_manifest(path) if os.path.isdir(path) else check_checkpoint_file(path)
@@ -190,7 +193,7 @@ def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathTyp
             for other, why in unverified:
                 rank_zero_warn(f"resume: skipping {other!r}: {why}")
             return path
-        if problem.startswith(_NO_CHECKSUM):
+        if problem.startswith(_NO_CHECKSUM) and not os.path.isdir(path):
             unverified.append((path, problem))
         else:
             rank_zero_warn(f"resume: skipping {path!r}: {problem}")

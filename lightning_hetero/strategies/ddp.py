@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+import lightning_hetero._compat as _compat
 from lightning_hetero.config import (
     StartMethod,
     DataSplit,
@@ -43,6 +44,20 @@ from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+
+
+# torch's error when a parameter got no gradient in the previous step (what Lightning's own hint matches).
+_UNUSED_PARAMETERS = ".*Expected to have finished reduction in the prior iteration.*"
+
+
+def unused_parameters_hint(strategy: object) -> str:
+    """What to do when DDP finds parameters that did not contribute to the loss, naming ``strategy``'s argument."""
+    return (
+        "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+        "training_step. If this is intentional, let DDP detect them: "
+        f"`strategy={type(strategy).__name__}(ddp_kwargs={{\"find_unused_parameters\": True}})` (YAML: "
+        "`ddp_kwargs: {find_unused_parameters: true}`)."
+    )
 
 
 class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
@@ -276,6 +291,12 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         super().on_train_end()
         if self.periodic is not None:  # an overlapped exchange still in flight lands before the end
             self.periodic.finish()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning's hint names its own DDPStrategy, which would drop this strategy: name the argument here.
+        _compat.augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=unused_parameters_hint(self))
+        super().on_exception(exception)
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:
