@@ -2,6 +2,7 @@
 ``ValueError`` naming the field at construction, never silently later (or never)."""
 
 import math
+import warnings
 import re
 
 import pytest
@@ -31,24 +32,24 @@ STRATEGY_CASES = [
     ({"ddp_kwargs": {"find_unused_parameters": 1}}, "find_unused_parameters"),
     ({"ddp_kwargs": {"bucket_cap_mb": 0}}, "bucket_cap_mb"),
     ({"ddp_kwargs": {"bucket_cap_mb": math.inf}}, "bucket_cap_mb"),
-    ({"timeout": 0}, "timeout"),
-    ({"timeout": math.nan}, "timeout"),
-    ({"timeout": True}, "timeout"),
-    ({"timeout": "30"}, "timeout"),
+    ({"resilience": {"timeout": 0}}, "resilience.timeout"),
+    ({"resilience": {"timeout": math.nan}}, "resilience.timeout"),
+    ({"resilience": {"timeout": True}}, "resilience.timeout"),
+    ({"resilience": {"timeout": "30"}}, "resilience.timeout"),
     ({"global_batch_size": 0}, "global_batch_size"),
     ({"global_batch_size": 8.0}, "global_batch_size"),
     ({"global_batch_size": True}, "global_batch_size"),
-    ({"print_table": "no"}, "print_table"),
-    ({"print_table": 0}, "print_table"),
+    ({"observation": {"print_table": "no"}}, "observation.print_table"),
+    ({"observation": {"print_table": 0}}, "observation.print_table"),
     ({"rebalance": 1}, "rebalance"),
-    ({"profile_steps": 0}, "profile_steps"),
-    ({"profile_steps": 2.5}, "profile_steps"),
-    ({"memory_headroom": 1.0}, "memory_headroom"),
-    ({"memory_headroom": -0.1}, "memory_headroom"),
-    ({"max_batch_per_rank": 0}, "max_batch_per_rank"),
-    ({"rebalance_every": 0}, "rebalance_every"),
-    ({"rebalance_threshold": 1.5}, "rebalance_threshold"),
-    ({"rebalance_smoothing": 0}, "rebalance_smoothing"),
+    ({"profiling": {"steps": 0}}, "profiling.steps"),
+    ({"profiling": {"steps": 2.5}}, "profiling.steps"),
+    ({"profiling": {"memory_headroom": 1.0}}, "profiling.memory_headroom"),
+    ({"profiling": {"memory_headroom": -0.1}}, "profiling.memory_headroom"),
+    ({"profiling": {"max_batch_per_rank": 0}}, "profiling.max_batch_per_rank"),
+    ({"rebalance": {"every": 0}}, "rebalance.every"),
+    ({"rebalance": {"threshold": 1.5}}, "rebalance.threshold"),
+    ({"rebalance": {"smoothing": 0}}, "rebalance.smoothing"),
     ({"capacities": "fastest"}, "capacities"),
     ({"capacities": [1, True]}, "capacities"),
     ({"capacities": {"A100": -1}}, "capacities"),
@@ -137,8 +138,35 @@ def test_good_values_are_accepted():
         HeteroDDPStrategy(process_group_backend=backend)
     HeteroDDPStrategy(ddp_kwargs={"bucket_cap_mb": 25, "static_graph": True, "find_unused_parameters": False,
                                   "gradient_as_bucket_view": True, "broadcast_buffers": False})
-    HeteroDDPStrategy(parallel_devices=[torch.device("cpu")] * 2, accelerator="cpu", timeout=30,
-                      ddp_comm_hook=lambda state, bucket: bucket, print_table=False)
+    HeteroDDPStrategy(parallel_devices=[torch.device("cpu")] * 2, accelerator="cpu", resilience={"timeout": 30},
+                      ddp_comm_hook=lambda state, bucket: bucket, observation={"print_table": False})
     assert EmulationSpec(capability="7.5", sm_share=1, preset="T4").capability == (7, 5)
     HeteroDDPStrategy(compression=TopKCompression(ratio=1, warmup_steps=5, warmup_ratio=1.0),
                       precision_policy=PrecisionPolicy(rules={"rank:0": "32-true", "*": "auto"}))
+
+
+# One value per flat spelling of earlier releases, and the grouped spelling it folds into.
+FLAT_SPELLINGS = {
+    "profile_steps": 8, "memory_headroom": 0.2, "max_batch_per_rank": 16, "rebalance_every": 5,
+    "rebalance_threshold": 0.1, "rebalance_smoothing": 0.5, "stream_mode": "shard", "balance": "tokens",
+    "loss_denominator": "tokens", "micro_batch": 4, "timeout": 30.0, "resume": "auto", "monitor": True,
+    "print_table": False,
+}
+
+
+def test_deprecated_flat_spellings_still_work_and_warn():
+    """The only test that uses the flat spellings: each still gives the options of its grouped spelling, with a
+    FutureWarning naming that spelling; a bad flat value names the flat argument."""
+    from lightning_hetero.config import _FLAT
+
+    assert set(FLAT_SPELLINGS) | {"sample_cost"} == set(_FLAT)  # sample_cost takes a callable: no YAML spelling
+    for name, value in FLAT_SPELLINGS.items():
+        group, field = _FLAT[name]
+        # Flat rebalancing knobs apply only with rebalancing on.
+        switched_on = {"rebalance": True} if group == "rebalance" else {}
+        with pytest.warns(FutureWarning, match=re.escape(f"`{name}={value!r}` is deprecated: write `{group}=")):
+            flat = HeteroDDPStrategy(**switched_on, **{name: value})
+        assert flat.core.options == HeteroDDPStrategy(**{group: {field: value}}).core.options, name
+    with pytest.raises(ValueError, match="`timeout`"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        HeteroDDPStrategy(timeout=0)

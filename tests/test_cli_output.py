@@ -32,7 +32,7 @@ def test_user_message_of_a_jsonargparse_union_error():
 @pytest.mark.slow
 @pytest.mark.parametrize(("argument", "message", "most"), [
     # refused when the strategy is built, before any rank starts
-    ("--trainer.strategy.init_args.rebalance_every=0", "`rebalance_every`=0 must be a positive number of batches.", 1),
+    ("--trainer.strategy.init_args.rebalance.every=0", "`rebalance.every`=0 must be a positive number of batches.", 1),
     # refused at setup, on both ranks: the watchdog's line (once for both) and the error
     ("--trainer.strategy.init_args.capacities=[1,2,3]", "`capacities` has 3 weights but the job has 2 ranks", 2),
 ])

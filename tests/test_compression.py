@@ -105,7 +105,7 @@ def fit_digits(out_dir: str, compression: Any, epochs: int, model: Optional[Digi
     seed_everything(0)
     model = model if model is not None else DigitsMLP(momentum=momentum)
     strategy = HeteroDDPStrategy(capacities=CAPACITIES, compression=compression, start_method="fork",
-                                 print_table=False, timeout=120)
+                                 observation={"print_table": False}, resilience={"timeout": 120})
     callbacks: list[Any] = [BytesRecorder(out_dir)]
     if save_every_epoch:
         callbacks.append(ModelCheckpoint(dirpath=out_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}"))

@@ -244,7 +244,7 @@ def test_cpu_slowdown_leaves_collectives_in_the_step_unslowed():
 
 def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(capacities="equal", start_method="fork", print_table=False, timeout=120,
+    strategy = HeteroDDPStrategy(capacities="equal", start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
                                  emulate=[None, {"slowdown": 3, "name": "slow box"}])
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=6,
                       callbacks=[_LocalWorkTimer(str(tmp_path))], logger=False, enable_checkpointing=False,

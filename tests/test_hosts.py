@@ -157,7 +157,7 @@ def fit_hosts(model: LightningModule, out_dir: str, compression: Any, capacities
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     strategy = HeteroDDPStrategy(capacities=capacities, emulate=emulate or HOSTS_2X2, compression=compression,
-                                 start_method="fork", print_table=False, timeout=120)
+                                 start_method="fork", observation={"print_table": False}, resilience={"timeout": 120})
     callbacks: list[Any] = [HostRecorder(out_dir)]
     if save_every_epoch:
         callbacks.append(ModelCheckpoint(dirpath=out_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}"))

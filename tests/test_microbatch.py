@@ -36,7 +36,7 @@ def test_chunk_sizes_and_limits():
 @pytest.mark.parametrize("value", [0, -1, [2, 0], "half", True, [], 2.5])
 def test_bad_micro_batch_names_the_field(value):
     with pytest.raises(ValueError, match="micro_batch"):
-        HeteroDDPStrategy(micro_batch=value)
+        HeteroDDPStrategy(data={"micro_batch": value})
     assert parse_micro_batch(4) == (4,) and parse_micro_batch([2, 8]) == (2, 8) and parse_micro_batch("auto") == "auto"
 
 
@@ -103,7 +103,7 @@ def test_micro_batched_rank_equals_one_process(tmp_path):
     ref_model = copy.deepcopy(model)
     initial = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     records = fit_distributed(model, str(tmp_path), 2,
-                              {"capacities": [3, 1], "micro_batch": "auto", "max_batch_per_rank": 3},
+                              {"capacities": [3, 1], "data": {"micro_batch": "auto"}, "profiling": {"max_batch_per_rank": 3}},
                               max_epochs=3, accumulate_grad_batches=2)
     ref_params, ref_batches = reference_run(ref_model, 2, [3, 1], 3, accumulate=2)
     assert len(ref_params) == 15 and records[0]["steps"] == 9  # 5 batches an epoch, 3 optimizer steps
@@ -140,4 +140,4 @@ class _Manual(TinyModel):
 @pytest.mark.slow
 def test_manual_optimization_is_refused(tmp_path):
     with pytest.raises(Exception, match="micro_batch.*automatic optimization"):
-        fit_distributed(_Manual(), str(tmp_path), 2, {"capacities": [3, 1], "micro_batch": 2}, max_epochs=1)
+        fit_distributed(_Manual(), str(tmp_path), 2, {"capacities": [3, 1], "data": {"micro_batch": 2}}, max_epochs=1)

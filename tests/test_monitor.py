@@ -62,7 +62,7 @@ def test_summary_and_token_rate() -> None:
     with pytest.raises(ValueError, match="every_n_steps"):
         HeteroMonitor(every_n_steps=0)
     with pytest.raises(ValueError, match="monitor"):
-        HeteroDDPStrategy(monitor="yes")  # type: ignore[arg-type]
+        HeteroDDPStrategy(observation={"monitor": "yes"})  # type: ignore[arg-type]
 
 
 def test_event_log_replays_into_step_rows_across_windows() -> None:
@@ -150,8 +150,8 @@ class _Releases(Callback):
 def _fit(tmp_path, capacities: str) -> tuple[list[dict], dict]:
     os.environ["MASTER_PORT"] = str(free_port())
     out = str(tmp_path / capacities)
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities=capacities,
-                                 monitor=True, profile_steps=2)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False, "monitor": True},
+                                 resilience={"timeout": 120}, capacities=capacities, profiling={"steps": 2})
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8, log_every_n_steps=3,
                       callbacks=[_Releases(os.path.join(out, "wall.json"))], logger=CSVLogger(out),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -258,7 +258,8 @@ def test_the_wait_in_the_gradient_all_reduce_follows_the_backward_end_mark(tmp_p
 
     os.environ["MASTER_PORT"] = str(free_port())
     strategy = (DDPStrategy(start_method="fork") if strategy_name == "lightning_ddp" else
-                HeteroDDPStrategy(start_method="fork", capacities="equal", print_table=False, timeout=120))
+                HeteroDDPStrategy(start_method="fork", capacities="equal", observation={"print_table": False},
+                                  resilience={"timeout": 120}))
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=7, log_every_n_steps=3,
                       callbacks=[HeteroMonitor(summary=False, warn=False)], logger=CSVLogger(str(tmp_path)),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

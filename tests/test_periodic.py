@@ -44,7 +44,7 @@ def fit_periodic(model: LightningModule, out_dir: str, periodic: Any, epochs: in
     os.environ["MASTER_PORT"] = str(free_port())
     world = len(emulate)
     strategy = HeteroDDPStrategy(capacities=capacities, emulate=emulate, periodic_sync=periodic,
-                                 start_method="fork", print_table=False, timeout=120)
+                                 start_method="fork", observation={"print_table": False}, resilience={"timeout": 120})
     callbacks: list[Any] = [LabRecorder(out_dir)]
     if save_every:
         callbacks.append(ModelCheckpoint(dirpath=out_dir, every_n_train_steps=save_every, save_top_k=-1,

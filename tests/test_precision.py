@@ -231,7 +231,8 @@ class _Checkpoint(Callback):
 
 def _fit(model: LightningModule, out_dir: str, epochs: int, ckpt_in: Optional[str], ckpt_out: str) -> None:
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities=[1, 1],
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                                 capacities=[1, 1],
                                  precision_policy=PrecisionPolicy(rules={"rank:0": "bf16-mixed", "*": "16-mixed"},
                                                                   init_scale=256.0, growth_interval=2))
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,

@@ -57,10 +57,11 @@ def test_memory_caps_from_two_sizes_and_clear_errors() -> None:
         combine([tiny, cpu], 24)
     with pytest.raises(ValueError, match="does not fit"):
         split_batch(64, [1, 1], [20, 30])
-    for kwargs, name in [({"memory_headroom": 1.5}, "memory_headroom"), ({"profile_steps": 0}, "profile_steps"),
-                         ({"max_batch_per_rank": 0}, "max_batch_per_rank"), ({"rebalance_every": 0}, "rebalance_every"),
-                         ({"rebalance_threshold": -0.1}, "rebalance_threshold"),
-                         ({"rebalance_smoothing": 0.0}, "rebalance_smoothing")]:
+    for kwargs, name in [({"profiling": {"memory_headroom": 1.5}}, "memory_headroom"),
+                         ({"profiling": {"steps": 0}}, "steps"),
+                         ({"profiling": {"max_batch_per_rank": 0}}, "max_batch_per_rank"),
+                         ({"rebalance": {"every": 0}}, "every"), ({"rebalance": {"threshold": -0.1}}, "threshold"),
+                         ({"rebalance": {"smoothing": 0.0}}, "smoothing")]:
         with pytest.raises(ValueError, match=name):
             HeteroDDPStrategy(**kwargs)
 
@@ -144,7 +145,7 @@ class _Probe(Callback):
 
 def _fit(model: LightningModule, out_dir: str, **strategy_kwargs: Any) -> list[dict]:
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, **strategy_kwargs)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120}, **strategy_kwargs)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, callbacks=[_Probe(out_dir)],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
@@ -180,7 +181,7 @@ def test_profiling_cost_on_digits_example() -> None:
             return super().configure_optimizers()
 
     out = tempfile.mkdtemp()
-    probes = _fit(Digits(), out, capacities="auto", max_batch_per_rank=48)
+    probes = _fit(Digits(), out, capacities="auto", profiling={"max_batch_per_rank": 48})
     cost = max(p["cost_s"] for p in probes)
     print(f"\nprofiling cost on the digits MLP: {cost:.3f} s; samples/s {probes[0]['capacities']}")
     assert 0 < cost <= 3.0
@@ -227,7 +228,8 @@ def test_validation_loader_follows_profiled_shares() -> None:
     model = _SlowWithValidation(per_sample=0.003, factor=3.0, batch_size=12, n=48)
     model.out_dir = out
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities="profile")
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                                 capacities="profile")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=1,
                       num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)

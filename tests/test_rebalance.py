@@ -78,8 +78,8 @@ class _Splits(Callback):
 def _fit(model: LightningModule, epochs: int, **strategy_kwargs: Any) -> list[dict]:
     out = tempfile.mkdtemp()
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities="equal",
-                                 rebalance=True, **strategy_kwargs)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120}, capacities="equal",
+                                 **strategy_kwargs)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, callbacks=[_Splits(out)],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
@@ -96,7 +96,7 @@ def _each_index_once_per_epoch(records: list[dict], n: int, epochs: int) -> None
 def test_rebalance_converges_after_slowdown_and_keeps_every_sample() -> None:
     n, epochs = 160, 3  # global batch 16 -> 10 steps per epoch
     model = TimedModel(per_sample=0.002, factor=1.0, late_factor=3.0, change_at=6, batch_size=8, n=n)
-    records = _fit(model, epochs, rebalance_every=3, rebalance_threshold=0.05, rebalance_smoothing=0.7)
+    records = _fit(model, epochs, rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7})
     assert records[0]["decisions"] == records[1]["decisions"]
     rank1 = [size for _, _, size, _ in records[0]["rows"]]
     # Rank 1 became 3x slower at step 6: its share goes to 16 / 4 = 4 samples, within a bounded number of steps.
@@ -112,7 +112,7 @@ def test_rebalance_converges_after_slowdown_and_keeps_every_sample() -> None:
 def test_no_rebalance_on_noise() -> None:
     n, epochs = 160, 2
     model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
-    records = _fit(model, epochs, rebalance_every=4, rebalance_threshold=0.1, rebalance_smoothing=0.5)
+    records = _fit(model, epochs, rebalance={"every": 4, "threshold": 0.1, "smoothing": 0.5})
     assert records[0]["decisions"] == [] and records[1]["decisions"] == []
     assert all(size == 8 for _, _, size, _ in records[0]["rows"])
     _each_index_once_per_epoch(records, n, epochs)
@@ -131,8 +131,8 @@ class BusyModel(TinyModel):
 def test_rebalance_sees_the_cpu_emulator_slowdown() -> None:
     """Rank 1 emulated 3x slower (it sleeps after each step): rebalancing moves its share from 8 towards 4."""
     n, epochs = 192, 2  # global batch 16 -> 12 steps per epoch
-    records = _fit(BusyModel(batch_size=8, n=n), epochs, rebalance_every=3, rebalance_threshold=0.05,
-                   rebalance_smoothing=0.7, emulate=[None, {"slowdown": 3.0}])
+    records = _fit(BusyModel(batch_size=8, n=n), epochs, rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7},
+                   emulate=[None, {"slowdown": 3.0}])
     assert records[0]["decisions"] == records[1]["decisions"]
     rank1 = [size for _, _, size, _ in records[0]["rows"]]
     assert rank1[0] == 8 and max(rank1[-6:]) <= 5, rank1

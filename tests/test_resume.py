@@ -62,8 +62,9 @@ def _fit(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path: Optional[str] 
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
     model = TinyModel("adam", batch_size=G // 2, n=N, dropout=0.3)
-    strategy = HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120, capacities="equal",
-                                 rebalance=True, rebalance_every=3, rebalance_threshold=0.05, resume=resume)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, capacities="equal",
+                                 rebalance={"every": 3, "threshold": 0.05},
+                                 resilience={"timeout": 120, "resume": resume})
     callbacks: list[Any] = [Recorder(out_dir), *extra]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every or max_steps, save_top_k=-1))

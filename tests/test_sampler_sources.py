@@ -289,8 +289,8 @@ def _fit_generator_model(out_dir: str, ckpt_dir: Optional[str] = None, ckpt_path
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=3, max_steps=max_steps, callbacks=callbacks,
-                         strategy=HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
-                                                    capacities=[3, 1]),
+                         strategy=HeteroDDPStrategy(start_method="fork", observation={"print_table": False},
+                                                    resilience={"timeout": 120}, capacities=[3, 1]),
                          logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(GeneratorModel(n=24, batch_size=4), ckpt_path=ckpt_path)

@@ -26,7 +26,7 @@ from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port
         ({"capacities": {"A100": 0}}, "capacities"),
         ({"capacities": 3}, "capacities"),
         ({"global_batch_size": 0}, "global_batch_size"),
-        ({"timeout": -5}, "timeout"),
+        ({"resilience": {"timeout": -5}}, "timeout"),
         ({"ddp_kwargs": {"device_ids": [0]}}, "ddp_kwargs"),
     ],
 )
@@ -79,7 +79,7 @@ def test_step_logging_is_weighted_by_local_batch(tmp_path):
     trainer = Trainer(
         accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[_Metrics(str(tmp_path))],
-        strategy=HeteroDDPStrategy(capacities=[3, 1], start_method="fork", print_table=False),
+        strategy=HeteroDDPStrategy(capacities=[3, 1], start_method="fork", observation={"print_table": False}),
     )
     trainer.fit(_RankValueModel(n=48))
     values = torch.load(os.path.join(tmp_path, "values0.pt"))
@@ -144,8 +144,8 @@ def test_spawn_launcher_fits(tmp_path):
     os.environ["MASTER_PORT"] = str(free_port())
     trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
-                      strategy=HeteroDDPStrategy(capacities="profile", start_method="spawn", print_table=False,
-                                                 timeout=120))
+                      strategy=HeteroDDPStrategy(capacities="profile", start_method="spawn",
+                                                 observation={"print_table": False}, resilience={"timeout": 120}))
     trainer.fit(_SpawnModel(n=32))
     # The spawn launcher hands the main process the state and metrics (not the step counter).
     assert trainer.state.finished and "val_loss" in trainer.callback_metrics

@@ -91,7 +91,7 @@ def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path):
     seed_everything(0)
     model = StreamModel({"sized": False, "weights": [3, 2]}, n=40, batch_size=4)
     reference_model = copy.deepcopy(model)
-    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "stream_mode": "shard"},
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "data": {"stream_mode": "shard"}},
                               max_epochs=2)
     stream = Stream(40, weights=[3, 2])
     batches, step = [], 0
@@ -128,14 +128,14 @@ def test_exact_mode_refuses_a_stream_that_differs_across_ranks(tmp_path):
 def test_shard_mode_refuses_an_empty_shard_on_every_rank(tmp_path):
     with pytest.raises(Exception, match=r"streams of rank\(s\) \[1\] are empty"):
         fit_distributed(StreamModel({"sized": False, "weights": [1, 0]}, n=16), str(tmp_path), 2,
-                        {"capacities": [1, 1], "stream_mode": "shard"}, max_epochs=1)
+                        {"capacities": [1, 1], "data": {"stream_mode": "shard"}}, max_epochs=1)
 
 
 def test_bad_stream_mode_is_a_value_error():
     from lightning_hetero import HeteroDDPStrategy
 
     with pytest.raises(ValueError, match="stream_mode"):
-        HeteroDDPStrategy(stream_mode="fast")  # type: ignore[arg-type]
+        HeteroDDPStrategy(data={"stream_mode": "fast"})  # type: ignore[arg-type]
 
 
 def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str] = None,
@@ -155,8 +155,8 @@ def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=2, max_steps=max_steps, callbacks=callbacks,
-                         strategy=HeteroDDPStrategy(start_method="fork", print_table=False, timeout=120,
-                                                    capacities=[3, 1], stream_mode=mode),
+                         strategy=HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                                                    capacities=[3, 1], data={"stream_mode": mode}),
                          logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -237,7 +237,8 @@ def test_litdata_shard_mode_gives_capacity_weighted_shards(tmp_path):
     model = LitDataModel(n=64, batch_size=4)
     model.data_dir = str(tmp_path / "data")
     reference_model = copy.deepcopy(model)
-    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "stream_mode": "shard"}, max_epochs=1)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "data": {"stream_mode": "shard"}},
+                              max_epochs=1)
     # Rank 0 reads 6/8 of the items at 6 a step, rank 1 2/8 at 2 a step: both finish after 8 steps, no padding.
     sizes = [[len(b) for b in records[r]["indices"]] for r in range(2)]
     assert sizes == [[6] * 8, [2] * 8]

@@ -213,7 +213,7 @@ def test_cost_function_precedence(monkeypatch):
                                                ({"sample_cost": len}, "sample_cost")])
 def test_bad_token_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        HeteroDDPStrategy(**kwargs)
+        HeteroDDPStrategy(data=kwargs)
 
 
 # -- exactness ---------------------------------------------------------------------------------------------------
@@ -228,9 +228,11 @@ def test_token_balanced_training_equals_one_process(tmp_path, denominator, micro
     seed_everything(0)
     model = SeqModel(denominator)
     ref_model, wrong_model = copy.deepcopy(model), copy.deepcopy(model)
-    kwargs = {"capacities": capacities, "balance": "tokens", "loss_denominator": denominator}
+    data = {"balance": "tokens", "loss_denominator": denominator}
+    kwargs: dict = {"capacities": capacities, "data": data}
     if micro:
-        kwargs.update(micro_batch="auto", max_batch_per_rank=3)
+        data["micro_batch"] = "auto"
+        kwargs["profiling"] = {"max_batch_per_rank": 3}
     records = fit_distributed(model, str(tmp_path), world, kwargs, max_epochs=epochs)
     ref_params, ref_losses, ref_batches = reference(ref_model, world, capacities, epochs)
     assert {r["steps"] for r in records} == {len(ref_params)} and len(ref_params) == 16

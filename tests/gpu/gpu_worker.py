@@ -47,8 +47,9 @@ def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool =
     # Emulated: rank 1 at a quarter of the SMs on a PCIe-class link; its steps run on the green context's stream,
     # so this also checks the stream hand-offs (a missing wait would corrupt or race the results).
     profile = {"sm_share": 0.25, "link": "pcie"} if accelerator == "gpu" else {"slowdown": 2.0}
-    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", timeout=300,
-                                 emulate=[None, profile] if emulate else None, micro_batch=4 if micro else None)
+    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", resilience={"timeout": 300},
+                                 emulate=[None, profile] if emulate else None,
+                                 data={"micro_batch": 4 if micro else None})
     trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, precision="32-true",
                       callbacks=[Recorder(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -115,7 +116,7 @@ class _StepTimer(Callback):
 def _step_seconds(emulate: Any, warmup: int = 3, steps: int = 8, batch: int = 8192) -> tuple[float, str]:
     # ~6.6 TFLOP per step: ~10 ms on a whole H200, far above Lightning's per-step overhead
     seed_everything(0)
-    strategy = HeteroDDPStrategy(capacities="equal", emulate=emulate, timeout=300)
+    strategy = HeteroDDPStrategy(capacities="equal", emulate=emulate, resilience={"timeout": 300})
     timer = _StepTimer(warmup)
     trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
                       max_steps=warmup + steps, callbacks=[timer], logger=False, enable_checkpointing=False,

@@ -51,7 +51,8 @@ def run(out: str, compression: str, accelerator: str) -> dict[str, Any]:
     slow = {"sm_share": 0.25} if accelerator == "gpu" else {"slowdown": 2.0}
     emulate = [{"host": "server", "inter_host_gbit": 25}, {"host": "ws", "inter_host_gbit": 25, **slow}]
     config: Any = NoCompression(hierarchical=True) if compression == "none-hierarchical" else compression
-    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", timeout=300, emulate=emulate,
+    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", resilience={"timeout": 300},
+                                 emulate=emulate,
                                  compression=config)
     trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, precision="32-true",
                       callbacks=[Recorder(out), LabRecorder(out)], logger=False, enable_checkpointing=False,

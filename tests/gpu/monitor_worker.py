@@ -26,8 +26,8 @@ from lightning_hetero.observe.monitor import SIDECAR  # noqa: E402
 
 def monitored(out: str, capacities: str, steps: int = 30, batch: int = 2048) -> dict:
     seed_everything(0)
-    strategy = HeteroDDPStrategy(capacities=capacities, emulate=[None, {"sm_share": 0.25}], monitor=True,
-                                 timeout=300)
+    strategy = HeteroDDPStrategy(capacities=capacities, emulate=[None, {"sm_share": 0.25}],
+                                 observation={"monitor": True}, resilience={"timeout": 300})
     trainer = Trainer(accelerator="gpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=steps,
                       log_every_n_steps=10, logger=CSVLogger(os.path.join(out, capacities)),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

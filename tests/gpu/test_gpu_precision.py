@@ -135,7 +135,8 @@ def _worker(out: str, accelerator: str) -> None:
         seed_everything(0)
         model = Student()
         compare = Compare()
-        strategy = HeteroDDPStrategy(capacities=[3, 1], timeout=300, print_table=(run == "mixed"),
+        strategy = HeteroDDPStrategy(capacities=[3, 1], resilience={"timeout": 300},
+                                     observation={"print_table": run == "mixed"},
                                      precision_policy=None if run == "fp32" else "auto")
         trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=3, logger=False,
                           callbacks=[compare], enable_checkpointing=False, enable_progress_bar=False,
