@@ -10,16 +10,25 @@ from typing import Optional
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-hetero", description=__doc__)
+    # Raw: the usage lines of the description stay one per line.
+    parser = argparse.ArgumentParser(prog="lightning-hetero", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    doctor = commands.add_parser("doctor", help="check this machine's devices, links and settings for a mixed lab")
+    doctor = commands.add_parser(
+        "doctor", help="check this machine's devices, links and settings for a mixed lab",
+        description="Check this machine for a mixed lab: its devices and their published rates, suggested "
+                    "capacities and precision, peer-to-peer access and NCCL advice. With --model CONFIG, also train "
+                    "the config for a few monitored steps and say what each card computes, waits and sends.")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--model", metavar="CONFIG", help="also train this LightningCLI config for a few steps with "
                         "the monitor: what each card will compute, wait and send")
     doctor.add_argument("--script", help="the LightningCLI script the config belongs to (default: a generic CLI, for "
                         "configs whose model and data have a class_path)")
     doctor.add_argument("--steps", type=int, default=20, help="optimizer steps of the dry run (default 20)")
-    report = commands.add_parser("report", help="draw a monitored run's per-rank timeline and share history (PNG)")
+    report = commands.add_parser(
+        "report", help="draw a monitored run's per-rank timeline and share history (PNG)",
+        description="Draw a monitored run's per-rank timeline and share history as a PNG, from the "
+                    "hetero_monitor.jsonl a run with observation={'monitor': True} wrote under its logger's directory.")
     report.add_argument("logdir", help="the logger's directory (hetero_monitor.jsonl is searched below it)")
     report.add_argument("--out", help="PNG path (default: beside hetero_monitor.jsonl)")
     args = parser.parse_args(argv)

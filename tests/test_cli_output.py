@@ -43,3 +43,21 @@ def test_a_bad_argument_is_said_once_without_traceback(tmp_path, argument, messa
     assert "Traceback" not in text, text[-3000:]
     assert f"train_digits.py: error: {message}" in proc.stderr
     assert 1 <= text.count(message) <= most, text  # it was 6 to 8 times in 58 to 98 lines
+
+
+def test_help_keeps_its_usage_lines_and_doctor_has_a_description(capsys) -> None:
+    from lightning_hetero.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    said = capsys.readouterr().out
+    # One usage line per command, as written in the module's docstring (not reflowed into one paragraph).
+    assert "\n    python -m lightning_hetero doctor [--json]" in said
+    assert "\n    python -m lightning_hetero report LOGDIR [--out PNG]" in said
+    for command in ("doctor", "report"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        usage, _, rest = capsys.readouterr().out.partition("\n\n")
+        description = rest.split("\n\n")[0]
+        assert usage.startswith(f"usage: lightning-hetero {command}")
+        assert not description.startswith(("options:", "positional arguments:")) and len(description) > 80

@@ -331,6 +331,12 @@ class FaultMonitor:
         except Exception:  # noqa: BLE001 - a store gone at the very end changes nothing for this rank
             pass
         self._stopped.set()
+        # A daemon thread still inside a store call when the interpreter finalizes is ended inside C++ code, which
+        # aborts the process ("terminate called without an active exception"): it ends here, and its stores with it.
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 2.0)
+        if self._thread is None or not self._thread.is_alive():
+            self._store = self._main_store = None
 
     def _find_cause(self) -> None:
         """This rank failed in a collective: look for the cause now, from this thread (a dead pid on this host shows

@@ -54,6 +54,7 @@ from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gath
 from lightning_hetero.observe.notices import restore_inexact_resume_warning, silence_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities, resolve_static_capacities
 from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.resilience.clean_exit import destroy_process_groups_at_exit
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
 from lightning_hetero.resilience.faults import FaultMonitor, rendezvous
 from lightning_hetero.resilience.preemption import PreemptionHandler
@@ -172,6 +173,7 @@ class HeteroCore:
         store = rendezvous(env.main_address, env.main_port, strategy.global_rank, strategy.world_size,
                            self.options.resilience.timeout, ranks_per_node=strategy.num_processes)
         _compat.init_process_group(strategy, store)
+        destroy_process_groups_at_exit()
 
     def after_process_group(self) -> None:
         """Every rank's device, the precision plugin, capacities, the lab and its groups (collectives)."""
