@@ -9,10 +9,11 @@ one exported from a sharded run with ``lightning_hetero.resilience.sharded.expor
 
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_digits import DigitsDataModule
 
 import lightning_hetero  # noqa: F401  (registers "hetero_fsdp")
+from lightning_hetero.observe.errors import run_main
 
 
 class Block(nn.Module):
@@ -71,9 +73,31 @@ class DigitsTransformer(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
+class EpochProgress(Callback):
+    """One line per epoch on rank 0 (the configs turn the progress bar off): its time and logged metrics."""
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = time.perf_counter()
+        if trainer.global_rank == 0 and trainer.current_epoch == 0:
+            print(f"training {trainer.max_epochs} epoch(s) of {trainer.num_training_batches} steps on "
+                  f"{trainer.world_size} rank(s)...", flush=True)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_rank == 0:
+            metrics = ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items()))
+            print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+                  f"({time.perf_counter() - self.started:.1f} s): {metrics}", flush=True)
+
+
 def main(args: Optional[list[str]] = None) -> LightningCLI:
-    return LightningCLI(DigitsTransformer, DigitsDataModule, args=args, save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(DigitsTransformer, DigitsDataModule, args=args, save_config_kwargs={"overwrite": True},
+                       trainer_defaults={"callbacks": [EpochProgress()]})
+    trainer = cli.trainer
+    if trainer.global_rank == 0 and trainer.state.fn == "fit":
+        metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+        print(f"final metrics: {metrics}")
+    return cli
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "finetune_fsdp.py")  # a bad argument: one line, not a traceback per rank

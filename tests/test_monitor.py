@@ -40,6 +40,18 @@ def test_analyse_splits_sync_into_wait_and_exposed_comm() -> None:
     assert "compression" in messages["comm"] and "bucket_cap_mb" in messages["comm"]
     starved = _window([[10.0, 3.0, 0.2, 32, 0]], [[10.0, 3.0, 0.2, 32, 0]])
     assert "num_workers" in dict(advice(starved))["data"]
+    assert "up to 30% shorter steps (3e+03 of 1e+04 ms)" in dict(advice(starved))["data"]
+
+
+def test_advice_only_where_it_pays_off() -> None:
+    """A toy run's milliseconds: loading 0.4 ms of a 4 ms step (10 %, but below what a worker's hand-off costs),
+    communication 0.6 ms (halved by compression: 7.5 %) and a wait balanced shares would save 0.2 ms: no advice."""
+    toy = _window([[0.004, 0.0004, 0.0009, 56, 0]] * 3, [[0.004, 0.0004, 0.0006, 8, 0]] * 3)
+    assert toy["wait"][0] == pytest.approx(0.0003) and toy["comm"][0] == pytest.approx(0.0006)
+    assert advice(toy) == []
+    # The same shape at 10 s steps: loading pays off, and is said with its gain.
+    big = _window([[10.0, 3.0, 0.2, 32, 0]], [[10.0, 0.0, 0.2, 32, 0]])
+    assert [k for k, _ in advice(big)] == ["data"]
 
 
 def test_summary_and_token_rate() -> None:
@@ -295,6 +307,8 @@ def test_warnings_name_their_steps_and_skip_what_the_run_does() -> None:
     w = {**w, "first_step": 5}
     plain = dict(advice(w))["wait"]
     assert plain.startswith("HeteroMonitor, steps 6-7: rank 0 computes only 25% of each step and waits 60%")
+    # Balanced at the measured rates (96/5 and 32/17 samples/s) the slowest compute of 8.5 s would be 6.07 s.
+    assert "up to 24% shorter steps (2.43e+03 of 1e+04 ms)" in plain, plain
     assert "capacities='profile' (or 'auto') and rebalance=True" in plain
     profiled = dict(advice(w, capacity_source="profile", rebalance=False))["wait"]
     assert "capacities=" not in profiled and "use rebalance=True" in profiled

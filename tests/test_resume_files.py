@@ -82,7 +82,7 @@ def test_newest_checkpoint_skips_unreadable_and_temporary_files(tmp_path: Any) -
 
 @pytest.mark.parametrize("resume", ["", 3, True])
 def test_resume_argument_is_checked(resume: Any) -> None:
-    with pytest.raises(ValueError, match="`resume`"):
+    with pytest.raises(ValueError, match="`resilience.resume`"):
         HeteroDDPStrategy(resilience={"resume": resume})
 
 

@@ -51,7 +51,6 @@ from typing import IO, Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero.plan.rebalance import when_backward_ends
 
@@ -149,8 +148,9 @@ class HeteroMonitor(Callback):
     Args:
         every_n_steps: optimizer steps between exchanges (and logged windows); ``None``: the Trainer's
             ``log_every_n_steps``.
-        warmup_steps: first optimizer steps left out of the warnings and the summary (allocator, caches).
-        warn: emit the threshold warnings (rank 0, once per kind).
+        warmup_steps: first optimizer steps left out of the advice and the summary (allocator, caches).
+        warn: print advice at the end of ``fit`` (rank 0, under the summary): only what would make steps at least
+            10 % shorter over the steps after warm-up, with the expected gain; never as warnings.
         summary: print the table at the end of ``fit`` (rank 0; with ``rich`` when installed).
         nvml: read NVML on CUDA ranks when ``nvidia-ml-py`` is installed.
     """
@@ -176,7 +176,7 @@ class HeteroMonitor(Callback):
         self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
         self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
         self._summary_steps: Optional[tuple[int, ...]] = None  # rank 0: first and last step the totals cover
-        self._warned: set[str] = set()
+        self._nvml_util: Sequence[float] = ()  # rank 0: the last window's GPU utilisation per rank
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -319,8 +319,11 @@ class HeteroMonitor(Callback):
         if self._unexchanged:
             self._exchange(trainer)
         self._stop_watching(trainer)
-        if self.summary and trainer.global_rank == 0 and self.totals is not None:
-            print_summary(self.totals, self._summary_steps)
+        if trainer.global_rank == 0 and self.totals is not None:
+            if self.summary:
+                print_summary(self.totals, self._summary_steps)
+            if self.warn:
+                self._print_advice(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_watching(trainer)
@@ -386,15 +389,18 @@ class HeteroMonitor(Callback):
         if self._sidecar is not None:
             self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
             self._sidecar.flush()  # a crash loses no logged window
-        if self.warn and kept is not None:  # the steps the table counts too (after warm-up), named in the message
-            lab = getattr(trainer.strategy, "lab", None)  # HeteroDDPStrategy's, during fit
-            shares = getattr(trainer.strategy, "share_controller", None)
-            for key, message in advice(kept, nvml_util=window["nvml"]["gpu_util"],
-                                       capacity_source=getattr(lab, "capacity_source", None),
-                                       rebalance=getattr(shares, "rebalance", None)):
-                if key not in self._warned:
-                    self._warned.add(key)
-                    rank_zero_warn(message)
+        self._nvml_util = window["nvml"]["gpu_util"]
+
+    def _print_advice(self, trainer: Trainer) -> None:
+        """What would pay off over all steps after warm-up (the summary's steps), printed once."""
+        assert self.totals is not None
+        lab = getattr(trainer.strategy, "lab", None)  # the hetero strategies', during fit
+        shares = getattr(trainer.strategy, "share_controller", None)
+        found = advice(totals_window(self.totals, self._summary_steps), nvml_util=self._nvml_util,
+                       capacity_source=getattr(lab, "capacity_source", None),
+                       rebalance=getattr(shares, "rebalance", None))
+        if found:
+            print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
 
     def _log(self, trainer: Trainer, window: Mapping[str, Any]) -> None:
         if trainer.logger is None:
@@ -482,17 +488,49 @@ def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, A
 
 # Capacity sources that already come from measuring the model (see HeteroLab.capacity_source).
 _MEASURED_SOURCES = ("profile", "rebalanced", "restored")
+# Advice is given only where it would make steps at least this much shorter...
+MIN_GAIN = 0.10
+# ... and hide at least this much loading per step: a loader worker hands each batch over through a queue (about a
+# millisecond), so less than this is not won back by more workers.
+MIN_DATA_S = 0.005
+
+
+def totals_window(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> dict[str, Any]:
+    """The per-step means of the summary's totals, in the layout of :func:`analyse`'s windows (for :func:`advice`)."""
+    n = max(totals["steps"][0], 1.0)
+    per_step = {k: [v / n for v in totals[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
+    total = sum(totals["samples"])
+    slowest = max(per_step["compute"])
+    return {
+        **per_step,
+        "first_step": (steps[0] - 1) if steps else 0,
+        "steps": int(n),
+        "samples": list(totals["samples"]),
+        "shares": [s / total for s in totals["samples"]] if total > 0 else None,
+        "busy": [c / t if t > 0 else 0.0 for c, t in zip(per_step["compute"], per_step["cycle"])],
+        "solo": [s / c if c > 0 else 0.0 for s, c in zip(totals["samples"], totals["compute"])],
+        "comm_compute_ratio": per_step["comm"][0] / slowest if slowest > 0 else None,
+    }
+
+
+def _gain(saved_s: float, step_s: float) -> str:
+    return f"up to {saved_s / step_s:.0%} shorter steps ({1000 * saved_s:.3g} of {1000 * step_s:.3g} ms)"
 
 
 def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_source: Optional[str] = None,
            rebalance: Optional[bool] = None) -> list[tuple[str, str]]:
-    """(kind, message) for each threshold a window crosses: each message names the window's steps (its numbers are
-    those steps' means) and says what to change, leaving out what the run already does (``capacity_source``: the
-    lab's, ``rebalance``: whether shares follow drifting speeds; ``None``: unknown)."""
+    """(kind, message) for each change that would make the window's steps at least ``MIN_GAIN`` shorter: each
+    message names the window's steps (its numbers are those steps' means), says what to change and how much it would
+    gain, leaving out what the run already does (``capacity_source``: the lab's, ``rebalance``: whether shares follow
+    drifting speeds; ``None``: unknown)."""
     out = []
     world = len(window["busy"])
     first = int(window.get("first_step", 0))
     span = f"HeteroMonitor, steps {first + 1}-{first + int(window.get('steps', 0))}:"
+    step_s = max(window["cycle"]) or 1e-12
+    solo = window["solo"]
+    # All ranks' compute ending together at the measured rates (fixed per-step costs counted as per-sample: "up to").
+    balanced_s = sum(window["samples"]) / sum(solo) if sum(solo) > 0 and "samples" in window else None
     for r in range(world):
         cycle = window["cycle"][r] or 1e-12
         wait, data = window["wait"][r] / cycle, window["data"][r] / cycle
@@ -500,8 +538,8 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
         busy = window["busy"][r]
         if busy >= BUSY_THRESHOLD and (util is None or util >= 100 * BUSY_THRESHOLD):
             continue
-        if wait >= 0.1 and world > 1:
-            solo = window["solo"]
+        saved = max(window["compute"]) - balanced_s if balanced_s is not None else window["wait"][r]
+        if wait >= 0.1 and world > 1 and saved >= MIN_GAIN * step_s:
             by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
             now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
             todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
@@ -509,22 +547,26 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
             use = f"use {' and '.join(todo)}. " if todo else "capacities are measured and rebalanced already. "
             out.append(("wait", (
                 f"{span} rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
-                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): {use}If the "
-                "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
-                "raise the batch size.")))
-        elif data >= 0.1:
+                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]), "
+                f"{_gain(saved, step_s)}: {use}If the wait stays, the slower ranks' steps are dominated by fixed "
+                "per-step costs that no split moves: raise the batch size.")))
+        elif data >= 0.1 and window["data"][r] >= max(MIN_DATA_S, MIN_GAIN * step_s):
             out.append(("data", (
                 f"{span} rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
-                "raise the DataLoader's num_workers (and pin_memory=True on GPUs).")))
+                f"raise the DataLoader's num_workers (and pin_memory=True on GPUs), "
+                f"{_gain(window['data'][r], step_s)}.")))
         elif util is not None and util < 100 * BUSY_THRESHOLD:
             out.append(("util", (
                 f"{span} GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
                 "small for the card (raise the global batch) or the host too slow to feed it.")))
     ratio = window.get("comm_compute_ratio")
-    if ratio is not None and ratio > COMM_RATIO_THRESHOLD:
+    # fp16 / bf16 on the wire halves the bytes: at best half the exposed communication is saved.
+    saved = window["comm"][0] / 2
+    if ratio is not None and ratio > COMM_RATIO_THRESHOLD and saved >= MIN_GAIN * step_s:
         out.append(("comm", (
             f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
-            f"{COMM_RATIO_THRESHOLD}): try compression='fp16'/'bf16' (or 'powersgd' on slow links), a larger "
+            f"{COMM_RATIO_THRESHOLD}): compression='fp16'/'bf16' halves the bytes, {_gain(saved, step_s)} where the "
+            "link's bandwidth (not its latency) is the limit ('powersgd' sends far less on slow links); a larger "
             "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
             "the backward), or a larger global batch.")))
     return out
@@ -558,7 +600,8 @@ def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]]
     slowest = max(totals["compute"])
     comm = totals["comm"][0]
     foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
-            "samples per second of compute); "
+            "samples per second of the rank's whole compute in these steps, optimizer and per-step overhead included, "
+            "unlike the profile's forward + backward rates); "
             f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
     if sum(totals["tokens"]) > 0 and wall > 0:
         foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
@@ -574,7 +617,7 @@ def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequenc
     title = "HeteroMonitor: where each rank's step time went (after warm-up)"
     if steps:
         title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "
-                 "the means of all these steps, where a warning gives one window's)")
+                 "the means of all these steps)")
     try:
         from rich.console import Console
         from rich.table import Table

@@ -327,7 +327,9 @@ class ShareController:
                            f"'{strategy.lab.capacity_source}' capacities.")
             return None
         rates = ", ".join(f"{c:.4g}" for c in result.capacities)
-        rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
+        # Forward + backward only: the monitor's solo/s also counts the optimizer and per-step overhead.
+        rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: forward + backward "
+                       f"samples/s at the planned split [{rates}]"
                        + (f", memory caps {list(result.caps)}" if result.caps else ""))
         return result
 
