@@ -14,8 +14,8 @@ Example::
 
     plan = SharePlan(parse_capacities([3, 1]), global_batch_size=8)
     plan.resolve(devices, torch.float32)
-    schedule = plan.train_schedule(global_batch_size=8)
-    schedule.split_at(0)  # [6, 2]
+    plan.adopt_train_schedule(ShareSchedule(8, plan.capacities))
+    plan.schedule.split_at(0)  # [6, 2]
 """
 
 import bisect
@@ -154,19 +154,19 @@ class SharePlan:
     def set_caps(self, caps: Optional[Sequence[int]]) -> None:
         self.caps = None if caps is None else tuple(int(c) for c in caps)
 
-    def train_schedule(self, global_batch_size: int, epoch: int = 0) -> ShareSchedule:
-        """The training loader's schedule, starting from the capacities in force (replaces an earlier loader's)."""
-        self.schedule = ShareSchedule(global_batch_size, self.capacities, epoch=epoch)
-        return self.schedule
+    def change(self, capacities: Sequence[float], first_batch: int, epoch: int) -> None:
+        """Split the training loader's global batches ``first_batch``, ... of ``epoch`` with new capacities."""
+        assert self.schedule is not None, "the training loader is not built yet"
+        self.schedule.roll_to_epoch(epoch)
+        self.schedule.change(capacities, first_batch, self.caps)
 
-    def eval_schedule(self, global_batch_size: int, epoch: int = 0) -> ShareSchedule:
-        """An evaluation loader's schedule: it follows every later capacity update."""
-        schedule = ShareSchedule(global_batch_size, self.capacities, epoch=epoch)
-        self.followers.append(schedule)
-        return schedule
+    def adopt_train_schedule(self, schedule: ShareSchedule) -> None:
+        """The training loader's schedule becomes the plan's (replacing an earlier loader's)."""
+        self.schedule = schedule
 
-    def drop_follower(self, schedule: ShareSchedule) -> None:
-        self.followers = [s for s in self.followers if s is not schedule]
+    def follow(self, schedule: ShareSchedule, replaces: Optional[ShareSchedule] = None) -> None:
+        """An evaluation loader's schedule follows every later capacity update (``replaces``: its predecessor's)."""
+        self.followers = [s for s in self.followers if s is not replaces and s is not schedule] + [schedule]
 
     # -- readers -------------------------------------------------------------------------------------------------------
     @property
