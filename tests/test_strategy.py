@@ -130,7 +130,7 @@ def test_strategy_pickles_for_the_spawn_launcher():
                                  compression=PowerSGDCompression(rank=2), precision_policy="auto",
                                  start_method="spawn")
     clone = pickle.loads(pickle.dumps(strategy))
-    assert clone.core.capacity_spec == strategy.core.capacity_spec and clone.core.options == strategy.core.options
+    assert clone.plan.spec == strategy.plan.spec and clone.core.options == strategy.core.options
 
 
 class _SpawnModel(TinyModel):
