@@ -33,22 +33,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-MicroBatchArg = Union[int, list[int], Literal["auto"]]
-
-
-def parse_micro_batch(value: Optional[MicroBatchArg]) -> Optional[Union[str, tuple[int, ...]]]:
-    """``None``, ``"auto"`` or a tuple of positive per-rank limits (one int: the same for all, as a 1-tuple)."""
-    if value is None or value == "auto":
-        return value
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(values, (list, tuple)) or not values or any(
-        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values
-    ):
-        raise ValueError(
-            f"`micro_batch`={value!r} must be None, 'auto', a positive integer or a list of one per rank."
-        )
-    return tuple(values)
-
+# The argument's type and check live with the other options (config.py); re-exported for this module's readers.
+from lightning_hetero.config import MicroBatchArg, parse_micro_batch
 
 def micro_limits(spec: Optional[Union[str, tuple[int, ...]]], caps: Optional[Sequence[int]],
                  world_size: int) -> Optional[list[Optional[int]]]:

@@ -1,4 +1,4 @@
-"""The lab set-up of one strategy: emulation, the process group, every rank's device, groups, precision, callbacks.
+"""The lab set-up of one strategy: emulation, the process group, every rank's device, groups, precision.
 
 :class:`LabSetup` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`; it reads the Lightning strategy
 through a :class:`~lightning_hetero.view.StrategyView` and holds the lab's device facts (:class:`HeteroLab`), its
@@ -17,12 +17,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
-from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import (
     PrecisionPolicy,
     apply_tf32,
@@ -116,26 +114,6 @@ class LabSetup:
             self.add_columns({"emulated": summaries})
             if self.view.global_rank == 0:
                 rank_zero_warn(lab_warning(summaries))
-
-    def add_callbacks(self, owner: str, preemption: Callback) -> None:
-        """The callbacks the strategy's options ask for, added to the trainer once."""
-        trainer = _compat.trainer_of(self.view.lightning_module)
-        if trainer is None:
-            return
-        if preemption not in trainer.callbacks:
-            trainer.callbacks.append(preemption)
-        if self.options.observation.monitor:
-            from lightning_hetero.observe.monitor import HeteroMonitor
-
-            if not any(isinstance(c, HeteroMonitor) for c in trainer.callbacks):
-                trainer.callbacks.append(HeteroMonitor())
-                rank_zero_info(f"{owner}(observation={{'monitor': True}}): added a HeteroMonitor callback to the "
-                               "trainer.")
-        nonfinite = self.options.resilience.nonfinite
-        if nonfinite != "ignore" and not any(isinstance(c, NonFiniteCheck) for c in trainer.callbacks):
-            trainer.callbacks.append(NonFiniteCheck(nonfinite, [d.host for d in self.lab.devices]))
-            rank_zero_info(f"{owner}(resilience={{'nonfinite': '{nonfinite}'}}): added a NonFiniteCheck callback to "
-                           "the trainer.")
 
     # -- precision -------------------------------------------------------------------------------------------------
     def _install_precision(self, devices: Sequence[DeviceInfo]) -> None:

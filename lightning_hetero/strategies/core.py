@@ -8,7 +8,9 @@ one job and read the Lightning strategy through one typed :class:`~lightning_het
 - ``shares`` (:class:`~lightning_hetero.plan.rebalance.ShareController`): profiling, rebalancing, share state;
 - ``loaders`` (:class:`~lightning_hetero.data.split.LoaderSplit`): every loader split by the plan, micro-batching;
 - ``step`` (:class:`~lightning_hetero.grad.step.StepShare`): this step's (b_r, G), micro-batches, the weighted mean;
-- ``resilience`` (:class:`~lightning_hetero.resilience.hooks.ResilienceHooks`): watchdog, checkpoint state, teardown.
+- ``resilience`` (:class:`~lightning_hetero.resilience.hooks.ResilienceHooks`): watchdog, checkpoint state, teardown;
+
+and adds the callbacks the options ask for (pre-emption, monitor, non-finite check).
 
 :class:`~lightning_hetero.strategies.lifecycle.HeteroLifecycle` is the thin layer of Lightning strategy overrides
 that calls them at each lifecycle point; a strategy is ``class HeteroXStrategy(HeteroLifecycle, XStrategy)`` plus
@@ -17,12 +19,17 @@ what its parallelism needs.
 
 from typing import Any, Optional
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, check, is_int
 from lightning_hetero.data.split import LoaderSplit
+from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import PrecisionPolicy, parse_precision_policy
 from lightning_hetero.grad.step import StepShare
 from lightning_hetero.lab.emulation import EmulationSpec, parse_emulate
 from lightning_hetero.lab.setup import LabSetup
+from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.observe.notices import restore_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities
 from lightning_hetero.plan.rebalance import ShareController
@@ -65,7 +72,24 @@ class HeteroCore:
         devices = self.lab.gather(local)
         self.plan.resolve(devices, self.lab.compute_dtype())
         self.lab.build(devices)
-        self.lab.add_callbacks(type(self.view).__name__, self.resilience.preemption)
+        self._add_callbacks()
+
+    def _add_callbacks(self) -> None:
+        """The callbacks the options ask for, added to the trainer once."""
+        trainer = _compat.trainer_of(self.view.lightning_module)
+        if trainer is None:
+            return
+        owner, options = type(self.view).__name__, self.options
+        if self.resilience.preemption not in trainer.callbacks:
+            trainer.callbacks.append(self.resilience.preemption)
+        if options.observation.monitor and not any(isinstance(c, HeteroMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(HeteroMonitor())
+            rank_zero_info(f"{owner}(observation={{'monitor': True}}): added a HeteroMonitor callback to the trainer.")
+        nonfinite = options.resilience.nonfinite
+        if nonfinite != "ignore" and not any(isinstance(c, NonFiniteCheck) for c in trainer.callbacks):
+            trainer.callbacks.append(NonFiniteCheck(nonfinite, [d.host for d in self.lab.lab.devices]))
+            rank_zero_info(f"{owner}(resilience={{'nonfinite': '{nonfinite}'}}): added a NonFiniteCheck callback to "
+                           "the trainer.")
 
     def on_save(self, checkpoint: dict[str, Any]) -> None:
         sampler = self.loaders.train_sampler
