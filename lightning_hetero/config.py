@@ -56,6 +56,10 @@ def check(owner: str, name: str, value: Any, ok: bool, what: str) -> None:
         raise ValueError(f"`{field}`={value!r} must be {what}.")
 
 
+# The release that drops the flat (ungrouped) spellings of the grouped options (deprecated in 0.2.0).
+FLAT_ARGUMENTS_REMOVED_IN = "0.4.0"
+
+
 def check_choice(owner: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
     check(owner, name, value, value in choices, "one of " + ", ".join(repr(c) for c in choices))
 
@@ -308,8 +312,8 @@ def from_flat_arguments(
         if groups[group] is not None:
             groups[group] = updated
         warnings.warn(
-            f"`{name}={value!r}` is deprecated: write `{group}={{'{field}': {value!r}}}` "
-            f"(YAML: `{group}: {{{field}: {_yaml(value)}}}`).",
+            f"`{name}={value!r}` is deprecated and will be removed in {FLAT_ARGUMENTS_REMOVED_IN}: write "
+            f"`{group}={{'{field}': {value!r}}}` (YAML: `{group}: {{{field}: {_yaml(value)}}}`).",
             FutureWarning,
             stacklevel=3,
         )
