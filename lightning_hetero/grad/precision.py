@@ -34,6 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
+from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
 from lightning_hetero.lab.rules import RankRules
 
@@ -69,14 +70,11 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", dict(self.rank_rules.rules))
-        if not isinstance(self.tf32, bool):
-            raise ValueError(f"`precision_policy` tf32={self.tf32!r} must be a bool.")
-        if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)) or not (
-            math.isfinite(self.init_scale) and self.init_scale > 0
-        ):
-            raise ValueError(f"`precision_policy` init_scale={self.init_scale!r} must be a positive finite number.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
-            raise ValueError(f"`precision_policy` growth_interval={self.growth_interval!r} must be a positive integer.")
+        check("precision_policy", "tf32", self.tf32, isinstance(self.tf32, bool), "a bool")
+        check("precision_policy", "init_scale", self.init_scale, is_number(self.init_scale) and self.init_scale > 0,
+              "a positive finite number")
+        check("precision_policy", "growth_interval", self.growth_interval,
+              is_int(self.growth_interval) and self.growth_interval >= 1, "a positive integer")
 
 
 def _check_precision_rule(key: str, mode: Any) -> str:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.lab.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]
@@ -65,19 +66,14 @@ class MemoryPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", dict(self.rank_rules.rules))
-        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) or not (
-            0 <= self.headroom < 1
-        ):
-            raise ValueError(f"`memory` headroom={self.headroom!r} must be a number in [0, 1).")
+        check("memory", "headroom", self.headroom, is_number(self.headroom) and 0 <= self.headroom < 1,
+              "a number in [0, 1)")
         fraction = self.checkpointed_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"`memory` checkpointed_fraction={fraction!r} must be a number in (0, 1].")
+        check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
+              "a number in (0, 1]")
         per_sample = self.activation_bytes_per_sample
-        if per_sample is not None and (isinstance(per_sample, bool) or not isinstance(per_sample, int)
-                                       or per_sample < 0):
-            raise ValueError(
-                f"`memory` activation_bytes_per_sample={per_sample!r} must be a non-negative integer or None."
-            )
+        check("memory", "activation_bytes_per_sample", per_sample, per_sample is None or (
+            is_int(per_sample) and per_sample >= 0), "a non-negative integer or None")
 
 
 def _check_memory_rule(key: str, mode: Any) -> str:
