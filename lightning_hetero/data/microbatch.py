@@ -27,14 +27,11 @@ Example::
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-
-# The argument's type and check live with the other options (config.py); re-exported for this module's readers.
-from lightning_hetero.config import MicroBatchArg, parse_micro_batch
 
 def micro_limits(spec: Optional[Union[str, tuple[int, ...]]], caps: Optional[Sequence[int]],
                  world_size: int) -> Optional[list[Optional[int]]]:

@@ -23,7 +23,6 @@ Example::
     >>> HeteroDDPStrategy(precision_policy=PrecisionPolicy(rules={"*": "auto"}, tf32=False, init_scale=2.0**12))
 """
 
-import math
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace

@@ -2,13 +2,13 @@
 
 :class:`StepShare` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`. At every training batch it
 reads the split the sampler used for it (hence the plan's schedule) and keeps ``(b_r, G)``, which a strategy turns
-into exact gradient weighting its own way (:func:`loss_weight` on the loss, or a DDP comm hook); inside a step,
+into exact gradient weighting its own way (:func:`~lightning_hetero.grad.weighting.loss_weight` on the loss, or a DDP comm hook); inside a step,
 means over ranks are weighted by each rank's batch size.
 
 Example::
 
     share = step.on_train_batch_start(batch_idx=0)  # (6, 8): this rank trains on 6 of the 8 samples
-    loss * loss_weight(*share, world_size=2)
+    loss * loss_weight(*share, world_size=2)  # lightning_hetero.grad.weighting.loss_weight
 """
 
 from collections.abc import Iterator
@@ -21,7 +21,6 @@ from torch import Tensor
 
 from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, run_micro_batches
 from lightning_hetero.data.split import LoaderSplit
-from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.resilience.hooks import ResilienceHooks
