@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.config import Options
+from lightning_hetero.config import Options, parse_micro_batch
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
-from lightning_hetero.data.microbatch import micro_limits, parse_micro_batch
+from lightning_hetero.data.microbatch import micro_limits
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
 from lightning_hetero.data.streaming import build_stream_loader
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
