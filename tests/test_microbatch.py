@@ -9,11 +9,11 @@ from lightning.pytorch import seed_everything
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero.config import parse_micro_batch
 from lightning_hetero.data.microbatch import (
     _combine,
     chunk_sizes,
     micro_limits,
-    parse_micro_batch,
     run_micro_batches,
     slice_batch,
 )
@@ -103,7 +103,8 @@ def test_micro_batched_rank_equals_one_process(tmp_path):
     ref_model = copy.deepcopy(model)
     initial = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     records = fit_distributed(model, str(tmp_path), 2,
-                              {"capacities": [3, 1], "data": {"micro_batch": "auto"}, "profiling": {"max_batch_per_rank": 3}},
+                              {"capacities": [3, 1], "data": {"micro_batch": "auto"},
+                               "profiling": {"max_batch_per_rank": 3}},
                               max_epochs=3, accumulate_grad_batches=2)
     ref_params, ref_batches = reference_run(ref_model, 2, [3, 1], 3, accumulate=2)
     assert len(ref_params) == 15 and records[0]["steps"] == 9  # 5 batches an epoch, 3 optimizer steps

@@ -137,7 +137,7 @@ class _Probe(Callback):
         profile = strategy.share_controller.profile
         torch.save({"same_params": same,
                     "capacities": list(profile.capacities), "cost_s": profile.cost_s,
-                    "split": list(strategy.lab.split), "table": strategy.lab.table(),
+                    "split": list(strategy.plan.split), "table": strategy.lab.table(strategy.plan),
                     "first_split": strategy.train_batch_sampler.split_at(0)},
                    os.path.join(self.out_dir, f"probe{trainer.global_rank}.pt"))
         trainer.should_stop = True
@@ -145,7 +145,8 @@ class _Probe(Callback):
 
 def _fit(model: LightningModule, out_dir: str, **strategy_kwargs: Any) -> list[dict]:
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120}, **strategy_kwargs)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                                 **strategy_kwargs)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, callbacks=[_Probe(out_dir)],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)

@@ -78,7 +78,8 @@ class _Splits(Callback):
 def _fit(model: LightningModule, epochs: int, **strategy_kwargs: Any) -> list[dict]:
     out = tempfile.mkdtemp()
     os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120}, capacities="equal",
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                                 capacities="equal",
                                  **strategy_kwargs)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, callbacks=[_Splits(out)],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,

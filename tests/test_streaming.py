@@ -155,7 +155,8 @@ def _fit_resumable(out_dir: str, mode: str, sized: bool, ckpt_dir: Optional[str]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=2, max_steps=max_steps, callbacks=callbacks,
-                         strategy=HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
+                         strategy=HeteroDDPStrategy(start_method="fork", observation={"print_table": False},
+                                                    resilience={"timeout": 120},
                                                     capacities=[3, 1], data={"stream_mode": mode}),
                          logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)

@@ -394,10 +394,11 @@ class HeteroMonitor(Callback):
     def _print_advice(self, trainer: Trainer) -> None:
         """What would pay off over all steps after warm-up (the summary's steps), printed once."""
         assert self.totals is not None
-        lab = getattr(trainer.strategy, "lab", None)  # the hetero strategies', during fit
+        # The hetero strategies' share plan and controller, during fit.
+        plan = getattr(trainer.strategy, "plan", None)
         shares = getattr(trainer.strategy, "share_controller", None)
         found = advice(totals_window(self.totals, self._summary_steps), nvml_util=self._nvml_util,
-                       capacity_source=getattr(lab, "capacity_source", None),
+                       capacity_source=getattr(plan, "source", None),
                        rebalance=getattr(shares, "rebalance", None))
         if found:
             print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
@@ -486,7 +487,7 @@ def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, A
     return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
 
 
-# Capacity sources that already come from measuring the model (see HeteroLab.capacity_source).
+# Capacity sources that already come from measuring the model (see SharePlan.source).
 _MEASURED_SOURCES = ("profile", "rebalanced", "restored")
 # Advice is given only where it would make steps at least this much shorter...
 MIN_GAIN = 0.10

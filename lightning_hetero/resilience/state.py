@@ -74,8 +74,8 @@ class RankStates:
         reshard = getattr(self.parts[name], "reshard", None)
         if reshard is None:
             rank_zero_warn(
-                f"{running_strategy()}: the checkpoint's per-rank '{name}' state was written by {len(states)} ranks and "
-                f"cannot be carried over to {world}; '{name}' starts fresh."
+                f"{running_strategy()}: the checkpoint's per-rank '{name}' state was written by {len(states)} ranks "
+                f"and cannot be carried over to {world}; '{name}' starts fresh."
             )
             return None
         return reshard(states, rank, world)
