@@ -25,6 +25,11 @@ from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  #
 # and takes none from outside.
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: E402
 
+# Whether a tensor is a view of another (FSDP2 warns when a sharded module returns one): no public predicate.
+def is_view(tensor: object) -> bool:
+    return getattr(tensor, "_base", None) is not None
+
+
 # Rewriting a known error's message in place, as Lightning's strategies do in `on_exception`: no public helper.
 from lightning.pytorch.utilities.exceptions import _augment_message as augment_message  # noqa: E402
 

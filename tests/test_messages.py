@@ -107,3 +107,34 @@ def test_unused_parameter_error_names_this_strategy_and_its_argument() -> None:
     other = RuntimeError("something else")
     strategy.on_exception(other)
     assert str(other) == "something else"
+
+
+def test_sharded_blocks_return_no_view_so_fsdp2_does_not_warn(tmp_path) -> None:
+    """The strategy's sharding (each ``nn.Linear`` its own unit when the model has no ``ModuleList``) on a 3-D input:
+    ``nn.Linear`` returns a view there, which FSDP2 warns about ("returned a view tensor"); the blocks return a copy
+    instead, with the same gradients as the unsharded model."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_hetero.grad.sharding import default_blocks, shard_module
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        reference = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        reference.load_state_dict(model.state_dict())
+        shard_module(model, init_device_mesh("cpu", (1,)), default_blocks(model), checkpoint=False, offload=False)
+        x = torch.randn(4, 3, 8)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        assert not [w for w in said if "view tensor" in str(w.message)], [str(w.message) for w in said]
+        reference(x).sum().backward()
+        for sharded, plain in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(sharded.grad.full_tensor(), plain.grad)
+    finally:
+        dist.destroy_process_group()

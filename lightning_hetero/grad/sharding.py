@@ -20,13 +20,14 @@ Example::
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+import lightning_hetero._compat as _compat
 from lightning_hetero._compat import checkpoint_module_in_place
 
 
@@ -66,6 +67,24 @@ def mixed_precision(modes: Sequence[str]) -> Optional[MixedPrecisionPolicy]:
     return None
 
 
+def own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: a tensor output that is a view (``nn.Linear`` on a 3-D input returns one) is returned as a copy.
+
+    FSDP2 registers its pre-backward hook on each output; an in-place op on a view would drop it (FSDP2 warns "returned
+    a view tensor"). The copy is the same values and gradient; the view's base is not kept alive by it.
+
+    Example::
+        >>> block.register_forward_hook(own_outputs)   # before fully_shard(block): it runs before FSDP2's hook
+    """
+    if not torch.is_grad_enabled():
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output.requires_grad and _compat.is_view(output) else output
+    if type(output) in (tuple, list):
+        return type(output)(own_outputs(module, args, item) for item in output)
+    return output
+
+
 def shard_module(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -89,8 +108,10 @@ def shard_module(
         for block in reversed(targets):
             if checkpoint and id(block) not in nested:
                 checkpoint_module_in_place(block)  # keeps parameter names: checkpoints match across ranks
+            block.register_forward_hook(own_outputs)
             fully_shard(block, **options)
     if not isinstance(module, FSDPModule):
+        module.register_forward_hook(own_outputs)
         fully_shard(module, **options)
     return module
 
