@@ -198,8 +198,9 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         strategy = _paced_ddp_class()(timeout=timedelta(seconds=_TIMEOUT_S))
         strategy.emulator, strategy.gbit = emulator, gbit
     else:
-        strategy = HeteroDDPStrategy(capacities=args.capacities, emulate=specs, print_table=(config == "auto"),
-                                     timeout=_TIMEOUT_S, compression="none" if config == "flat" else "auto")
+        strategy = HeteroDDPStrategy(capacities=args.capacities, emulate=specs,
+                                     observation={"print_table": config == "auto"},
+                                     resilience={"timeout": _TIMEOUT_S}, compression="none" if config == "flat" else "auto")
     recorder = _recorder_class()(args.warmup, args.steps, args.time_limit)
     batch = args.batch[module.kind]
     trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,

@@ -251,7 +251,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         capacities: Any = {"hetero-explicit": solos, "hetero-peak": "peak", "hetero-profile": "profile",
                            "hetero-equal": "equal", "hetero-profile-bf16": "profile", "hetero-monitor": solos}[config]
         compression = "bf16" if config.endswith("-bf16") else "none"
-        strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs, print_table=False, timeout=_TIMEOUT_S,
+        strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs,
+                                     observation={"print_table": False}, resilience={"timeout": _TIMEOUT_S},
                                      compression=compression)
     timer = _timer_class()(args.warmup, args.steps)
     callbacks: list[Any] = [timer]

@@ -141,7 +141,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, link: str
         compression = compression_for(method)
         timer = Timer()
         strategy = HeteroDDPStrategy(capacities="equal", compression=compression,
-                                     print_table=(method == args.methods[0]), timeout=300)
+                                     observation={"print_table": method == args.methods[0]},
+                                     resilience={"timeout": 300})
         trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy,
                              precision=precision, max_steps=args.steps, callbacks=[timer], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

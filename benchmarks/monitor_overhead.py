@@ -131,8 +131,8 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
         toggled = HeteroMonitor(summary=False, warn=False, every_n_steps=args.exchange_every)
     toggle = _block_toggle_class()(toggled, 2 * args.log_every, args.warmup)
     trainer = Trainer(accelerator="cpu", devices=args.devices,
-                      strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate, print_table=False,
-                                                 timeout=300),
+                      strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate,
+                                                 observation={"print_table": False}, resilience={"timeout": 300}),
                       max_steps=args.warmup + 2 * args.repeats * toggle.block + 1, max_epochs=-1,
                       log_every_n_steps=args.log_every, callbacks=[toggle], logger=CSVLogger(out, name="monitor"),
                       default_root_dir=out, enable_checkpointing=False, enable_progress_bar=False,

@@ -135,7 +135,7 @@ def run(name: str, periodic: Optional[Any], args: argparse.Namespace, train: tor
     module = _module_class()(train, args.batch_size, args.lr)
     curve_file = os.path.join(args.out, f".periodic_{name}.pt")
     strategy = HeteroDDPStrategy(capacities=CAPACITIES, emulate=HOSTS, periodic_sync=periodic, start_method="fork",
-                                 print_table=False, timeout=300)
+                                 observation={"print_table": False}, resilience={"timeout": 300})
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[_eval_callback_class()(held_out, args.eval_every, curve_file)])

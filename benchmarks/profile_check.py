@@ -106,7 +106,8 @@ def fit_phase(sms: int, out: str) -> None:
             return DataLoader(data, batch_size=BATCH, shuffle=True)
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
-    strategy = HeteroDDPStrategy(capacities="profile", emulate=[None, {"sm_share": sms / total}], profile_steps=6)
+    strategy = HeteroDDPStrategy(capacities="profile", emulate=[None, {"sm_share": sms / total}],
+                                 profiling={"steps": 6})
     trainer = Trainer(accelerator="gpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=2,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(Model())

@@ -139,9 +139,10 @@ def run_config(config: str, args: argparse.Namespace, world: int, rank: int) -> 
     seed_everything(0, workers=False, verbose=False)
     module = _module_class()(args.vocab, args.width, args.layers, args.heads)
     micro = args.micro if config.endswith("micro") else None
-    strategy = HeteroDDPStrategy(capacities="equal", balance=config.split("+")[0], loss_denominator="tokens",
-                                 micro_batch=micro,
-                                 print_table=False, timeout=_TIMEOUT_S)
+    strategy = HeteroDDPStrategy(capacities="equal",
+                                 data={"balance": config.split("+")[0], "loss_denominator": "tokens",
+                                       "micro_batch": micro},
+                                 observation={"print_table": False}, resilience={"timeout": _TIMEOUT_S})
     recorder = _recorder_class()(args.warmup)
     n = args.batch * world * (args.warmup + args.steps)
     dataset = SkewedSequences(n, args.short, args.long, args.vocab)
