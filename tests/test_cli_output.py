@@ -26,6 +26,10 @@ def test_user_message_of_a_jsonargparse_union_error():
                        "Errors:\n  - Expected a <class 'str'>\n  - `rebalance_every`=0 must be a positive number of "
                        "batches.\nGiven value type: <class 'jsonargparse._namespace.Namespace'>")
     assert user_message(error) == "`rebalance_every`=0 must be a positive number of batches."
+    nested = ValueError("Does not validate against any of the Union subtypes\nSubtypes: [<class 'bool'>, ...]\n"
+                        "Errors:\n  - Expected a <class 'bool'>\n  - Does not validate against any of the Union "
+                        "subtypes\n  - `rebalance.every`=0 must be a positive number of batches.")
+    assert user_message(nested) == "`rebalance.every`=0 must be a positive number of batches."
     assert user_message(ValueError("first\n  second")) == "first second"
 
 

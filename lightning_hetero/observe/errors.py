@@ -27,7 +27,8 @@ def user_message(error: BaseException) -> str:
     text = str(error)
     if _UNION_ERROR in text:
         reasons = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
-        reasons = [r for r in reasons if not r.startswith("Expected a ")]
+        # A union inside a union (`rebalance: bool | Rebalancing`) repeats the union's own line: not a reason.
+        reasons = [r for r in reasons if not r.startswith(("Expected a ", _UNION_ERROR))]
         if reasons:
             return "; ".join(reasons)
     return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__
