@@ -34,7 +34,7 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, check, is_int
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, micro_limits, parse_micro_batch, run_micro_batches
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch, for_evaluation
 from lightning_hetero.data.streaming import build_stream_loader
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
@@ -263,6 +263,8 @@ class HeteroCore:
             )
         else:
             batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+            if stage != RunningStage.TRAINING:  # every evaluation sample once, equal batch counts
+                batch_sampler = for_evaluation(batch_sampler)
             outer = dataloader.batch_sampler  # type: ignore[attr-defined]
             # The prediction loop tracks batch indices through Lightning's wrapper: keep it around ours.
             wrapped = _compat.IndexBatchSamplerWrapper(batch_sampler) if isinstance(
