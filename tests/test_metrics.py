@@ -214,8 +214,56 @@ def losses_of(model: LoggingModel, dataset: IndexedDataset) -> torch.Tensor:
         return per_sample_losses(model.net, dataset.x, dataset.y)
 
 
+def check_predictions(records: list[dict], losses: torch.Tensor, n: int) -> None:
+    """Every sample predicted once; each rank's predictions a run of the dataset order, ranks in rank order."""
+    per_rank = [torch.cat(r["predictions"]) if r["predictions"] else torch.zeros(0, 2) for r in records]
+    indices = [p[:, 0].long().tolist() for p in per_rank]
+    assert [i for rank in indices for i in rank] == list(range(n))
+    everything = torch.cat(per_rank)
+    assert everything[:, 1].tolist() == pytest.approx(losses[everything[:, 0].long()].tolist(), rel=1e-5)
+
+
 def test_validation_37_samples_at_3_1_equals_one_process(tmp_path):
     """The issue's case: 37 validation samples at [3, 1], epoch-level ``sync_dist=True``."""
     model = LoggingModel(n_train=16, n_eval=37, batch_size=8, on_step=False)
     records = run(model, str(tmp_path), [3, 1], HeteroDDPStrategy, "validate")
     check_stage(records, "val", losses_of(model, IndexedDataset(37, seed=1)), 37, on_step=False, exactly_once=True)
+
+
+# (stage, strategy, capacities, training samples, evaluation samples, batch size per device, step-level logging)
+CASES = [
+    # 53 training samples in global batches of 10: a partial last batch; 41 validation samples of which the last
+    # global batch holds one (once evaluated twice).
+    ("fit", HeteroDDPStrategy, [3, 1], 53, 41, 5, True),
+    # 17 training samples in global batches of 6: the last holds 5... and 32 validation samples that divide.
+    ("fit", HeteroDDPStrategy, [5, 2, 1], 17, 32, 2, False),
+    # 19 training samples in batches of 6: the last holds one, two ranks run a padding step.
+    ("fit", HeteroFSDPStrategy, [5, 2, 1], 19, 37, 2, True),
+    ("test", HeteroFSDPStrategy, [3, 1], 8, 41, 5, True),
+    ("test", HeteroDDPStrategy, [5, 2, 1], 8, 37, 3, True),
+    # Two samples for three ranks: one rank can only run a padding step.
+    ("validate", HeteroDDPStrategy, [5, 2, 1], 8, 2, 1, True),
+    ("predict", HeteroDDPStrategy, [5, 2, 1], 8, 37, 3, False),
+    ("predict", HeteroFSDPStrategy, [3, 1], 8, 41, 5, False),
+    ("predict", HeteroDDPStrategy, [5, 2, 1], 8, 7, 1, False),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "strategy_class", "capacities", "n_train", "n_eval", "batch_size", "on_step"),
+                         CASES, ids=[f"{c[0]}-{c[1].__name__[6:-8]}-{'_'.join(map(str, c[2]))}-{c[3]}-{c[4]}" for c in CASES])
+def test_logged_values_equal_one_process(tmp_path, stage, strategy_class, capacities, n_train, n_eval, batch_size,
+                                         on_step):
+    model = LoggingModel(n_train=n_train, n_eval=n_eval, batch_size=batch_size, on_step=on_step)
+    records = run(model, str(tmp_path), capacities, strategy_class, stage)
+    eval_losses = losses_of(model, IndexedDataset(n_eval, seed=1))
+    if stage == "predict":
+        check_predictions(records, eval_losses, n_eval)
+        return
+    if stage == "fit":
+        # Training global batches are one process's (a padding step re-reads a sample of its own global batch).
+        check_stage(records, "train", losses_of(model, IndexedDataset(n_train)), n_train, on_step,
+                    exactly_once=n_train % (batch_size * len(capacities)) >= len(capacities))
+    evaluated = "val" if stage in ("fit", "validate") else "test"
+    padding_unavoidable = n_eval < -(-n_eval // (batch_size * len(capacities))) * len(capacities)
+    check_stage(records, evaluated, eval_losses, n_eval, on_step, exactly_once=not padding_unavoidable)

@@ -61,11 +61,8 @@ def reduce_logged(tensor: Tensor, reduce_op: Optional[Union[dist.ReduceOp, str]]
     if name == "mean":
         if step_weight is not None:
             return weighted_mean(tensor)
-        if not tensor.is_floating_point():
-            # An epoch's sample count: averaged in float64, not truncated (the logged mean is sum / count).
-            total = reduce(tensor.to(torch.float64), "sum")
-            return total / dist.get_world_size()
-        return reduce(tensor, reduce_op)
+        # An epoch's sample count is an integer tensor: averaged in float64, not truncated (the mean is sum / count).
+        return reduce(tensor if tensor.is_floating_point() else tensor.to(torch.float64), reduce_op)
     if step_weight == 0 and name in _IDENTITY and tensor.is_floating_point():
         tensor = torch.full_like(tensor, _IDENTITY[name])
     return reduce(tensor, reduce_op)
