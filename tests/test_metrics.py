@@ -14,14 +14,18 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
+from lightning_hetero.data.sampler import EvaluationBatchSampler, GlobalOrder
+from lightning_hetero.plan.split import split_batch
 from tests.helpers import IndexedDataset, free_port
 
-# (reduce_fx name, what the step logs): a mean of per-sample losses is weighted by batch size, a sum adds up.
+# What each step logs, by name: the batch's mean loss (default reduce_fx, weighted by batch size), the sum, max and
+# min of its per-sample losses (reduce_fx of that name) and its sample count (reduce_fx="sum": every sample once).
 REDUCTIONS = ("mean", "sum", "max", "min", "count")
 
 
@@ -103,7 +107,8 @@ class RecordingLogger(Logger):
 
 
 class IndexRecorder(Callback):
-    """The dataset indices of each step, per stage, and what the logger received; saved per rank."""
+    """The dataset indices of each step, per stage, the predictions and what the logger received; saved per rank at
+    the stage's end (the fork launcher hands back rank 0's results only)."""
 
     def __init__(self, out_dir: str, logger: RecordingLogger) -> None:
         self.out_dir, self.logger = out_dir, logger
@@ -127,23 +132,15 @@ class IndexRecorder(Callback):
         if outputs is not None:
             self.predictions.append(outputs)
 
-    def save(self, rank: int) -> None:
-        torch.save({"indices": self.indices, "records": self.logger.records,
-                    "predictions": self.predictions}, os.path.join(self.out_dir, f"rank{rank}.pt"))
-
-
-class SaveAtEnd(Callback):
-    def __init__(self, recorder: IndexRecorder) -> None:
-        self.recorder = recorder
-
     def _save(self, trainer: Trainer) -> None:
-        self.recorder.save(trainer.global_rank)
+        torch.save({"indices": self.indices, "records": self.logger.records, "predictions": self.predictions},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.training:
+        if trainer.state.fn == TrainerFn.VALIDATING:
             self._save(trainer)
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -161,7 +158,7 @@ def run(model: LoggingModel, out_dir: str, capacities: list[float], strategy_cla
     strategy = strategy_class(start_method="fork", capacities=capacities, observation={"print_table": False},
                               resilience={"timeout": 120})
     trainer = Trainer(accelerator="cpu", devices=len(capacities), strategy=strategy, max_epochs=1,
-                      callbacks=[recorder, SaveAtEnd(recorder)], logger=logger, enable_checkpointing=False,
+                      callbacks=[recorder], logger=logger, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       log_every_n_steps=1)
     getattr(trainer, stage)(model)
@@ -267,3 +264,28 @@ def test_logged_values_equal_one_process(tmp_path, stage, strategy_class, capaci
     evaluated = "val" if stage in ("fit", "validate") else "test"
     padding_unavoidable = n_eval < -(-n_eval // (batch_size * len(capacities))) * len(capacities)
     check_stage(records, evaluated, eval_losses, n_eval, on_step, exactly_once=not padding_unavoidable)
+
+
+@pytest.mark.parametrize("capacities", [[1, 1], [3, 1], [5, 2, 1], [10, 1], [1, 1, 1, 1]])
+def test_evaluation_split_sees_every_sample_once_in_equal_batch_counts(capacities):
+    world = len(capacities)
+    for n in range(1, 60):
+        for g in range(world, 13):
+            shares = split_batch(g, capacities)
+            samplers = [EvaluationBatchSampler(GlobalOrder(n, shuffle=True, seed=n), g, capacities, r, False)
+                        for r in range(world)]
+            batches = [list(s) for s in samplers]
+            steps = -(-n // g)
+            assert all(len(b) == steps == len(s) for b, s in zip(batches, samplers))
+            real = [i for r, s in enumerate(samplers) for k, b in enumerate(batches[r]) if not s.is_padding(k)
+                    for i in b]
+            assert sorted(real) == list(range(n)), (capacities, n, g)
+            # A rank's run of the order is contiguous and in order; rank 0's comes first (predict's order).
+            order = [i for b in GlobalOrder(n, shuffle=True, seed=n).global_batches(g, False) for i in b]
+            assert real == order
+            for r, s in enumerate(samplers):
+                assert all(len(b) <= shares[r] for b in batches[r]), "a batch above the rank's share of G"
+                padding = [k for k in range(steps) if s.is_padding(k)]
+                assert all(len(batches[r][k]) == 1 for k in padding)
+                if n >= steps * world:
+                    assert not padding, (capacities, n, g, r)
