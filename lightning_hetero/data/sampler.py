@@ -10,6 +10,9 @@ The last global batch of an epoch may be partial (``drop_last=False``); it is sp
 fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a
 *padding* batch whose gradient weight is 0, so step counts still agree and no sample counts twice.
 
+Evaluation (:class:`EvaluationBatchSampler`) splits the whole set instead of each global batch, so every sample is
+evaluated exactly once in equal batch counts, with a padding step only where the set is too small for it.
+
 With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), each global batch can
 be cut so every rank's summed cost rather than its sample count follows its capacity
 (:func:`~lightning_hetero.plan.split.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
