@@ -8,11 +8,13 @@ samples at each step (the global batch), and over all of an epoch's samples for 
 """
 
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -106,11 +108,12 @@ class RecordingLogger(Logger):
         self.records.append(dict(metrics))
 
 
-class IndexRecorder(Callback):
+class IndexRecorder(BasePredictionWriter):
     """The dataset indices of each step, per stage, the predictions and what the logger received; saved per rank at
     the stage's end (the fork launcher hands back rank 0's results only)."""
 
     def __init__(self, out_dir: str, logger: RecordingLogger) -> None:
+        super().__init__(write_interval="batch")
         self.out_dir, self.logger = out_dir, logger
         self.indices: dict[str, list[list[int]]] = {"train": [], "val": [], "test": []}
         self.predictions: list[torch.Tensor] = []
@@ -127,10 +130,13 @@ class IndexRecorder(Callback):
                           batch_idx: int, dataloader_idx: int = 0) -> None:
         self.indices["test"].append([int(i) for i in batch[2]])
 
-    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                             batch_idx: int, dataloader_idx: int = 0) -> None:
-        if outputs is not None:
-            self.predictions.append(outputs)
+    def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
+                           batch_indices: Optional[Sequence[int]], batch: Any, batch_idx: int,
+                           dataloader_idx: int) -> None:
+        if prediction is not None:
+            # A prediction writer receives each batch's true dataset indices.
+            assert list(batch_indices or []) == batch[2].tolist()
+            self.predictions.append(prediction)
 
     def _save(self, trainer: Trainer) -> None:
         torch.save({"indices": self.indices, "records": self.logger.records, "predictions": self.predictions},
