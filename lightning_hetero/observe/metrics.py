@@ -28,9 +28,8 @@ from torch import Tensor
 
 import lightning_hetero._compat as _compat
 
-# Reduction names as Lightning passes them (`reduce_fx.__name__`) or as torch's ReduceOp spells them.
-_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
-        "redop_type.avg": "mean", "redop_type.sum": "sum", "redop_type.max": "max", "redop_type.min": "min"}
+# Reduction names as Lightning passes them (`reduce_fx.__name__`) or as torch's ReduceOp ends (`RedOpType.AVG`).
+_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 # What a padding step contributes to each reduction: nothing.
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -40,7 +39,7 @@ def reduction_name(reduce_op: Optional[Union[dist.ReduceOp, str]]) -> Optional[s
     if reduce_op is None:
         return "mean"
     key = str(reduce_op).lower()
-    return _OPS.get(key, _OPS.get(key.rsplit(".", 1)[-1]))
+    return _OPS.get(key.rsplit(".", 1)[-1])
 
 
 def reduce_logged(tensor: Tensor, reduce_op: Optional[Union[dist.ReduceOp, str]], step_weight: Optional[float],
