@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
-from lightning_hetero.data.sampler import EvaluationBatchSampler, GlobalOrder
+from lightning_hetero.data.sampler import EvaluationBatchSampler, GlobalOrder, HeteroBatchSampler, for_evaluation
 from lightning_hetero.plan.split import split_batch
 from tests.helpers import IndexedDataset, free_port
 
@@ -295,3 +295,14 @@ def test_evaluation_split_sees_every_sample_once_in_equal_batch_counts(capacitie
                 assert all(len(batches[r][k]) == 1 for k in padding)
                 if n >= steps * world:
                     assert not padding, (capacities, n, g, r)
+
+
+def test_a_user_batch_sampler_keeps_its_batches_and_marks_padding():
+    """A user's batch sampler defines the global batches: each is split as in training, and a rank left without a
+    sample of a batch runs a padding step (weight 0)."""
+    batches = [[0, 1, 2, 3], [4, 5, 6], [7]]
+    samplers = [for_evaluation(HeteroBatchSampler(GlobalOrder(8, shuffle=False, source=batches, batches=True), 4,
+                                                  [3, 1], rank, False)) for rank in range(2)]
+    assert not any(isinstance(s, EvaluationBatchSampler) for s in samplers)
+    assert [s.is_padding(2) for s in samplers] == [False, True]
+    assert [[s.is_padding(k) for k in range(2)] for s in samplers] == [[False, False], [False, False]]
