@@ -227,7 +227,8 @@ def check_predictions(records: list[dict], losses: torch.Tensor, n: int) -> None
 
 
 def test_validation_37_samples_at_3_1_equals_one_process(tmp_path):
-    """The issue's case: 37 validation samples at [3, 1], epoch-level ``sync_dist=True``."""
+    """The issue's case: 37 validation samples at [3, 1] (28 on rank 0, 9 on rank 1), epoch-level ``sync_dist=True``
+    (before the fix: 1.5551 logged for a true 1.5131, the factor 37 / 36 of a truncated mean count)."""
     model = LoggingModel(n_train=16, n_eval=37, batch_size=8, on_step=False)
     records = run(model, str(tmp_path), [3, 1], HeteroDDPStrategy, "validate")
     check_stage(records, "val", losses_of(model, IndexedDataset(37, seed=1)), 37, on_step=False, exactly_once=True)
@@ -238,11 +239,12 @@ CASES = [
     # 53 training samples in global batches of 10: a partial last batch; 41 validation samples of which the last
     # global batch holds one (once evaluated twice).
     ("fit", HeteroDDPStrategy, [3, 1], 53, 41, 5, True),
-    # 17 training samples in global batches of 6: the last holds 5... and 32 validation samples that divide.
-    ("fit", HeteroDDPStrategy, [5, 2, 1], 17, 32, 2, False),
+    # 17 training samples in global batches of 6 (the last holds 5), 36 validation samples that divide.
+    ("fit", HeteroDDPStrategy, [5, 2, 1], 17, 36, 2, False),
     # 19 training samples in batches of 6: the last holds one, two ranks run a padding step.
     ("fit", HeteroFSDPStrategy, [5, 2, 1], 19, 37, 2, True),
-    ("test", HeteroFSDPStrategy, [3, 1], 8, 41, 5, True),
+    # 40 test samples in global batches of 10.
+    ("test", HeteroFSDPStrategy, [3, 1], 8, 40, 5, True),
     ("test", HeteroDDPStrategy, [5, 2, 1], 8, 37, 3, True),
     # Two samples for three ranks: one rank can only run a padding step.
     ("validate", HeteroDDPStrategy, [5, 2, 1], 8, 2, 1, True),
@@ -254,7 +256,8 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "strategy_class", "capacities", "n_train", "n_eval", "batch_size", "on_step"),
-                         CASES, ids=[f"{c[0]}-{c[1].__name__[6:-8]}-{'_'.join(map(str, c[2]))}-{c[3]}-{c[4]}" for c in CASES])
+                         CASES, ids=[f"{c[0]}-{c[1].__name__[6:-8]}-{'_'.join(map(str, c[2]))}-{c[3]}-{c[4]}"
+                                     for c in CASES])
 def test_logged_values_equal_one_process(tmp_path, stage, strategy_class, capacities, n_train, n_eval, batch_size,
                                          on_step):
     model = LoggingModel(n_train=n_train, n_eval=n_eval, batch_size=batch_size, on_step=on_step)

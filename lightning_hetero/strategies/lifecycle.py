@@ -199,7 +199,7 @@ class HeteroLifecycle:
     @contextmanager
     def _evaluation_step(self, phase: str, loaders: str, args: Sequence[Any], kwargs: Mapping[str, Any]
                          ) -> Iterator[bool]:
-        """Around a validation / test / predict step; yields whether it is a padding step (weight 0, counted nowhere)."""
+        """Around a validation / test / predict step; yields whether it is a padding step (weight 0, counts nowhere)."""
         self.core.resilience.enter(phase)
         trainer = _compat.trainer_of(self.lightning_module)
         padding = evaluation_padding(getattr(trainer, loaders, None), *step_indices(args, kwargs))
