@@ -200,7 +200,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
     else:
         strategy = HeteroDDPStrategy(capacities=args.capacities, emulate=specs,
                                      observation={"print_table": config == "auto"},
-                                     resilience={"timeout": _TIMEOUT_S}, compression="none" if config == "flat" else "auto")
+                                     resilience={"timeout": _TIMEOUT_S},
+                                     compression="none" if config == "flat" else "auto")
     recorder = _recorder_class()(args.warmup, args.steps, args.time_limit)
     batch = args.batch[module.kind]
     trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,

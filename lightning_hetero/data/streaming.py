@@ -188,17 +188,17 @@ class HeteroStreamLoader(DataLoader):
             counts = [c for c, _ in rows]
             if exact and (len(set(counts)) > 1 or len({f for _, f in rows}) > 1):
                 raise RuntimeError(
-                    f"{running_strategy()}(data={{'stream_mode': 'exact'}}): the ranks read different streams (global batch {k} "
-                    f"has {counts} samples / differing contents across ranks). Exact mode needs the same stream on "
-                    "every rank; a dataset that shards itself by rank needs `stream_mode='shard'`."
+                    f"{running_strategy()}(data={{'stream_mode': 'exact'}}): the ranks read different streams "
+                    f"(global batch {k} has {counts} samples / differing contents across ranks). Exact mode needs the "
+                    "same stream on every rank; a dataset that shards itself by rank needs `stream_mode='shard'`."
                 )
             if sum(counts) == 0:
                 return
             empty = [r for r, (_, flag) in enumerate(rows) if flag] if not exact else []
             if empty:
                 raise RuntimeError(
-                    f"{running_strategy()}(data={{'stream_mode': 'shard'}}): the streams of rank(s) {empty} are empty while other "
-                    "ranks' are not; give every rank at least one sample per epoch."
+                    f"{running_strategy()}(data={{'stream_mode': 'shard'}}): the streams of rank(s) {empty} are empty "
+                    "while other ranks' are not; give every rank at least one sample per epoch."
                 )
             total = counts[0] if exact else sum(counts)
             if mine:
