@@ -532,8 +532,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
     assert cli.trainer.strategy.compression_config == expected
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
                                          TopKCompression(ratio=0.01),
                                          TopKCompression(ratio=0.01, warmup_steps=10, momentum=0.9)])

@@ -13,12 +13,11 @@ import os
 import signal
 
 import pytest
-from lightning.fabric.accelerators.cuda import num_cuda_devices
 
 from tests.test_faults import FAULT_BATCH, _assert_failed_fast, _run_job
 
 # Counted without initialising CUDA here; the ranks are spawned anyway (another test may have initialised it).
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(num_cuda_devices() < 2, reason="needs 2 CUDA devices")]
+pytestmark = pytest.mark.gpu(2)
 
 TIMEOUT = 20.0  # NCCL communicators take seconds to set up
 
