@@ -35,18 +35,12 @@ from lightning_hetero.grad.compress_hooks import (
     hierarchical_hook,
     topk_hook,
 )
-
-# The configs and the parsing are re-exported: the strategies and older user code import them from here.
-from lightning_hetero.grad.compression_config import (  # noqa: F401
+from lightning_hetero.grad.compression_config import (
     CastCompression,
-    CompressionArg,
     CompressionConfig,
-    CompressionName,
     NoCompression,
     PowerSGDCompression,
     TopKCompression,
-    describe_compression,
-    parse_compression,
 )
 from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
 

@@ -74,8 +74,6 @@ from lightning_hetero.lab.devices import (
     DeviceInfo,
     peak_tflops,
 )
-# The pacing hook lives in link_pacing.py; the strategies still import it from here.
-from lightning_hetero.lab.link_pacing import LinkPacer, PacedState, paced_hook  # noqa: F401
 
 LinkClass = Literal["nvlink", "pcie", "ethernet"]
 LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
