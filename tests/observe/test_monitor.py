@@ -231,7 +231,7 @@ def test_report_draws_png_from_sidecar(tmp_path, capsys) -> None:
 def test_doctor_model_command(tmp_path) -> None:
     from lightning_hetero.observe.doctor import dry_run_command
 
-    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
     config = os.path.join(root, "configs", "cpu_lab.yaml")
     cmd = dry_run_command(config, script="examples/train_digits.py", steps=8, root_dir=str(tmp_path))
     assert cmd[1] == "examples/train_digits.py" and cmd[2:5] == ["fit", "--config", config]

@@ -277,7 +277,8 @@ def test_bench_hosts_tiny_cpu_run(tmp_path):
     import json
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
     import bench_hosts
 
     rows = bench_hosts.main(["--tiny", "--accelerator", "cpu", "--layout", "1+1", "--models", "gpt", "--links", "10gbe",

@@ -519,7 +519,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 
     from lightning.pytorch.cli import LightningCLI
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(root, "examples"))
     from train_digits import DigitsClassifier, DigitsDataModule
 
