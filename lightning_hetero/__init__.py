@@ -8,12 +8,17 @@ works.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero.config import DataSplit, Observation, Profiling, Rebalancing, Resilience
-from lightning_hetero.grad.autocompress import AutoCompression
-from lightning_hetero.grad.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.grad.compression_config import (
+    AutoCompression,
+    CastCompression,
+    NoCompression,
+    PowerSGDCompression,
+    TopKCompression,
+)
 from lightning_hetero.grad.periodic import PeriodicSync
 from lightning_hetero.grad.precision import PrecisionPolicy
 from lightning_hetero.lab.devices import describe_device
-from lightning_hetero.lab.emulation import PRESETS
+from lightning_hetero.lab.presets import PRESETS
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.plan.split import split_batch

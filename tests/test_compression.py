@@ -14,18 +14,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import CastCompression, HeteroDDPStrategy, PowerSGDCompression, TopKCompression
-from lightning_hetero.grad.compression import (
-    CastState,
-    CommCounter,
-    HierarchicalState,
-    PowerSGDHookState,
-    TopKState,
-    cast_hook,
-    hierarchical_hook,
-    parse_compression,
-    powersgd_hook,
-    topk_hook,
-)
+from lightning_hetero.grad.comm_hooks import CastState, CommCounter, HierarchicalState, cast_hook, hierarchical_hook
+from lightning_hetero.grad.compression_config import parse_compression
+from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
+from lightning_hetero.grad.topk_hook import TopKState, topk_hook
 from tests.helpers import Recorder, free_port
 
 CAPACITIES = [3, 1]  # unequal shares: the weighting hook scales the two ranks' buckets differently
@@ -557,11 +549,11 @@ class _Bucket(FakeBucket):
 
 def test_bucket_state_follows_parameters_across_layouts():
     """Saved in DDP's rebuilt layout (two buckets), restored into the initial one (one bucket, other order)."""
-    from lightning_hetero.grad.compression import BucketStates, _elementwise
+    from lightning_hetero.grad.bucket_states import BucketStates, elementwise
 
     params = [torch.zeros(3, 2), torch.zeros(3), torch.zeros(4)]
     saved: dict[int, torch.Tensor] = {}
-    states = BucketStates(params, torch.device("cpu"), {"residual": (lambda: saved, _elementwise, True)})
+    states = BucketStates(params, torch.device("cpu"), {"residual": (lambda: saved, elementwise, True)})
     states.observe(_Bucket(0, [params[2], params[1]]))
     states.observe(_Bucket(1, [params[0]]))
     saved[0] = torch.arange(7.0)  # params[2] -> 0..3, params[1] -> 4..6
@@ -569,7 +561,7 @@ def test_bucket_state_follows_parameters_across_layouts():
     checkpoint = states.state_dict()
 
     restored: dict[int, torch.Tensor] = {}
-    again = BucketStates(params, torch.device("cpu"), {"residual": (lambda: restored, _elementwise, True)})
+    again = BucketStates(params, torch.device("cpu"), {"residual": (lambda: restored, elementwise, True)})
     again.load_state_dict(checkpoint)
     again.observe(_Bucket(0, [params[0], params[1], params[2]]))
     expected = torch.cat([torch.arange(10.0, 16.0), torch.arange(4.0, 7.0), torch.arange(4.0)])

@@ -15,7 +15,6 @@ from torch import nn
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
 from lightning_hetero.lab.emulation import (
-    PRESETS,
     EmulationSpec,
     Emulator,
     job_link,
@@ -25,6 +24,7 @@ from lightning_hetero.lab.emulation import (
     round_sms,
     start_emulation,
 )
+from lightning_hetero.lab.presets import PRESETS
 from tests.helpers import TinyModel, free_port
 
 H200 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H200", capability=(9, 0), memory_bytes=141 * 2**30,

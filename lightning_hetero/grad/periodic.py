@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.grad.compression import CastCompression, NoCompression
+from lightning_hetero.grad.compression_config import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 
@@ -132,23 +132,30 @@ class PeriodicCrossHostSync:
         self.config = config
         self.wire_dtype = wire_dtype
         self.active = False
-        self.step = 0  # optimizer steps taken in this run (and the runs it resumes)
+        # Optimizer steps taken in this run (and the runs it resumes).
+        self.step = 0
         self.outer_steps = 0
-        self.wire_bytes_last_outer = 0  # what this rank sent between hosts in the last outer step
+        # What this rank sent between hosts in the last outer step.
+        self.wire_bytes_last_outer = 0
         self._rank = 0
         self._host_ranks: tuple[int, ...] = ()
         self._host_group: Optional[dist.ProcessGroup] = None
-        self._leaders: Optional[dist.ProcessGroup] = None  # None on ranks that lead no host
+        # None on ranks that lead no host.
+        self._leaders: Optional[dist.ProcessGroup] = None
         self._on_rank0_host = True
         self._pacer: Optional[Any] = None
         self._module: Optional[nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._params: list[Tensor] = []
-        self._anchor: Optional[Tensor] = None  # θ_0: flat fp32 parameters at the last outer step
+        # θ_0: flat fp32 parameters at the last outer step.
+        self._anchor: Optional[Tensor] = None
         self._outer: Optional[torch.optim.SGD] = None
-        self._period = [0.0, 0.0]  # samples this host trained on in the period, samples of all hosts
-        self._pending: Optional[dict[str, Any]] = None  # restored state, applied at the first training batch
-        self._in_flight: Optional[dict[str, Any]] = None  # an exchange started and not yet applied (overlap)
+        # Samples this host trained on in the period, samples of all hosts.
+        self._period = [0.0, 0.0]
+        # Restored state, applied at the first training batch.
+        self._pending: Optional[dict[str, Any]] = None
+        # An exchange started and not yet applied (overlap).
+        self._in_flight: Optional[dict[str, Any]] = None
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def setup(self, lab: HeteroLab, groups: LabGroups, rank: int, pacer: Optional[Any] = None) -> None:
@@ -218,11 +225,13 @@ class PeriodicCrossHostSync:
         if not self.active:
             return False
         self.step += 1
-        if self._in_flight is not None:  # overlap: the exchange started one step ago lands now
+        # Overlap: the exchange started one step ago lands now.
+        if self._in_flight is not None:
             self._finish_outer()
         warmup, every = self.config.warmup_steps, self.config.every
         if self.step == warmup:
-            self._reset_anchor()  # the hosts are identical after exact sync
+            # The hosts are identical after exact sync.
+            self._reset_anchor()
             return False
         if self.step > warmup and (self.step - warmup) % every == 0:
             self._start_outer()
@@ -250,7 +259,8 @@ class PeriodicCrossHostSync:
                 self._pacer.transfer(self.wire_bytes_last_outer)
             if self.wire_dtype == torch.float32:
                 flight["work"] = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._leaders, async_op=True)
-            else:  # gathered and summed in fp32 in rank order: the same bits on every leader
+            # Gathered and summed in fp32 in rank order: the same bits on every leader.
+            else:
                 flight["parts"] = [torch.empty_like(wire) for _ in range(dist.get_world_size(self._leaders))]
                 flight["work"] = dist.all_gather(flight["parts"], wire, group=self._leaders, async_op=True)
             flight["wire"] = wire
@@ -306,7 +316,8 @@ class PeriodicCrossHostSync:
         if self._anchor is not None and self._outer is not None:
             state["anchor"] = self._anchor.detach().clone()
             state["outer"] = self._outer.state_dict()
-        if self._in_flight is not None:  # overlap: the exchange's result (leaders) and what this rank sent
+        # Overlap: the exchange's result (leaders) and what this rank sent.
+        if self._in_flight is not None:
             state["in_flight"] = {"sent": self._in_flight["sent"].clone(), "combined": self._combined()}
         # Lightning saves rank 0's model and optimizer; mid-period (always, with overlap) the other hosts' differ.
         differs = self.periodic_now and (mid_period or self.config.overlap)

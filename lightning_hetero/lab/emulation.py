@@ -23,9 +23,9 @@ device, unchanged). On CUDA a profile applies:
   ``link: "ethernet"`` names the link *between* hosts and leaves the transport inside each host alone.
 - **inter-host bandwidth** (``{"inter_host_gbit": 10}``): the hop between hosts is *paced*, not throttled: the
   gradient exchange between hosts still runs at the machine's speed, then the hook holds the step until a link of
-  that many Gbit/s would have delivered the same bytes (see :class:`LinkPacer`; the job uses the lowest value of any
-  rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
-  would add is not modelled. Works on CPU (gloo) too.
+  that many Gbit/s would have delivered the same bytes (see :class:`~lightning_hetero.lab.link_pacing.LinkPacer`; the
+  job uses the lowest value of any rank). Transfers overlap the backward pass as they would on a real link; the time
+  a real NIC's protocol stack would add is not modelled. Works on CPU (gloo) too.
 
 SM shares are calibrated from published dense rates (:data:`lightning_hetero.lab.devices.PEAK_TFLOPS`): share = the
 preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
@@ -62,10 +62,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from lightning_hetero.lab.devices import (
     CAPABILITY_OVERRIDE_ENV,
@@ -74,9 +73,8 @@ from lightning_hetero.lab.devices import (
     DeviceInfo,
     peak_tflops,
 )
+from lightning_hetero.lab.presets import LINK_CLASSES, PRESETS, LinkClass, Preset
 
-LinkClass = Literal["nvlink", "pcie", "ethernet"]
-LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
 EmulateArg = Optional[Sequence[Union[str, Mapping[str, Any], None]]]
 
 EMULATED_SUFFIX = " (emulated)"
@@ -91,31 +89,6 @@ _LINK_ENV: dict[str, dict[str, str]] = {
 # NVLink SHARP (NVLS) exists only on Hopper NVSwitch systems: an emulated lab of other cards must not use it.
 _ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
-
-@dataclass(frozen=True)
-class Preset:
-    """A card to emulate: its reported name (a key of ``PEAK_TFLOPS`` must be part of it), memory and capability."""
-
-    name: str
-    memory_gib: float
-    capability: tuple[int, int]
-    link: LinkClass
-
-
-PRESETS: dict[str, Preset] = {
-    "H100": Preset("NVIDIA H100 80GB HBM3", 80, (9, 0), "nvlink"),
-    "A100-80GB": Preset("NVIDIA A100-SXM4-80GB", 80, (8, 0), "nvlink"),
-    "A100-40GB": Preset("NVIDIA A100-SXM4-40GB", 40, (8, 0), "nvlink"),
-    "L40S": Preset("NVIDIA L40S", 48, (8, 9), "pcie"),
-    "A6000": Preset("NVIDIA RTX A6000", 48, (8, 6), "pcie"),
-    "RTX4090": Preset("NVIDIA GeForce RTX 4090", 24, (8, 9), "pcie"),
-    "RTX3090": Preset("NVIDIA GeForce RTX 3090", 24, (8, 6), "pcie"),
-    "A10": Preset("NVIDIA A10", 24, (8, 6), "pcie"),
-    "V100": Preset("Tesla V100-SXM2-32GB", 32, (7, 0), "nvlink"),
-    "T4": Preset("Tesla T4", 16, (7, 5), "pcie"),
-}
-"""The cards ``emulate=[...]`` accepts by name: reported name, memory, compute capability and link class of each."""
-
 _PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown",
                  "host", "inter_host_gbit")
 
@@ -126,14 +99,18 @@ class EmulationSpec:
 
     preset: Optional[str] = None
     name: Optional[str] = None
-    sm_share: Optional[float] = None  # fraction of the host's SMs; None: from the preset, else all
+    # Fraction of the host's SMs; None: from the preset, else all.
+    sm_share: Optional[float] = None
     memory_gib: Optional[float] = None
     memory_fraction: Optional[float] = None
     capability: Optional[tuple[int, int]] = None
     link: Optional[LinkClass] = None
-    slowdown: Optional[float] = None  # CPU analogue of the SM share
-    host: Optional[str] = None  # emulated host name
-    inter_host_gbit: Optional[float] = None  # paced bandwidth between emulated hosts, Gbit/s
+    # CPU analogue of the SM share.
+    slowdown: Optional[float] = None
+    # Emulated host name.
+    host: Optional[str] = None
+    # Paced bandwidth between emulated hosts, Gbit/s.
+    inter_host_gbit: Optional[float] = None
 
     def __post_init__(self) -> None:
         # Built directly (not from a YAML dict through `parse_emulate`): the same checks, naming the field.
@@ -153,17 +130,24 @@ class EmulationSpec:
 class EmulatedDevice:
     """One rank's profile resolved against its host device: what the emulator will actually do."""
 
-    name: str  # reported name, ending in " (emulated)"
+    # Reported name, ending in " (emulated)".
+    name: str
     host_name: str
     host_sms: int
-    num_sms: Optional[int]  # green-context SM count; None: all SMs (no cap)
-    wanted_sms: Optional[float]  # what the calibration asked for, before rounding to the granularity
-    memory_bytes: Optional[int]  # allocator cap; None: no cap
+    # green-context SM count; None: all SMs (no cap).
+    num_sms: Optional[int]
+    # What the calibration asked for, before rounding to the granularity.
+    wanted_sms: Optional[float]
+    # Allocator cap; None: no cap.
+    memory_bytes: Optional[int]
     capability: Optional[tuple[int, int]]
     link: LinkClass
-    slowdown: float  # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none
-    clamped: bool = False  # the calibrated SM count was out of the green context's range
-    host: Optional[str] = None  # emulated host name (None: the real one)
+    # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none.
+    slowdown: float
+    # The calibrated SM count was out of the green context's range.
+    clamped: bool = False
+    # Emulated host name (None: the real one).
+    host: Optional[str] = None
     inter_host_gbit: Optional[float] = None
 
     @property
@@ -269,7 +253,8 @@ def _capability(value: Any, where: str) -> Optional[tuple[int, int]]:
     if value is None:
         return None
     try:
-        if isinstance(value, (str, float)) and not isinstance(value, bool):  # a YAML loader may make 7.5 a float
+        # A YAML loader may make 7.5 a float.
+        if isinstance(value, (str, float)) and not isinstance(value, bool):
             major, _, minor = str(value).replace(",", ".").partition(".")
             parsed = (int(major), int(minor or 0))
         else:
@@ -324,7 +309,8 @@ def resolve(
         gib = spec.memory_gib if spec.memory_gib is not None else preset.memory_gib  # type: ignore[union-attr]
         memory = int(gib * 2**30)
     if memory is not None and host.memory_bytes and memory >= host.memory_bytes:
-        memory = None  # the card has more memory than the host: nothing to cap
+        # The card has more memory than the host: nothing to cap.
+        memory = None
 
     num_sms: Optional[int] = None
     wanted: Optional[float] = None
@@ -339,7 +325,8 @@ def resolve(
             wanted = share * host.multiprocessors
             num_sms = round_sms(wanted, host.multiprocessors, host.capability)
             granted = num_sms if num_sms is not None else host.multiprocessors
-            clamped = abs(granted - wanted) > 0.15 * wanted  # the granularity cannot express this card
+            # The granularity cannot express this card.
+            clamped = abs(granted - wanted) > 0.15 * wanted
     elif spec.slowdown is None and preset is not None:
         rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
         slowdown = max(rates + [preset_tflops(preset)]) / preset_tflops(preset)
@@ -367,8 +354,10 @@ def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
     if spec.slowdown:
         return f"{host.name} at 1/{spec.slowdown:g} speed"
     if spec.host is not None and host.type == "cpu":
-        return host.name  # only the host is emulated: the rank keeps its device class
-    return host.name  # full compute (only memory, capability or link emulated): the host's rate is right
+        # Only the host is emulated: the rank keeps its device class.
+        return host.name
+    # Full compute (only memory, capability or link emulated): the host's rate is right.
+    return host.name
 
 
 def job_link(devices: Sequence[Optional[EmulatedDevice]]) -> LinkClass:
@@ -429,18 +418,23 @@ class Emulator:
         self.device = device
         self.root_device = root_device
         self.link: LinkClass = job_link_class
-        self.hosts = hosts  # the job emulates hosts (NCCL's network transport between them)
-        self.inter_host_gbit = inter_host_gbit  # the job's paced inter-host bandwidth
+        # The job emulates hosts (NCCL's network transport between them).
+        self.hosts = hosts
+        # The job's paced inter-host bandwidth.
+        self.inter_host_gbit = inter_host_gbit
         self._saved_env: dict[str, Optional[str]] = {}
         self._green: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
         self._depth = 0
-        self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
+        # Measured step time (CPU: thread CPU time) before the slowdown.
+        self.compute_seconds = 0.0
         self.slept_seconds = 0.0
         # CPU: collectives are communication, not the card's compute (see `collective_began`).
         self._cpu_slowed = device.slowdown > 1.0 and root_device.type != "cuda"
-        self._collective_cpu = 0.0  # this step's CPU seconds inside collectives
-        self._bucket_cpu: Optional[float] = None  # the clock when the last gradient bucket went to the comm hook
+        # This step's CPU seconds inside collectives.
+        self._collective_cpu = 0.0
+        # The clock when the last gradient bucket went to the comm hook.
+        self._bucket_cpu: Optional[float] = None
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -451,9 +445,11 @@ class Emulator:
         if self.hosts:
             env[HOST_OVERRIDE_ENV] = self.device.host or socket.gethostname()
             env["NCCL_HOSTID"] = nccl_host_id(env[HOST_OVERRIDE_ENV])
-            env["NCCL_IB_DISABLE"] = "1"  # between emulated hosts: TCP sockets, as on an Ethernet lab
+            # Between emulated hosts: TCP sockets, as on an Ethernet lab.
+            env["NCCL_IB_DISABLE"] = "1"
             if "NCCL_SOCKET_IFNAME" not in os.environ:
-                env["NCCL_SOCKET_IFNAME"] = "lo"  # the emulated hosts share this machine: loopback always exists
+                # The emulated hosts share this machine: loopback always exists.
+                env["NCCL_SOCKET_IFNAME"] = "lo"
         for key, value in env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
@@ -489,9 +485,11 @@ class Emulator:
         outer = torch.cuda.current_stream(self.root_device) if stream is not None else None
         try:
             if stream is not None:
-                stream.wait_stream(outer)  # the batch was copied on the outer stream
+                # The batch was copied on the outer stream.
+                stream.wait_stream(outer)
             slowed = self.device.slowdown > 1.0
-            start = self._clock() if slowed else 0.0  # the clock synchronizes on CUDA: only when it is needed
+            # The clock synchronizes on CUDA: only when it is needed.
+            start = self._clock() if slowed else 0.0
             self._collective_cpu, self._bucket_cpu = 0.0, None
             if stream is not None:
                 with torch.cuda.stream(stream):
@@ -509,7 +507,8 @@ class Emulator:
                 self.slept_seconds += time.perf_counter() - begin
         finally:
             if stream is not None:
-                outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
+                # What follows on the outer stream reads the step's results.
+                outer.wait_stream(stream)
             self._depth -= 1
 
     @property
@@ -605,7 +604,8 @@ def start_emulation(
     if spec is None:
         if not hosts and (root_device.type != "cuda" or link == "nvlink"):
             return None
-        spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link / hosts
+        # The real card, but on the job's emulated link / hosts.
+        spec = EmulationSpec(name=host.name, link=link)
     emulator = Emulator(resolve(spec, host, specs), root_device, link, hosts=hosts,
                         inter_host_gbit=job_inter_host_gbit(specs))
     emulator.apply_env()
@@ -620,100 +620,3 @@ def lab_warning(summaries: Sequence[str]) -> str:
         "device (green-context SM caps / CPU sleeps), NCCL kernels are not capped. Timings are not those of real "
         "cards.\n" + "\n".join(lines)
     )
-
-
-# -- the emulated link between hosts --------------------------------------------------------------------------------
-class LinkPacer:
-    """Paces one rank's traffic over the emulated link between hosts to ``gbit`` Gbit/s.
-
-    Each transfer is recorded when it is issued (on CUDA as an event on the current stream, so its time is when the
-    data was ready on the device, not when the CPU got there); :meth:`settle` (at the step's last bucket) replays
-    the transfers on a link that carries one at a time, each starting when its data is ready and the link is free,
-    and sleeps until the last one would have arrived. Transfers thus overlap the backward pass as on a real link, and
-    what is left over is the exposed communication time. A ring collective among ``participants`` puts
-    2 (P - 1) / P times the bytes a rank hands it on each link (exact for all-gather too when P = 2).
-
-    Example::
-        >>> pacer = LinkPacer(gbit=10, participants=2, device=torch.device("cuda", 0))
-        >>> pacer.transfer(nbytes)  # after issuing each inter-host exchange
-        >>> pacer.settle()          # after the step's last one
-    """
-
-    def __init__(self, gbit: float, participants: int, device: torch.device) -> None:
-        if not gbit > 0:
-            raise ValueError(f"`gbit`={gbit!r} must be positive.")
-        self.bytes_per_s = gbit * 1e9 / 8
-        self.factor = 2 * (participants - 1) / participants if participants > 1 else 0.0
-        self.device = device
-        self._pending: list[tuple[Any, int]] = []
-        self._link_free = 0.0
-        self.slept_s = 0.0  # total time the pacing held steps (the exposed link time beyond the real exchange)
-        self.wire_bytes = 0.0
-
-    def transfer(self, nbytes: int) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._pending.append((event, nbytes))
-        else:
-            self._pending.append((time.perf_counter(), nbytes))
-
-    def settle(self) -> float:
-        """Hold this rank until the recorded transfers would have crossed the link; returns the seconds slept."""
-        if not self._pending:
-            return 0.0
-        if self.device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            now = time.perf_counter()
-            ready = [now - event.elapsed_time(end) / 1e3 for event, _ in self._pending]
-        else:
-            now = time.perf_counter()
-            ready = [t for t, _ in self._pending]
-        free = self._link_free
-        for t, (_, nbytes) in zip(ready, self._pending):
-            wire = nbytes * self.factor
-            self.wire_bytes += wire
-            free = max(t, free) + wire / self.bytes_per_s
-        self._pending.clear()
-        self._link_free = free
-        delay = free - now
-        if delay <= 0:
-            return 0.0
-        time.sleep(delay)
-        self.slept_s += delay
-        return delay
-
-
-class PacedState:
-    """An averaging comm hook whose traffic crosses the paced link (a flat exchange over all ranks).
-
-    ``counter``: a :class:`~lightning_hetero.grad.compression.CommCounter` the inner hook adds its bytes to (``None``: the
-    bucket's full size is what crosses).
-    """
-
-    def __init__(self, inner_hook: Any, inner_state: Any, pacer: LinkPacer, counter: Any = None) -> None:
-        self.inner_hook = inner_hook
-        self.inner_state = inner_state
-        self.pacer = pacer
-        self.counter = counter
-
-
-def paced_hook(state: PacedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run the inner averaging hook, then account its bytes on the paced link (and settle at the last bucket).
-
-    Example::
-        >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        >>> ddp_model.register_comm_hook(PacedState(allreduce_hook, None, LinkPacer(10, 2, device)), paced_hook)
-    """
-    before = sum(state.counter.pending.values()) if state.counter is not None else 0
-    fut = state.inner_hook(state.inner_state, bucket)
-    if state.counter is not None:
-        nbytes = sum(state.counter.pending.values()) - before
-    else:
-        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
-    state.pacer.transfer(nbytes)
-    if bucket.is_last():
-        state.pacer.settle()
-    return fut

@@ -49,7 +49,8 @@ from lightning_hetero.grad.precision import (
     resolve_precisions,
 )
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, parse_emulate, start_emulation
+from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, parse_emulate, start_emulation
+from lightning_hetero.lab.link_pacing import LinkPacer
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.observe.notices import restore_inexact_resume_warning, silence_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities, resolve_static_capacities
