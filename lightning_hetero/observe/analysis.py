@@ -85,7 +85,7 @@ def accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, An
     return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
 
 
-# Capacity sources that already come from measuring the model (see HeteroLab.capacity_source).
+# Capacity sources that already come from measuring the model (see SharePlan.source).
 _MEASURED_SOURCES = ("profile", "rebalanced", "restored")
 
 

@@ -414,11 +414,11 @@ class HeteroMonitor(Callback):
             self._sidecar.flush()
         # The steps the table counts too (after warm-up), named in the message.
         if self.warn and kept is not None:
-            # HeteroDDPStrategy's, during fit.
-            lab = getattr(trainer.strategy, "lab", None)
+            # The hetero strategies' share plan and controller, during fit.
+            plan = getattr(trainer.strategy, "plan", None)
             shares = getattr(trainer.strategy, "share_controller", None)
             for key, message in advice(kept, nvml_util=window["nvml"]["gpu_util"],
-                                       capacity_source=getattr(lab, "capacity_source", None),
+                                       capacity_source=getattr(plan, "source", None),
                                        rebalance=getattr(shares, "rebalance", None)):
                 if key not in self._warned:
                     self._warned.add(key)
