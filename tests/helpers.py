@@ -19,6 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 
+# The repository root, whichever folder a test lives in (workers run with PYTHONPATH=ROOT).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 class IndexedDataset(Dataset):
     """Random regression-like classification data that also returns each sample's index."""

@@ -18,7 +18,7 @@ from lightning_hetero.grad.comm_hooks import CastState, CommCounter, Hierarchica
 from lightning_hetero.grad.compression_config import parse_compression
 from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
 from lightning_hetero.grad.topk_hook import TopKState, topk_hook
-from tests.helpers import Recorder, free_port
+from tests.helpers import ROOT, Recorder, free_port
 
 CAPACITIES = [3, 1]  # unequal shares: the weighting hook scales the two ranks' buckets differently
 GLOBAL_BATCH = 128  # 96 + 32 samples; 15 steps per epoch over the 1797 digits
@@ -512,7 +512,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 
     from lightning.pytorch.cli import LightningCLI
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     sys.path.insert(0, os.path.join(root, "examples"))
     from train_digits import DigitsClassifier, DigitsDataModule
 
@@ -526,7 +526,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
                                          TopKCompression(ratio=0.01),
                                          TopKCompression(ratio=0.01, warmup_steps=10, momentum=0.9)])

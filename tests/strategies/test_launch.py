@@ -8,10 +8,9 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import ROOT, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_launch_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_worker.py")
 
 
 def _env(**extra):
