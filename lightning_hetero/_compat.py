@@ -147,3 +147,12 @@ def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]
 def launcher_strategy(launcher: object) -> object:
     """The strategy a Lightning process launcher was made for (kept under a private name)."""
     return launcher._strategy  # type: ignore[attr-defined]
+
+
+def logged_results(trainer: object) -> "Optional[Any]":
+    """The running loop's collection of ``self.log`` accumulations (``{key: _ResultMetric}``), or ``None``.
+
+    A padding step's logged values must leave the epoch's accumulations as they were: Lightning has no public hook
+    between ``self.log`` and its epoch-end reduction.
+    """
+    return getattr(trainer, "_results", None)
