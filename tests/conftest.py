@@ -1,31 +1,28 @@
-"""What every test folder shares: one GPU-count gate.
+"""What every test shares: one gate for tests that need CUDA devices.
 
-A test that needs CUDA devices says how many with ``@pytest.mark.gpus(n)`` (beside ``@pytest.mark.gpu``, which
-``-m gpu`` selects); with fewer devices it is skipped here, in one place, the counts in the reason.
-
-Example::
-    pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+``@pytest.mark.gpu`` (one device) or ``@pytest.mark.gpu(2)`` (two or more) marks a test that needs that many CUDA
+devices; it is skipped, with the count in the reason, on a machine that has fewer. ``-m gpu`` selects them all.
 """
 
 import pytest
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpus(n): needs n CUDA devices (skipped with fewer)")
+def _cuda_devices() -> int:
+    # Lightning's count reads NVML and leaves CUDA uninitialised, so fork-launched tests can still fork afterwards.
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    return num_cuda_devices()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    needs = {item: item.get_closest_marker("gpus") for item in items}
-    if not any(needs.values()):
-        return
-    from lightning.fabric.accelerators.cuda import num_cuda_devices
-
-    # Counted without initialising CUDA in this process: tests fork their ranks after collection.
-    available = num_cuda_devices()
-    for item, marker in needs.items():
+    available = None
+    for item in items:
+        marker = item.get_closest_marker("gpu")
         if marker is None:
             continue
-        wanted = int(marker.args[0]) if marker.args else 1
-        if available < wanted:
-            devices = "device" if wanted == 1 else "devices"
-            item.add_marker(pytest.mark.skip(reason=f"needs {wanted} CUDA {devices}, {available} here"))
+        needed = int(marker.args[0]) if marker.args else 1
+        if available is None:
+            available = _cuda_devices()
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device{'s' if needed > 1 else ''}, "
+                                                    f"found {available}"))

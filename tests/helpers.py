@@ -19,9 +19,6 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 
-# The repository root, whichever folder a test lives in (workers run with PYTHONPATH=ROOT).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 class IndexedDataset(Dataset):
     """Random regression-like classification data that also returns each sample's index."""
@@ -43,8 +40,7 @@ class TinyModel(LightningModule):
                  n: int = 53, lr: float = 0.1, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        # Dropout draws from the global RNG.
-        hidden = [nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
+        hidden = [nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])  # dropout draws from the global RNG
         self.net = nn.Sequential(nn.Linear(features, 16), *hidden, nn.Linear(16, classes))
 
     def loss(self, batch: Any) -> torch.Tensor:
@@ -108,8 +104,7 @@ def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_k
     """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
     options: dict = {"observation": {"print_table": False}, "resilience": {"timeout": 120}}
-    # A group given here adds to the defaults above.
-    for key, value in (strategy_kwargs or {}).items():
+    for key, value in (strategy_kwargs or {}).items():  # a group given here adds to the defaults above
         options[key] = {**options[key], **value} if isinstance(value, dict) and key in options else value
     strategy = strategy_class(start_method="fork", **options)
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=max_epochs,

@@ -1,5 +1,4 @@
-"""``compression="auto"``: let the slowest link of the job pick the gradient compression (the request itself,
-:class:`~lightning_hetero.grad.compression_config.AutoCompression`, is a config beside the others).
+"""``compression="auto"``: let the slowest link of the job pick the gradient compression.
 
 At setup every host times a full-precision all-reduce of a few MB inside itself, then the hosts' leaders time one
 among themselves (through the emulated link's pacing, when there is one). The slow hop (between hosts when there
@@ -40,9 +39,9 @@ from lightning_hetero.grad.compression_config import (
     describe_compression,
 )
 
-# Bus bandwidth (GB/s) from which a hop is NVLink class,
+# Bus bandwidth (GB/s) from which a hop is NVLink class.
 NVLINK_BUS_GBPS = 40.0
-# ... PCIe class; below: Ethernet class (25 GbE = 3.1 GB/s, 10 GbE = 1.25 GB/s).
+# Bus bandwidth (GB/s) from which a hop is PCIe class; below: Ethernet class (25 GbE = 3.1 GB/s, 10 GbE = 1.25 GB/s)
 PCIE_BUS_GBPS = 5.0
 
 
@@ -58,7 +57,7 @@ class LinkMeasurement:
     intra_seconds: Optional[float]
     inter_seconds: Optional[float]
     hosts: int
-    # The largest host.
+    # The largest host
     ranks_per_host: int
 
     @staticmethod
@@ -86,7 +85,7 @@ def _timed_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], r
             pacer.transfer(tensor.numel() * tensor.element_size())
             pacer.settle()
 
-    # Warm-up: the communicator's connections are set up lazily.
+    # Warm-up: the communicator's connections are set up lazily
     once()
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)

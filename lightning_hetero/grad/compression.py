@@ -1,27 +1,19 @@
 """Compressed gradient communication, composed with capacity weighting inside DDP's comm hook.
 
-Every hook is an *averaging* hook: the weighting hook (weighting.py) hands it the bucket already scaled by
-b_r · W / G, so the residuals of error feedback hold weighted gradients and dividing by W gives the global mean.
+:class:`GradientCompression` turns a user config (:mod:`~lightning_hetero.grad.compression_config`) into one DDP comm
+hook and its state, counts the bytes of each step and checkpoints per-rank state:
 
 * ``"fp16"`` / ``"bf16"``: torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (divide first: no overflow).
 * ``"powersgd"``: torch's ``PowerSGDState`` + ``powerSGD_hook``, plus checkpointable per-rank state and a guard that
-  keeps non-finite steps out of the error and warm-start memories.
+  keeps non-finite steps out of the error and warm-start memories (:mod:`~lightning_hetero.grad.powersgd_hook`).
 * ``"topk"``: the largest ``ratio`` of entries by magnitude, sent as values + indices with ``all_gather`` (any world
   size, gloo or NCCL), with error feedback and a DGC-style ratio warm-up.
 * ``hierarchical=True``: full precision inside each host (or device class), the compressed exchange only among the
   group leaders, then a broadcast inside the group.
 
-The pieces, one job each (as torch's ``ddp_comm_hooks/``): the user configs in
-:mod:`~lightning_hetero.grad.compression_config`, the plain and two-level hooks in
-:mod:`~lightning_hetero.grad.comm_hooks`, PowerSGD in :mod:`~lightning_hetero.grad.powersgd_hook`, top-k in
-:mod:`~lightning_hetero.grad.topk_hook`; this module composes them for one DDP model.
-
 Example::
-    >>> trainer = Trainer(strategy=HeteroDDPStrategy(compression=TopKCompression(ratio=0.01, warmup_steps=100)))
-    >>> # LightningCLI YAML:
-    >>> # strategy: {class_path: lightning_hetero.HeteroDDPStrategy,
-    >>> #            init_args: {compression: {class_path: lightning_hetero.PowerSGDCompression,
-    >>> #                                      init_args: {rank: 4, hierarchical: true}}}}
+    >>> compression = GradientCompression(TopKCompression(ratio=0.01), list(model.parameters()), world_size, device)
+    >>> ddp_model.register_comm_hook(compression.state, compression.hook)
 """
 
 from collections.abc import Sequence
@@ -33,13 +25,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.grad.comm_hooks import (
+from lightning_hetero.grad.bucket_state import CommCounter
+from lightning_hetero.grad.compress_hooks import (
     CastState,
-    CommCounter,
     HierarchicalState,
+    TopKState,
     allreduce_hook,
     cast_hook,
     hierarchical_hook,
+    topk_hook,
 )
 from lightning_hetero.grad.compression_config import (
     CastCompression,
@@ -49,7 +43,6 @@ from lightning_hetero.grad.compression_config import (
     TopKCompression,
 )
 from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
-from lightning_hetero.grad.topk_hook import TopKState, topk_hook
 
 
 class GradientCompression:
@@ -68,7 +61,7 @@ class GradientCompression:
         self.hook: Optional[Callable] = None
         self.state: Any = None
         self._stateful: Any = None
-        # The ranks whose hook runs the compression.
+        # Ranks whose hook runs the compression
         self._compressing: tuple[int, ...] = tuple(range(world_size))
         if config is None:
             return
@@ -122,7 +115,7 @@ class GradientCompression:
         """Close the optimizer step's byte count (hooks fire only on synchronizing steps)."""
         by_hop = self.counter.take()
         if self.config is None:
-            # No hook of ours: DDP all-reduces every gradient at full size.
+            # No hook of ours: DDP all-reduces every gradient at full size
             by_hop = {"all": self._dense_bytes}
         self.bytes_by_hop_last_step = by_hop
         self.bytes_last_step = sum(by_hop.values())

@@ -1,15 +1,16 @@
-"""What the user asks of gradient communication: frozen, validated configs (a ``ValueError`` naming the field
-otherwise), the parsing of ``compression=`` and the per-rank text the lab table shows.
+"""What users choose for gradient communication: frozen, JSON-able configs and the parsing of ``compression=``.
 
-The hooks that carry each config out are in :mod:`~lightning_hetero.grad.comm_hooks`,
-:mod:`~lightning_hetero.grad.powersgd_hook` and :mod:`~lightning_hetero.grad.topk_hook`; the strategy's runtime that
-composes them is :class:`~lightning_hetero.grad.compression.GradientCompression`; ``"auto"`` is chosen from measured
-links in :mod:`~lightning_hetero.grad.autocompress`.
+Nothing here talks to a process group. The hooks that carry out a config are in
+:mod:`~lightning_hetero.grad.compress_hooks` and :mod:`~lightning_hetero.grad.powersgd_hook`; the runtime that picks
+and composes them for one DDP model is :mod:`~lightning_hetero.grad.compression`; the measurement behind
+``compression="auto"`` is :mod:`~lightning_hetero.grad.autocompress`.
 
 Example::
-    >>> HeteroDDPStrategy(compression=TopKCompression(ratio=0.01, warmup_steps=100))
-    >>> parse_compression("bf16")
-    CastCompression(dtype='bf16', hierarchical=False, group_by='host')
+    >>> trainer = Trainer(strategy=HeteroDDPStrategy(compression=TopKCompression(ratio=0.01, warmup_steps=100)))
+    >>> # LightningCLI YAML:
+    >>> # strategy: {class_path: lightning_hetero.HeteroDDPStrategy,
+    >>> #            init_args: {compression: {class_path: lightning_hetero.PowerSGDCompression,
+    >>> #                                      init_args: {rank: 4, hierarchical: true}}}}
 """
 
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ def _check_hop(cls: str, hierarchical: Any, group_by: Any) -> None:
 
 
 @dataclass(frozen=True)
+
+
 class NoCompression:
     """Full-precision all-reduce. ``hierarchical=True``: reduce inside each ``group_by`` group first, exchange one sum
     per group among the leaders, broadcast back (the two-level sync without compression)."""
@@ -43,6 +46,8 @@ class NoCompression:
 
 
 @dataclass(frozen=True)
+
+
 class CastCompression:
     """All-reduce in half precision. ``hierarchical``: cast only on the hop between ``group_by`` groups."""
 
@@ -59,6 +64,8 @@ class CastCompression:
 
 
 @dataclass(frozen=True)
+
+
 class PowerSGDCompression:
     """torch's PowerSGD. ``start_iter`` steps of plain all-reduce come first (> 1 with error feedback / warm start,
     because DDP rebuilds its buckets after step 1); tensors below ``min_compression_rate`` go uncompressed."""
@@ -97,6 +104,8 @@ class PowerSGDCompression:
 
 
 @dataclass(frozen=True)
+
+
 class TopKCompression:
     """Top-k sparsification with error feedback and Deep Gradient Compression's momentum correction.
 
@@ -143,9 +152,12 @@ class TopKCompression:
         return f"topk({self.ratio:g})"
 
 
+
 @dataclass(frozen=True)
+
+
 class AutoCompression:
-    """Measure the links at setup, then choose (see :mod:`~lightning_hetero.grad.autocompress`).
+    """Measure the links at setup, then choose (the table is in :mod:`~lightning_hetero.grad.autocompress`).
 
     Args:
         step_seconds: compute time of one optimizer step, if known; ``None``: judge exposure by ``exposed_seconds``.
@@ -179,7 +191,7 @@ class AutoCompression:
 
     @property
     def hierarchical(self) -> bool:
-        # For code that reads it off any config before the choice is made.
+        # For code that reads it off any config before the choice is made
         return False
 
     def describe(self) -> str:

@@ -132,30 +132,23 @@ class PeriodicCrossHostSync:
         self.config = config
         self.wire_dtype = wire_dtype
         self.active = False
-        # Optimizer steps taken in this run (and the runs it resumes).
-        self.step = 0
+        self.step = 0  # optimizer steps taken in this run (and the runs it resumes)
         self.outer_steps = 0
-        # What this rank sent between hosts in the last outer step.
-        self.wire_bytes_last_outer = 0
+        self.wire_bytes_last_outer = 0  # what this rank sent between hosts in the last outer step
         self._rank = 0
         self._host_ranks: tuple[int, ...] = ()
         self._host_group: Optional[dist.ProcessGroup] = None
-        # None on ranks that lead no host.
-        self._leaders: Optional[dist.ProcessGroup] = None
+        self._leaders: Optional[dist.ProcessGroup] = None  # None on ranks that lead no host
         self._on_rank0_host = True
         self._pacer: Optional[Any] = None
         self._module: Optional[nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._params: list[Tensor] = []
-        # θ_0: flat fp32 parameters at the last outer step.
-        self._anchor: Optional[Tensor] = None
+        self._anchor: Optional[Tensor] = None  # θ_0: flat fp32 parameters at the last outer step
         self._outer: Optional[torch.optim.SGD] = None
-        # Samples this host trained on in the period, samples of all hosts.
-        self._period = [0.0, 0.0]
-        # Restored state, applied at the first training batch.
-        self._pending: Optional[dict[str, Any]] = None
-        # An exchange started and not yet applied (overlap).
-        self._in_flight: Optional[dict[str, Any]] = None
+        self._period = [0.0, 0.0]  # samples this host trained on in the period, samples of all hosts
+        self._pending: Optional[dict[str, Any]] = None  # restored state, applied at the first training batch
+        self._in_flight: Optional[dict[str, Any]] = None  # an exchange started and not yet applied (overlap)
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def setup(self, lab: HeteroLab, groups: LabGroups, rank: int, pacer: Optional[Any] = None) -> None:
@@ -225,13 +218,11 @@ class PeriodicCrossHostSync:
         if not self.active:
             return False
         self.step += 1
-        # Overlap: the exchange started one step ago lands now.
-        if self._in_flight is not None:
+        if self._in_flight is not None:  # overlap: the exchange started one step ago lands now
             self._finish_outer()
         warmup, every = self.config.warmup_steps, self.config.every
         if self.step == warmup:
-            # The hosts are identical after exact sync.
-            self._reset_anchor()
+            self._reset_anchor()  # the hosts are identical after exact sync
             return False
         if self.step > warmup and (self.step - warmup) % every == 0:
             self._start_outer()
@@ -259,8 +250,7 @@ class PeriodicCrossHostSync:
                 self._pacer.transfer(self.wire_bytes_last_outer)
             if self.wire_dtype == torch.float32:
                 flight["work"] = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._leaders, async_op=True)
-            # Gathered and summed in fp32 in rank order: the same bits on every leader.
-            else:
+            else:  # gathered and summed in fp32 in rank order: the same bits on every leader
                 flight["parts"] = [torch.empty_like(wire) for _ in range(dist.get_world_size(self._leaders))]
                 flight["work"] = dist.all_gather(flight["parts"], wire, group=self._leaders, async_op=True)
             flight["wire"] = wire
@@ -316,8 +306,7 @@ class PeriodicCrossHostSync:
         if self._anchor is not None and self._outer is not None:
             state["anchor"] = self._anchor.detach().clone()
             state["outer"] = self._outer.state_dict()
-        # Overlap: the exchange's result (leaders) and what this rank sent.
-        if self._in_flight is not None:
+        if self._in_flight is not None:  # overlap: the exchange's result (leaders) and what this rank sent
             state["in_flight"] = {"sent": self._in_flight["sent"].clone(), "combined": self._combined()}
         # Lightning saves rank 0's model and optimizer; mid-period (always, with overlap) the other hosts' differ.
         differs = self.periodic_now and (mid_period or self.config.overlap)

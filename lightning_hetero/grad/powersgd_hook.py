@@ -1,4 +1,4 @@
-"""PowerSGD as a comm hook: the math of torch's ``powerSGD_hook`` on torch's ``PowerSGDState``, batched per bucket,
+"""PowerSGD as a DDP comm hook: torch's ``PowerSGDState`` and the math of its ``powerSGD_hook``, batched for speed,
 with per-parameter checkpoints and a guard that keeps non-finite steps out of the error and warm-start memories."""
 
 import math
@@ -11,9 +11,9 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.grad.bucket_states import BucketStates, Segments, elementwise
-from lightning_hetero.grad.comm_hooks import CommCounter, nbytes
+from lightning_hetero.grad.bucket_state import BucketStates, CommCounter, Segments, elementwise_segments, nbytes
 from lightning_hetero.grad.compression_config import PowerSGDCompression
+
 
 def _powersgd_segments(rank: int, min_rate: float, part: str) -> Segments:
     """Where each compressed tensor's P (or Q) sits in torch's flat memory: grouped by matrix shape, in order."""
@@ -48,7 +48,7 @@ class PowerSGDHookState:
         )
         ps = self.powersgd
         self.buckets = BucketStates(params, device, {
-            "error": (lambda: ps.error_dict, elementwise, True),
+            "error": (lambda: ps.error_dict, elementwise_segments, True),
             "p": (lambda: ps.p_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "p"), False),
             "q": (lambda: ps.q_memory_dict, _powersgd_segments(config.rank, config.min_compression_rate, "q"), False),
         })
@@ -125,7 +125,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     buffer = bucket.buffer()
     if ps.iter < ps.start_powerSGD_iter:
         state.counter.add(state.hop, nbytes(buffer))
-        # torch's plain all-reduce for the first iterations.
+        # Torch's plain all-reduce for the first iterations
         return powerSGD_hook(ps, bucket)
     group = ps.process_group if ps.process_group is not None else dist.group.WORLD
     world = group.size()
@@ -160,7 +160,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         rng = torch.Generator().manual_seed(int(ps.rng.randint(1_000_000_000)))
         draws = [torch.randn(m * r, generator=rng, dtype=buffer.dtype) for b, _, m, r in sizes for _ in range(b)]
         ps.q_memory_dict[idx] = (torch.cat(draws) if draws else buffer.new_empty(0).cpu()).to(buffer.device)
-    # Q is rewritten in place.
+    # Q is rewritten in place
     q_before = ps.q_memory_dict[idx].clone() if ps.warm_start else None
     # On CUDA same-shape matrices are stacked into one batch (one kernel, not one per matrix); on a CPU the copy
     # costs more than the calls it saves. The P / Q layout is the same either way.
@@ -179,9 +179,9 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     _orthogonalize(qs, ps.orthogonalization_epsilon)
     for mat, q, p in zip(mats, qs, ps_):
         torch.bmm(mat, q, out=p)
-    # CUDA: a stream wait only.
+    # CUDA: a stream wait only
     dist.all_reduce(ps.p_memory_dict[idx], group=group, async_op=True).wait()
-    # No division by W: orthogonalized anyway.
+    # No division by W: orthogonalized anyway
     _orthogonalize(ps_, ps.orthogonalization_epsilon)
     for mat, p, q in zip(mats, ps_, qs):
         torch.bmm(mat.transpose(1, 2), p, out=q)
@@ -199,8 +199,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         ps.q_memory_dict[idx].div_(world)
         for mat, p, q, copied in zip(mats, ps_, qs, copies):
             torch.bmm(p, q.transpose(1, 2), out=mat)
-            # A stacked copy: write back into the bucket.
             for i, tensor in enumerate(copied):
+                # A stacked copy: write back into the bucket
                 tensor.copy_(mat[i])
         # Any rank's inf / NaN reaches every rank's Q (through P = M Q and its all-reduce) or the uncompressed sum:
         # checking those small tensors is checking the bucket.
@@ -217,3 +217,4 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         return buffer
 
     return q_fut.then(decompress)
+

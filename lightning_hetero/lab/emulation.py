@@ -23,9 +23,10 @@ device, unchanged). On CUDA a profile applies:
   ``link: "ethernet"`` names the link *between* hosts and leaves the transport inside each host alone.
 - **inter-host bandwidth** (``{"inter_host_gbit": 10}``): the hop between hosts is *paced*, not throttled: the
   gradient exchange between hosts still runs at the machine's speed, then the hook holds the step until a link of
-  that many Gbit/s would have delivered the same bytes (see :class:`~lightning_hetero.lab.link_pacing.LinkPacer`; the
-  job uses the lowest value of any rank). Transfers overlap the backward pass as they would on a real link; the time
-  a real NIC's protocol stack would add is not modelled. Works on CPU (gloo) too.
+  that many Gbit/s would have delivered the same bytes (see
+  :class:`~lightning_hetero.lab.link_pacing.LinkPacer`; the job uses the lowest value of any
+  rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
+  would add is not modelled. Works on CPU (gloo) too.
 
 SM shares are calibrated from published dense rates (:data:`lightning_hetero.lab.devices.PEAK_TFLOPS`): share = the
 preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
@@ -62,7 +63,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -73,8 +74,9 @@ from lightning_hetero.lab.devices import (
     DeviceInfo,
     peak_tflops,
 )
-from lightning_hetero.lab.presets import LINK_CLASSES, PRESETS, LinkClass, Preset
 
+LinkClass = Literal["nvlink", "pcie", "ethernet"]
+LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
 EmulateArg = Optional[Sequence[Union[str, Mapping[str, Any], None]]]
 
 EMULATED_SUFFIX = " (emulated)"
@@ -89,6 +91,31 @@ _LINK_ENV: dict[str, dict[str, str]] = {
 # NVLink SHARP (NVLS) exists only on Hopper NVSwitch systems: an emulated lab of other cards must not use it.
 _ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
+
+@dataclass(frozen=True)
+class Preset:
+    """A card to emulate: its reported name (a key of ``PEAK_TFLOPS`` must be part of it), memory and capability."""
+
+    name: str
+    memory_gib: float
+    capability: tuple[int, int]
+    link: LinkClass
+
+
+PRESETS: dict[str, Preset] = {
+    "H100": Preset("NVIDIA H100 80GB HBM3", 80, (9, 0), "nvlink"),
+    "A100-80GB": Preset("NVIDIA A100-SXM4-80GB", 80, (8, 0), "nvlink"),
+    "A100-40GB": Preset("NVIDIA A100-SXM4-40GB", 40, (8, 0), "nvlink"),
+    "L40S": Preset("NVIDIA L40S", 48, (8, 9), "pcie"),
+    "A6000": Preset("NVIDIA RTX A6000", 48, (8, 6), "pcie"),
+    "RTX4090": Preset("NVIDIA GeForce RTX 4090", 24, (8, 9), "pcie"),
+    "RTX3090": Preset("NVIDIA GeForce RTX 3090", 24, (8, 6), "pcie"),
+    "A10": Preset("NVIDIA A10", 24, (8, 6), "pcie"),
+    "V100": Preset("Tesla V100-SXM2-32GB", 32, (7, 0), "nvlink"),
+    "T4": Preset("Tesla T4", 16, (7, 5), "pcie"),
+}
+"""The cards ``emulate=[...]`` accepts by name: reported name, memory, compute capability and link class of each."""
+
 _PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown",
                  "host", "inter_host_gbit")
 
@@ -99,18 +126,14 @@ class EmulationSpec:
 
     preset: Optional[str] = None
     name: Optional[str] = None
-    # Fraction of the host's SMs; None: from the preset, else all.
-    sm_share: Optional[float] = None
+    sm_share: Optional[float] = None  # fraction of the host's SMs; None: from the preset, else all
     memory_gib: Optional[float] = None
     memory_fraction: Optional[float] = None
     capability: Optional[tuple[int, int]] = None
     link: Optional[LinkClass] = None
-    # CPU analogue of the SM share.
-    slowdown: Optional[float] = None
-    # Emulated host name.
-    host: Optional[str] = None
-    # Paced bandwidth between emulated hosts, Gbit/s.
-    inter_host_gbit: Optional[float] = None
+    slowdown: Optional[float] = None  # CPU analogue of the SM share
+    host: Optional[str] = None  # emulated host name
+    inter_host_gbit: Optional[float] = None  # paced bandwidth between emulated hosts, Gbit/s
 
     def __post_init__(self) -> None:
         # Built directly (not from a YAML dict through `parse_emulate`): the same checks, naming the field.
@@ -130,24 +153,17 @@ class EmulationSpec:
 class EmulatedDevice:
     """One rank's profile resolved against its host device: what the emulator will actually do."""
 
-    # Reported name, ending in " (emulated)".
-    name: str
+    name: str  # reported name, ending in " (emulated)"
     host_name: str
     host_sms: int
-    # green-context SM count; None: all SMs (no cap).
-    num_sms: Optional[int]
-    # What the calibration asked for, before rounding to the granularity.
-    wanted_sms: Optional[float]
-    # Allocator cap; None: no cap.
-    memory_bytes: Optional[int]
+    num_sms: Optional[int]  # green-context SM count; None: all SMs (no cap)
+    wanted_sms: Optional[float]  # what the calibration asked for, before rounding to the granularity
+    memory_bytes: Optional[int]  # allocator cap; None: no cap
     capability: Optional[tuple[int, int]]
     link: LinkClass
-    # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none.
-    slowdown: float
-    # The calibrated SM count was out of the green context's range.
-    clamped: bool = False
-    # Emulated host name (None: the real one).
-    host: Optional[str] = None
+    slowdown: float  # CPU: sleep (slowdown - 1) × step CPU time; 1.0: none
+    clamped: bool = False  # the calibrated SM count was out of the green context's range
+    host: Optional[str] = None  # emulated host name (None: the real one)
     inter_host_gbit: Optional[float] = None
 
     @property
@@ -253,8 +269,7 @@ def _capability(value: Any, where: str) -> Optional[tuple[int, int]]:
     if value is None:
         return None
     try:
-        # A YAML loader may make 7.5 a float.
-        if isinstance(value, (str, float)) and not isinstance(value, bool):
+        if isinstance(value, (str, float)) and not isinstance(value, bool):  # a YAML loader may make 7.5 a float
             major, _, minor = str(value).replace(",", ".").partition(".")
             parsed = (int(major), int(minor or 0))
         else:
@@ -309,8 +324,7 @@ def resolve(
         gib = spec.memory_gib if spec.memory_gib is not None else preset.memory_gib  # type: ignore[union-attr]
         memory = int(gib * 2**30)
     if memory is not None and host.memory_bytes and memory >= host.memory_bytes:
-        # The card has more memory than the host: nothing to cap.
-        memory = None
+        memory = None  # the card has more memory than the host: nothing to cap
 
     num_sms: Optional[int] = None
     wanted: Optional[float] = None
@@ -325,8 +339,7 @@ def resolve(
             wanted = share * host.multiprocessors
             num_sms = round_sms(wanted, host.multiprocessors, host.capability)
             granted = num_sms if num_sms is not None else host.multiprocessors
-            # The granularity cannot express this card.
-            clamped = abs(granted - wanted) > 0.15 * wanted
+            clamped = abs(granted - wanted) > 0.15 * wanted  # the granularity cannot express this card
     elif spec.slowdown is None and preset is not None:
         rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
         slowdown = max(rates + [preset_tflops(preset)]) / preset_tflops(preset)
@@ -354,10 +367,8 @@ def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
     if spec.slowdown:
         return f"{host.name} at 1/{spec.slowdown:g} speed"
     if spec.host is not None and host.type == "cpu":
-        # Only the host is emulated: the rank keeps its device class.
-        return host.name
-    # Full compute (only memory, capability or link emulated): the host's rate is right.
-    return host.name
+        return host.name  # only the host is emulated: the rank keeps its device class
+    return host.name  # full compute (only memory, capability or link emulated): the host's rate is right
 
 
 def job_link(devices: Sequence[Optional[EmulatedDevice]]) -> LinkClass:
@@ -418,23 +429,18 @@ class Emulator:
         self.device = device
         self.root_device = root_device
         self.link: LinkClass = job_link_class
-        # The job emulates hosts (NCCL's network transport between them).
-        self.hosts = hosts
-        # The job's paced inter-host bandwidth.
-        self.inter_host_gbit = inter_host_gbit
+        self.hosts = hosts  # the job emulates hosts (NCCL's network transport between them)
+        self.inter_host_gbit = inter_host_gbit  # the job's paced inter-host bandwidth
         self._saved_env: dict[str, Optional[str]] = {}
         self._green: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
         self._depth = 0
-        # Measured step time (CPU: thread CPU time) before the slowdown.
-        self.compute_seconds = 0.0
+        self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
         self.slept_seconds = 0.0
         # CPU: collectives are communication, not the card's compute (see `collective_began`).
         self._cpu_slowed = device.slowdown > 1.0 and root_device.type != "cuda"
-        # This step's CPU seconds inside collectives.
-        self._collective_cpu = 0.0
-        # The clock when the last gradient bucket went to the comm hook.
-        self._bucket_cpu: Optional[float] = None
+        self._collective_cpu = 0.0  # this step's CPU seconds inside collectives
+        self._bucket_cpu: Optional[float] = None  # the clock when the last gradient bucket went to the comm hook
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -445,11 +451,9 @@ class Emulator:
         if self.hosts:
             env[HOST_OVERRIDE_ENV] = self.device.host or socket.gethostname()
             env["NCCL_HOSTID"] = nccl_host_id(env[HOST_OVERRIDE_ENV])
-            # Between emulated hosts: TCP sockets, as on an Ethernet lab.
-            env["NCCL_IB_DISABLE"] = "1"
+            env["NCCL_IB_DISABLE"] = "1"  # between emulated hosts: TCP sockets, as on an Ethernet lab
             if "NCCL_SOCKET_IFNAME" not in os.environ:
-                # The emulated hosts share this machine: loopback always exists.
-                env["NCCL_SOCKET_IFNAME"] = "lo"
+                env["NCCL_SOCKET_IFNAME"] = "lo"  # the emulated hosts share this machine: loopback always exists
         for key, value in env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
@@ -485,11 +489,9 @@ class Emulator:
         outer = torch.cuda.current_stream(self.root_device) if stream is not None else None
         try:
             if stream is not None:
-                # The batch was copied on the outer stream.
-                stream.wait_stream(outer)
+                stream.wait_stream(outer)  # the batch was copied on the outer stream
             slowed = self.device.slowdown > 1.0
-            # The clock synchronizes on CUDA: only when it is needed.
-            start = self._clock() if slowed else 0.0
+            start = self._clock() if slowed else 0.0  # the clock synchronizes on CUDA: only when it is needed
             self._collective_cpu, self._bucket_cpu = 0.0, None
             if stream is not None:
                 with torch.cuda.stream(stream):
@@ -507,8 +509,7 @@ class Emulator:
                 self.slept_seconds += time.perf_counter() - begin
         finally:
             if stream is not None:
-                # What follows on the outer stream reads the step's results.
-                outer.wait_stream(stream)
+                outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
 
     @property
@@ -604,8 +605,7 @@ def start_emulation(
     if spec is None:
         if not hosts and (root_device.type != "cuda" or link == "nvlink"):
             return None
-        # The real card, but on the job's emulated link / hosts.
-        spec = EmulationSpec(name=host.name, link=link)
+        spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link / hosts
     emulator = Emulator(resolve(spec, host, specs), root_device, link, hosts=hosts,
                         inter_host_gbit=job_inter_host_gbit(specs))
     emulator.apply_env()

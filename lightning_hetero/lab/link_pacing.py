@@ -1,9 +1,8 @@
-"""The emulated link between hosts: a pacer that holds each step until a link of a given bandwidth would have
-carried its inter-host traffic, and the DDP comm hook that runs any averaging hook over that link.
+"""The emulated link between hosts: a pacer that holds each step until a link of ``gbit`` Gbit/s would have carried
+its inter-host bytes, and the DDP comm hook that feeds it.
 
-:class:`LinkPacer` is what ``emulate=[{"inter_host_gbit": ...}]`` turns on (see :mod:`~lightning_hetero.lab.emulation`);
-the two-level exchange (:func:`~lightning_hetero.grad.comm_hooks.hierarchical_hook`) paces its leaders' hop with it and
-:func:`paced_hook` paces a flat exchange over all ranks.
+The exchange itself still runs at the machine's speed; pacing adds only the time a slower link would have exposed
+(see ``inter_host_gbit`` in :mod:`~lightning_hetero.lab.emulation`). Works on CPU (gloo) and CUDA (NCCL).
 """
 
 import time
@@ -11,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 
 class LinkPacer:
     """Paces one rank's traffic over the emulated link between hosts to ``gbit`` Gbit/s.
@@ -36,7 +36,7 @@ class LinkPacer:
         self.device = device
         self._pending: list[tuple[Any, int]] = []
         self._link_free = 0.0
-        # Total time the pacing held steps (the exposed link time beyond the real exchange).
+        # Total time the pacing held steps (the exposed link time beyond the real exchange)
         self.slept_s = 0.0
         self.wire_bytes = 0.0
 
@@ -79,7 +79,7 @@ class LinkPacer:
 class PacedState:
     """An averaging comm hook whose traffic crosses the paced link (a flat exchange over all ranks).
 
-    ``counter``: a :class:`~lightning_hetero.grad.comm_hooks.CommCounter` the inner hook adds its bytes to
+    ``counter``: a :class:`~lightning_hetero.grad.bucket_state.CommCounter` the inner hook adds its bytes to
     (``None``: the bucket's full size is what crosses).
     """
 

@@ -1,12 +1,12 @@
-"""What the monitor's per-step records mean: per-rank compute / wait / data / exposed communication of a window, the
-warnings a window earns, and the end-of-fit table. Pure functions over plain numbers, so a logged window
-(``hetero_monitor.jsonl``) can be analysed again offline.
+"""Offline analysis of :class:`~lightning_hetero.observe.monitor.HeteroMonitor`'s per-step records: per-rank time
+split, exposed communication vs waiting, advice when a threshold is crossed, and the end-of-fit summary table.
+
+Plain functions of plain numbers (no process group, no Trainer), so ``python -m lightning_hetero report`` and tests
+can call them on saved windows.
 
 Example::
-    >>> # one rank, two steps of (cycle, data, sync, samples, tokens) seconds and counts
-    >>> window = analyse([[[0.10, 0.01, 0.02, 32, 0], [0.10, 0.01, 0.02, 32, 0]]])
-    >>> round(window["compute"][0], 3), window["samples_per_s"]
-    (0.07, 320.0)
+    >>> window = analyse([[[0.10, 0.01, 0.02, 32, 0]], [[0.10, 0.01, 0.05, 16, 0]]])
+    >>> advice(window)
 """
 
 import math
@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-# Per-step record columns (seconds, counts): what the monitor exchanges on logging steps.
+# Per-step record columns (seconds, counts), exchanged on logging steps.
 STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens")
 BUSY_THRESHOLD = 0.85
 COMM_RATIO_THRESHOLD = 0.3
@@ -43,7 +43,7 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
             compute[r] += max(c - d - sync, 0.0)
             samples[r] += b
             tokens[r] += t
-    # The cycles agree across ranks up to clock skew: their mean.
+    # The cycles agree across ranks up to clock skew: their mean
     wall = sum(cycle) / world if world else 0.0
     per_step = 1.0 / n if n else 0.0
     solo = [s / c if c > 0 else 0.0 for s, c in zip(samples, compute)]
@@ -61,7 +61,7 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
         "cycle": [v * per_step for v in cycle],
         "samples": samples,
         "tokens": tokens,
-        # As trained.
+        # As trained
         "shares": [s / total_samples for s in samples] if total_samples > 0 else None,
         "busy": [c / t if t > 0 else 0.0 for c, t in zip(compute, cycle)],
         "solo": solo,
@@ -196,8 +196,8 @@ def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequenc
     for row in rows:
         table.add_row(*row)
     console = Console()
-    # A log file or a pipe: rich would cut the table to 80 columns ("sha…", "2.5e+…").
     if not console.is_terminal:
+        # A log file or a pipe: rich would cut the table to 80 columns ("sha…", "2.5e+…")
         console = Console(width=max(console.width, console.measure(table, options=console.options.update(
             max_width=1000)).maximum))
     console.print(table)

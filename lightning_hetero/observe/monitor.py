@@ -62,18 +62,12 @@ SIDECAR = "hetero_monitor.jsonl"
 # The step's hooks only read the clock and append one tuple to the rank's event log; :class:`_StepRows` turns the log
 # into rows on logging steps. (In a 2-core VM's training loop every Python call or object a hook makes costs several
 # microseconds, on both ranks' critical path: work that can wait for the logging step does.)
-# (kind, mark, samples, tokens): a batch starts.
-_START = 0
-# (kind, mark, backward-end mark or None): after the closure: the gradient all-reduce is done.
-_RELEASE = 1
-# (kind, mark): the batch ends.
-_END = 2
-# (kind, begin, end): a collective issued from within the step.
-_COLLECTIVE = 3
-# (kind, begin, end): validation inside training, part of no step.
-_EXCLUDED = 4
-# (kind, begin, end): the monitor's own exchange, counted as sync of the next step.
-_EXCHANGE = 5
+_START = 0  # (kind, mark, samples, tokens): a batch starts
+_RELEASE = 1  # (kind, mark, backward-end mark or None): after the closure: the gradient all-reduce is done
+_END = 2  # (kind, mark): the batch ends
+_COLLECTIVE = 3  # (kind, begin, end): a collective issued from within the step
+_EXCLUDED = 4  # (kind, begin, end): validation inside training, part of no step
+_EXCHANGE = 5  # (kind, begin, end): the monitor's own exchange, counted as sync of the next step
 _INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE)
 
 
@@ -83,8 +77,7 @@ class _Step:
     __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens")
 
     def __init__(self, origin: Any) -> None:
-        # The previous step's release: the step starts when the ranks were let go.
-        self.origin = origin
+        self.origin = origin  # the previous step's release: the step starts when the ranks were let go
         self.release: Any = None
         self.backward_end: Any = None
         self.gaps = self.colls = self.excluded = 0.0
@@ -105,10 +98,8 @@ class _StepRows:
         self.seconds = seconds
         self.last_release: Any = None
         self.last_end: Any = None
-        # Exchanges since the last batch end: sync of the next step.
-        self.owed_sync = 0.0
-        # Validation since the last batch end.
-        self.owed_excluded = 0.0
+        self.owed_sync = 0.0  # exchanges since the last batch end: sync of the next step
+        self.owed_excluded = 0.0  # validation since the last batch end
         self.open: Optional[_Step] = None
 
     def rows(self, events: Sequence[tuple]) -> list[float]:
@@ -129,18 +120,15 @@ class _StepRows:
                 step.samples += samples
                 step.tokens += tokens
             elif kind == _RELEASE:
-                # A second optimizer: the first one's release counts.
-                if step is not None and step.release is None:
+                if step is not None and step.release is None:  # a second optimizer: the first one's release counts
                     step.release, step.backward_end = event[1], event[2]
             elif kind == _END:
                 self.last_end = event[1]
-                # Else an accumulating batch: the step goes on.
-                if step is not None and step.release is not None:
+                if step is not None and step.release is not None:  # else an accumulating batch: the step goes on
                     flat += step.row(seconds)
                     self.last_release, step = step.release, None
             elif kind == _COLLECTIVE:
-                # Between batches it is part of the gap, which counts as sync anyway.
-                if step is not None:
+                if step is not None:  # between batches it is part of the gap, which counts as sync anyway
                     step.colls += seconds(event[1], event[2])
             elif kind == _EXCLUDED:
                 self.owed_excluded += seconds(event[1], event[2])
@@ -181,37 +169,27 @@ class HeteroMonitor(Callback):
         self.warn = warn
         self.summary = summary
         self.nvml = nvml
-        # Rank 0: every logged window (what the sidecar holds).
-        self.windows: list[dict[str, Any]] = []
-        # Rank 0: sums per rank after warm-up.
-        self.totals: Optional[dict[str, list[float]]] = None
-        # Rank 0: first and last step the totals cover.
-        self._summary_steps: Optional[tuple[int, ...]] = None
+        self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
+        self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
+        self._summary_steps: Optional[tuple[int, ...]] = None  # rank 0: first and last step the totals cover
         self._warned: set[str] = set()
         self._reset_run()
 
     def _reset_run(self) -> None:
         self._running = False
-        # The strategy's comm hook marks the backward's end (else a hook on the loss).
-        self._marks_from_hook = False
+        self._marks_from_hook = False  # the strategy's comm hook marks the backward's end (else a hook on the loss)
         self._strategy: Any = None
         self._every = 1
         self._device = torch.device("cpu")
-        # This window's events (see _START ...), replayed on logging steps.
-        self._events: list[tuple] = []
+        self._events: list[tuple] = []  # this window's events (see _START ...), replayed on logging steps
         self._push = self._events.append
         self._rows = _StepRows(self._seconds)
-        # An optimizer step was taken in this batch.
-        self._released = False
-        # This batch's backward-end mark (CUDA: one event, re-recorded per bucket).
-        self._backward_end: Any = None
+        self._released = False  # an optimizer step was taken in this batch
+        self._backward_end: Any = None  # this batch's backward-end mark (CUDA: one event, re-recorded per bucket)
         self._steps_done = 0
-        # Completed steps not yet exchanged.
-        self._unexchanged = 0
-        # Until the first batch shows whether its first tensor holds token ids.
-        self._count_tokens = True
-        # Keys from a batch to its first tensor.
-        self._path: Optional[tuple[Any, ...]] = None
+        self._unexchanged = 0  # completed steps not yet exchanged
+        self._count_tokens = True  # until the first batch shows whether its first tensor holds token ids
+        self._path: Optional[tuple[Any, ...]] = None  # keys from a batch to its first tensor
         self._nvml_handle: Any = None
         self._sidecar: Optional[IO[str]] = None
         self._validation_began: Any = None
@@ -253,8 +231,7 @@ class HeteroMonitor(Callback):
         self._device = trainer.strategy.root_device
         for name in ("_mark", "_seconds", "_backward_ended"):
             self.__dict__.pop(name, None)
-        # Host clock: no device check per mark.
-        if self._device.type != "cuda":
+        if self._device.type != "cuda":  # host clock: no device check per mark
             self._mark = time.perf_counter  # type: ignore[method-assign]
             self._seconds = self._host_seconds  # type: ignore[method-assign]
             self._backward_ended = self._backward_ended_on_host  # type: ignore[method-assign]
@@ -272,11 +249,9 @@ class HeteroMonitor(Callback):
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
-        # Without a logger (or one without a log_dir): no file.
-        if trainer.global_rank == 0 and log_dir:
+        if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
             os.makedirs(log_dir, exist_ok=True)
-            # Written and flushed once a window.
-            self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")
+            self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")  # written and flushed once a window
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         samples = getattr(self._strategy, "train_step_size", None)
@@ -294,8 +269,7 @@ class HeteroMonitor(Callback):
             first = _at(batch, self._path)
         samples, tokens = _counts_of(first, samples)
         if self._path is not None and first is not None:
-            # By the first batch: a loader yields batches of one structure.
-            self._count_tokens = tokens > 0
+            self._count_tokens = tokens > 0  # by the first batch: a loader yields batches of one structure
         return samples, tokens
 
     def _backward_ended(self) -> None:
@@ -320,8 +294,7 @@ class HeteroMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._push((_END, self._mark()))
-        # Else an accumulating batch: the step goes on.
-        if self._released:
+        if self._released:  # else an accumulating batch: the step goes on
             self._released = False
             self._steps_done += 1
             self._unexchanged += 1
@@ -358,8 +331,7 @@ class HeteroMonitor(Callback):
         if self._sidecar is not None:
             self._sidecar.close()
             self._sidecar = None
-        # Not picklable (the spawn launcher pickles the strategy that holds this callback).
-        self._nvml_handle = None
+        self._nvml_handle = None  # not picklable (the spawn launcher pickles the strategy that holds this callback)
 
     # -- the exchange on logging steps ------------------------------------------------------------------------------
     def _local_rows(self) -> list[float]:
@@ -399,8 +371,7 @@ class HeteroMonitor(Callback):
         window = analyse(steps, first_step=trainer.global_step - n)
         window.update(step=int(trainer.global_step),
                       nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(NVML_FIELDS)})
-        # Steps of this run, not global.
-        skip = max(0, self.warmup_steps - (self._steps_done - n))
+        skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
         kept: Optional[dict[str, Any]] = None
         if skip < n:
             kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip) if skip else window
@@ -410,10 +381,8 @@ class HeteroMonitor(Callback):
         self._log(trainer, window)
         if self._sidecar is not None:
             self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
-            # A crash loses no logged window.
-            self._sidecar.flush()
-        # The steps the table counts too (after warm-up), named in the message.
-        if self.warn and kept is not None:
+            self._sidecar.flush()  # a crash loses no logged window
+        if self.warn and kept is not None:  # the steps the table counts too (after warm-up), named in the message
             # The hetero strategies' share plan and controller, during fit.
             plan = getattr(trainer.strategy, "plan", None)
             shares = getattr(trainer.strategy, "share_controller", None)

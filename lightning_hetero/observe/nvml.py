@@ -1,5 +1,6 @@
-"""Device readings from NVML (``nvidia-ml-py``, extra ``monitor``): utilisation, memory, power, temperature, SM clock
-and thermal throttling of the GPU a rank trains on; NaN wherever NVML, the driver or a reading is missing.
+"""NVML readings of one GPU (utilisation, memory, power, temperature, SM clock, thermal throttling) for the monitor.
+
+Optional: without ``nvidia-ml-py`` (extra ``monitor``) or a driver, every reading is NaN.
 
 Example::
     >>> handle = nvml_handle(torch.device("cuda", 0))
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-# Per-rank device readings, in the order nvml_readings returns them.
+# Per-rank device readings (NaN when NVML is absent).
 NVML_FIELDS = ("gpu_util", "mem_gib", "power_w", "temp_c", "sm_clock_mhz", "thermal_throttle")
 
 

@@ -13,9 +13,11 @@ import os
 import signal
 
 import pytest
+
 from tests.resilience.test_faults import FAULT_BATCH, _assert_failed_fast, _run_job
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+# Counted without initialising CUDA here; the ranks are spawned anyway (another test may have initialised it).
+pytestmark = pytest.mark.gpu(2)
 
 TIMEOUT = 20.0  # NCCL communicators take seconds to set up
 

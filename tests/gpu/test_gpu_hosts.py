@@ -7,7 +7,7 @@ the SMs, a paced 25 Gbit/s link; the strategy's two-level sync runs on a side st
 import pytest
 from gpu_common import run_worker
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+pytestmark = pytest.mark.gpu(2)
 
 
 

@@ -7,7 +7,7 @@ asserts on the JSON it writes.
 import pytest
 from gpu_common import run_worker
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+pytestmark = pytest.mark.gpu(2)
 
 
 

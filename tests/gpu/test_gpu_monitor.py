@@ -3,7 +3,7 @@
 import pytest
 from gpu_common import run_worker
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+pytestmark = pytest.mark.gpu(2)
 
 def test_monitor_sees_the_wait_of_a_quarter_sm_rank_and_its_removal(tmp_path):
     result = run_worker("monitor_worker.py", tmp_path, timeout=500)

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 try:  # the standalone run does not need pytest
     import pytest
 
-    pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+    pytestmark = pytest.mark.gpu(2)
 except ImportError:
     pass
 

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
 from lightning_hetero.lab.emulation import (
+    PRESETS,
     EmulationSpec,
     Emulator,
     job_link,
@@ -24,8 +25,7 @@ from lightning_hetero.lab.emulation import (
     round_sms,
     start_emulation,
 )
-from lightning_hetero.lab.presets import PRESETS
-from tests.helpers import ROOT, TinyModel, free_port
+from tests.helpers import TinyModel, free_port
 
 H200 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H200", capability=(9, 0), memory_bytes=141 * 2**30,
                   multiprocessors=132)
@@ -292,7 +292,8 @@ def test_emulate_round_trips_through_constructor_and_config():
 def test_bench_lab_tiny_cpu_run(tmp_path):
     import sys
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
     import bench_lab
 
     rows = bench_lab.main(["--tiny", "--accelerator", "cpu", "--scenarios", "mix2", "--models", "gpt",

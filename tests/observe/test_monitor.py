@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.observe.analysis import advice, analyse, summary_text
 from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor
-from tests.helpers import ROOT, TinyModel, free_port
+from tests.helpers import TinyModel, free_port
 
 
 def _window(rows_rank0: list, rows_rank1: list) -> dict:
@@ -231,7 +231,7 @@ def test_report_draws_png_from_sidecar(tmp_path, capsys) -> None:
 def test_doctor_model_command(tmp_path) -> None:
     from lightning_hetero.observe.doctor import dry_run_command
 
-    root = ROOT
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
     config = os.path.join(root, "configs", "cpu_lab.yaml")
     cmd = dry_run_command(config, script="examples/train_digits.py", steps=8, root_dir=str(tmp_path))
     assert cmd[1] == "examples/train_digits.py" and cmd[2:5] == ["fit", "--config", config]

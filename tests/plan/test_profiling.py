@@ -22,9 +22,9 @@ from lightning_hetero.plan.profiling import (
     time_rank,
     training_loss,
 )
-from tests.helpers import ROOT, IndexedDataset, TinyModel, free_port
+from tests.helpers import IndexedDataset, TinyModel, free_port
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
 
 
 def test_balanced_capacities_equalise_predicted_step_time() -> None:

@@ -1,7 +1,6 @@
 """A training script for the popen-launcher fault test (Lightning re-executes a script, not pytest).
 
-    # Trainer(devices=2), the popen launcher by default
-    python tests/resilience/_fault_worker.py OUT_DIR FAULT FAULT_RANK TIMEOUT [START_METHOD]
+    python tests/resilience/_fault_worker.py OUT_DIR FAULT FAULT_RANK TIMEOUT [START_METHOD]  # Trainer(devices=2), popen default
 """
 
 import os

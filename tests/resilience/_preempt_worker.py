@@ -1,7 +1,7 @@
 """A training script for the pre-emption tests: the test signals it from outside (the launcher's parent, torchrun).
 
-    python tests/resilience/_preempt_worker.py OUT_DIR fork   # 2 forked ranks, the script's process is their parent
-    python tests/resilience/_preempt_worker.py OUT_DIR popen  # the script's process is rank 0, it starts rank 1
+    python tests/resilience/_preempt_worker.py OUT_DIR fork        # 2 forked ranks, the script's process is their parent
+    python tests/resilience/_preempt_worker.py OUT_DIR popen       # the script's process is rank 0, it starts rank 1
     torchrun --nproc-per-node 2 tests/resilience/_preempt_worker.py OUT_DIR torchrun
 
 Every process writes ``<pid>.pid``, each rank ``rank<r>`` (its pid); rank 0 writes ``started`` once step 3 is done

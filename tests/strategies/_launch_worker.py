@@ -1,7 +1,7 @@
 """A standalone training script for the launch tests (Lightning's popen launcher re-executes a script, not pytest).
 
-    python tests/strategies/_launch_worker.py OUT_DIR registry  # Trainer(strategy="hetero_ddp"): 2 procs from Lightning
-    python tests/strategies/_launch_worker.py OUT_DIR node      # one "node" of 2; the caller starts both with NODE_RANK
+    python tests/strategies/_launch_worker.py OUT_DIR registry      # Trainer(strategy="hetero_ddp"), Lightning launches 2 procs
+    python tests/strategies/_launch_worker.py OUT_DIR node          # one "node" of 2; the caller starts both with NODE_RANK set
 """
 
 import os

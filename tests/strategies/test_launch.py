@@ -8,9 +8,10 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import free_port
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "strategies", "_launch_worker.py")
 
 
 def _env(**extra):

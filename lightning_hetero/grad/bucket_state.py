@@ -1,5 +1,9 @@
-"""Per-bucket state of the stateful comm hooks (top-k residuals and velocities, PowerSGD's error / P / Q), kept so that
-it checkpoints per parameter whatever the bucket layout."""
+"""Per-bucket state of the compression hooks, checkpointed per parameter, and the byte counter of every hook.
+
+DDP hands a comm hook flat buckets whose layout changes (after the first step, and again in a resumed run); the state
+the hooks keep per bucket (top-k residuals and velocities, PowerSGD's error / P / Q) is saved per parameter here, so a
+checkpoint lands on the right parameters in any layout.
+"""
 
 import math
 from collections.abc import Sequence
@@ -9,15 +13,34 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Bucket parameter shapes -> (position, length) of each state segment.
+
+def nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class CommCounter:
+    """Bytes this rank handed to collectives since the last optimizer step, by hop ("all", "intra", "inter")."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}
+
+    def add(self, hop: str, nbytes: int) -> None:
+        self.pending[hop] = self.pending.get(hop, 0) + nbytes
+
+    def take(self) -> dict[str, int]:
+        out, self.pending = self.pending, {}
+        return out
+
+
+# -- per-parameter view of per-bucket state -------------------------------------------------------------------------
+# Bucket parameter shapes -> (position, length) of each parameter's part of a flat state tensor.
 Segments = Callable[[Sequence[torch.Size]], list[tuple[int, int]]]
 # A kind of per-bucket state: the getter of its {bucket index: flat tensor} dict, its segments, and whether a
 # parameter missing from restored state may start at zero (error feedback: yes; PowerSGD's P / Q: no).
 StateKind = tuple[Callable[[], dict], Segments, bool]
 
 
-def elementwise(shapes: Sequence[torch.Size]) -> list[tuple[int, int]]:
-    """One segment per parameter, as long as the parameter (residuals, velocities, errors)."""
+def elementwise_segments(shapes: Sequence[torch.Size]) -> list[tuple[int, int]]:
     return [(i, math.prod(s)) for i, s in enumerate(shapes)]
 
 
@@ -59,7 +82,7 @@ class BucketStates:
                 flat = [pending.pop(p).reshape(-1) if p in pending else present[0].new_zeros(n) for p, n in parts]
                 get()[idx] = torch.cat(flat).to(self._device)
             else:
-                # A partial P / Q is of no use: torch draws a fresh one for this bucket.
+                # A partial P / Q is of no use: torch draws a fresh one for this bucket
                 for p, _ in parts:
                     pending.pop(p, None)
 
