@@ -147,3 +147,18 @@ def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]
 def launcher_strategy(launcher: object) -> object:
     """The strategy a Lightning process launcher was made for (kept under a private name)."""
     return launcher._strategy  # type: ignore[attr-defined]
+
+# A step routed through a module's `__call__` with its `forward` redirected to the step: Lightning's strategies use it
+# for their wrappers (DDP, FSDP1), with no public name. The sharded root's `__call__` runs FSDP2's root pre-forward.
+from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection  # noqa: E402
+
+
+def reshards_after_forward(module: object) -> bool:
+    """Whether an FSDP2 module frees its gathered parameters after forward: ``FSDPModule`` has a setter
+    (``set_reshard_after_forward``) but no getter; the group's post-forward mesh is what the setter writes."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    return any(group.post_forward_mesh_info is not None for group in groups)

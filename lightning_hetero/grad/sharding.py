@@ -82,8 +82,12 @@ def shard_module(
     options = {"mesh": mesh, "offload_policy": offload_policy}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
+    ties = tied_parameters(module)
     if not is_sharded(module):
-        targets = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
+        # A block holding only some users of a tied parameter would shard it apart from the others: such a block is
+        # left to the block (or root) that holds all of them, where FSDP2 keeps the parameter one.
+        targets = [m for name, m in module.named_modules() if m is not module and isinstance(m, blocks)
+                   and not _splits_a_tie(name, ties)]
         nested = {id(inner) for block in targets for inner in block.modules() if inner is not block}
         # Reversed pre-order: inner blocks are sharded before the blocks that hold them, as FSDP2 requires.
         for block in reversed(targets):
@@ -92,7 +96,33 @@ def shard_module(
             fully_shard(block, **options)
     if not isinstance(module, FSDPModule):
         fully_shard(module, **options)
+    check_ties(module, ties)
     return module
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter reachable under more than one name (tied weights, e.g. an output head sharing
+    the embedding's weight), one tuple per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
+    """Raise if sharding made two parameters of one that was tied (each would train apart from the other)."""
+    for names in ties:
+        found = {id(module.get_parameter(name)) for name in names}
+        if len(found) > 1:
+            raise ValueError(
+                f"the tied parameters {list(names)} were sharded apart and would train as {len(found)} different "
+                f"parameters: shard the modules that share a parameter in one `fully_shard` call (e.g. "
+                f"`fully_shard([embedding, head])` or only the module that holds both).")
+
+
+def _splits_a_tie(block_name: str, ties: Sequence[tuple[str, ...]]) -> bool:
+    prefix = block_name + "."
+    return any(0 < sum(name.startswith(prefix) for name in names) < len(names) for names in ties)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:

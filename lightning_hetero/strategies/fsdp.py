@@ -57,8 +57,10 @@ from lightning_hetero.grad.sharding import (
     is_sharded,
     loss_weight,
     mixed_precision,
+    check_ties,
     set_gradient_sync,
     shard_module,
+    tied_parameters,
 )
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
@@ -78,12 +80,48 @@ from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
+_ROOT_REDIRECTION = _compat.ForwardRedirection()
+
+
 class FSDP2Strategy(DDPStrategy):
     """The parallelism: FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
     recomputes and offloads comes from :meth:`shard`, which the hetero strategy supplies."""
 
     def shard(self, module: nn.Module) -> None:
         raise NotImplementedError
+
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before `configure_model`: a module that shards itself there must keep these ties.
+        self._ties_before_sharding = tied_parameters(model)
+
+    # -- steps: through the sharded root's `__call__`, so FSDP2's root pre-forward gathers the root's parameters ----
+    def _through_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        # The root is the LightningModule itself, so Lightning's own steps call it unwrapped: a step that uses
+        # `self.model(...)` would meet the root's parameters (embeddings, heads) still sharded.
+        module = self.lightning_module
+        return _ROOT_REDIRECTION(module, module, step, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -265,6 +303,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
                      offload="offload" in mode, mp_policy=mixed_precision(modes))
+        check_ties(module, getattr(self, "_ties_before_sharding", ()))
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
