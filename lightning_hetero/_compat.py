@@ -153,12 +153,16 @@ def launcher_strategy(launcher: object) -> object:
 from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection  # noqa: E402
 
 
-def reshards_after_forward(module: object) -> bool:
-    """Whether an FSDP2 module frees its gathered parameters after forward: ``FSDPModule`` has a setter
-    (``set_reshard_after_forward``) but no getter; the group's post-forward mesh is what the setter writes."""
+def fsdp_flags(module: object) -> tuple[bool, bool, bool]:
+    """An FSDP2 module's (reshard after forward, reshard after backward, gradient sync): ``FSDPModule`` has the
+    setters (``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_requires_gradient_sync``) but no
+    getters; these are the fields of its parameter groups that the setters write."""
     state = module._get_fsdp_state()  # type: ignore[attr-defined]
     # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [g for g in (state._fsdp_param_group,) if g is not None]
-    return any(group.post_forward_mesh_info is not None for group in groups)
+    if not groups:
+        return False, False, True
+    return (any(g.post_forward_mesh_info is not None for g in groups), all(g.reshard_after_backward for g in groups),
+            all(g.reduce_grads for g in groups))

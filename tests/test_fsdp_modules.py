@@ -264,3 +264,18 @@ def test_validation_test_and_predict_run_through_the_strategy(tmp_path):
     assert sorted(int(i) for indices, _ in predicted for i in indices) == list(range(16))
     for indices, out in predicted:
         assert torch.allclose(out, expected_out[indices], atol=1e-6)
+
+
+# -- per-card micro-batches -------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("micro_batch", "optimizer"), [([2, 2], "sgd"), ([2, 2], "adamw"), ([6, 1], "sgd")],
+                         ids=["3+1 pieces, SGD", "3+1 pieces, AdamW", "1+2 pieces, SGD"])
+def test_per_rank_micro_batches_equal_one_process(tmp_path, micro_batch, optimizer):
+    """Shares 6 + 2 of each global batch of 8, run as 3 + 1 (or 1 + 2) micro-batches: the ranks join the same
+    collectives (parameters gathered once per step) and train the module (embedding and head in the root's group)
+    exactly as one process."""
+    seed_everything(0)
+    records, ref_params = _fit_and_reference(tmp_path, WrapperModule(optimizer, n=40), [3, 1],
+                                             strategy_kwargs={"data": {"micro_batch": micro_batch}})
+    _assert_exact(records, ref_params)

@@ -19,7 +19,8 @@ Example::
     ...              mp_policy=mixed_precision(["bf16-mixed", "bf16-mixed"]))
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_hetero._compat import checkpoint_module_in_place
+from lightning_hetero._compat import checkpoint_module_in_place, fsdp_flags
 
 
 def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -129,6 +130,46 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync)
+
+
+@contextmanager
+def gathered_across_micro_batches(module: nn.Module) -> Iterator[None]:
+    """Around the forward and backward of every micro-batch but a rank's last in the step: the parameters stay
+    gathered (no reshard after forward or backward) and gradients accumulate unsharded (no reduce-scatter).
+
+    A rank that runs k micro-batches so joins exactly the collectives of a rank that runs one: each block's
+    all-gather at its first forward, then at the last micro-batch (with FSDP's own settings again) the all-gather of
+    backward and the reduce-scatter. The cost is memory: the whole model's parameters and an unsharded gradient are
+    held from the first forward to the last backward (:func:`~lightning_hetero.plan.memory.micro_batch_gathered_bytes`).
+
+    Example::
+
+        >>> for chunk in chunks[:-1]:
+        ...     with gathered_across_micro_batches(model):
+        ...         loss_fn(model(chunk)).backward()
+        >>> loss_fn(model(chunks[-1])).backward()  # reshards, reduce-scatters
+    """
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    flags = [fsdp_flags(m) for m in sharded]
+    if isinstance(module, FSDPModule):
+        # Not the step's last backward: FSDP would otherwise reshard every group when the backward ends.
+        module.set_is_last_backward(False)
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        # The root never reshards after forward (FSDP sets that at its first forward); only the blocks are changed.
+        if m is not module:
+            m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(True)
+        for m, (after_forward, after_backward, sync) in zip(sharded, flags):
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(after_backward, recurse=False)
+            if m is not module:
+                m.set_reshard_after_forward(after_forward, recurse=False)
 
 
 def loss_weight(local_samples: int, global_samples: int, world_size: int) -> float:

@@ -54,6 +54,7 @@ from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     default_blocks,
     device_mesh,
+    gathered_across_micro_batches,
     is_sharded,
     loss_weight,
     mixed_precision,
@@ -143,9 +144,6 @@ class FSDP2Strategy(DDPStrategy):
         finally:
             set_gradient_sync(self.lightning_module, True)
 
-    def no_sync(self) -> Any:
-        return self.block_backward_sync()
-
     # -- checkpoints: a directory of shards, written by every rank ------------------------------------------------
     @property
     @override
@@ -225,8 +223,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
         profiling: how measured capacities are profiled (:class:`~lightning_hetero.config.Profiling`).
         rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
-        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); ``micro_batch`` must stay
-            ``None`` (every rank's forward joins the same all-gathers: hold large shares with ``memory``).
+        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); with ``micro_batch`` a rank runs
+            its share in several pieces, its parameters gathered once for all of them (see ``docs/fsdp.md``).
         precision_policy: per-rank mixed precision, as for ``HeteroDDPStrategy`` (bf16 all-gather and
             reduce-scatter when every rank trains in bf16; fp32 master weights always).
         emulate: emulate a mixed lab on identical devices, as for ``HeteroDDPStrategy``.
@@ -270,10 +268,6 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
         self.hybrid = hybrid
         options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
-        # Every forward joins the same all-gathers, so ranks cannot run different numbers of micro-batches.
-        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
-              "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
-              "`memory`: 'checkpoint' or 'offload')")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -325,6 +319,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
         self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+
+    def no_sync(self) -> Any:
+        """Around each micro-batch but a rank's last: the parameters stay gathered and gradients accumulate
+        unsharded, so every rank joins the same collectives whatever number of micro-batches it runs."""
+        return gathered_across_micro_batches(self.lightning_module)
 
     # -- exact weighting --------------------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
