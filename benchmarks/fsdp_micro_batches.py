@@ -32,10 +32,10 @@ from torch.distributed.tensor import DTensor
 from lightning_hetero.grad.sharding import (
     device_mesh,
     gathered_across_micro_batches,
-    loss_weight,
     set_gradient_sync,
     shard_module,
 )
+from lightning_hetero.grad.weighting import loss_weight
 
 SHARES = [6, 2]  # samples per step: the large rank 6, the small one 2
 PIECES = [3, 1]  # micro-batches per step

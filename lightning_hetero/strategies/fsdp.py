@@ -56,13 +56,13 @@ from lightning_hetero.grad.sharding import (
     device_mesh,
     gathered_across_micro_batches,
     is_sharded,
-    loss_weight,
     mixed_precision,
     check_ties,
     set_gradient_sync,
     shard_module,
     tied_parameters,
 )
+from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
     MemoryPolicy,
@@ -290,11 +290,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     def shard(self, module: nn.Module) -> None:
         blocks = self.blocks or default_blocks(module)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
-        weights, total = self.lab.capacities, self.core.global_batch_size or 0  # 0: shares known at the loader
+        weights, total = self.plan.capacities, self.plan.global_batch_size or 0  # 0: shares known at the loader
         self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
         mode = self.memory_plan[self.global_rank].mode
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
-        modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
                      offload="offload" in mode, mp_policy=mixed_precision(modes))
         check_ties(module, getattr(self, "_ties_before_sharding", ()))
@@ -329,7 +329,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     def weigh_loss(self, loss: Tensor) -> Tensor:
         """b_r·W/G times the loss: FSDP's reduce-scatter averages over the W ranks (both mesh dimensions with HSDP),
         which leaves Σ_r (b_r/G) g_r, exact per micro-step (accumulation with partial batches included)."""
-        share = self.core.step_share
+        share = self.core.step.share
         if share is None or self.world_size == 1:
             return loss
         return loss * loss_weight(share[0], share[1], self.world_size)
