@@ -105,7 +105,7 @@ def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_k
                     max_epochs: int = 3, strategy_class: type = HeteroDDPStrategy, **trainer_kwargs: Any) -> list[dict]:
     """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
-    options: dict = {"observation": {"print_table": False}, "resilience": {"timeout": int(os.environ.get("HETERO_TEST_TIMEOUT", 120))}}
+    options: dict = {"observation": {"print_table": False}, "resilience": {"timeout": 120}}
     for key, value in (strategy_kwargs or {}).items():  # a group given here adds to the defaults above
         options[key] = {**options[key], **value} if isinstance(value, dict) and key in options else value
     strategy = strategy_class(start_method="fork", **options)
