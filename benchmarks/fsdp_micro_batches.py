@@ -9,8 +9,9 @@ process on the same global batches:
 - ``padded``: every rank runs the largest count of pieces, a rank with fewer adding pieces of one sample at weight
   0; plain FSDP each piece (gather and reshard per piece), no reduce-scatter before the last.
 
-Measured per optimizer step and rank: all-gathers and reduce-scatters (calls and elements), the most parameter
-bytes held gathered between two forwards/backwards, wall time. Run::
+Measured per optimizer step and rank: all-gathers and reduce-scatters (calls and elements), the most bytes of
+gathered parameters and unsharded gradients held (sampled after each block's forward and after each forward and
+backward), wall time (median step; CPU and gloo, so indicative only). Run::
 
     PYTHONPATH=. python benchmarks/fsdp_micro_batches.py --out benchmarks/results/fsdp_micro_batches.json
 """
@@ -39,7 +40,7 @@ from lightning_hetero.grad.weighting import loss_weight
 
 SHARES = [6, 2]  # samples per step: the large rank 6, the small one 2
 PIECES = [3, 1]  # micro-batches per step
-STEPS = 6
+STEPS = 8
 
 
 class Model(nn.Module):
@@ -103,12 +104,20 @@ def rank_main(rank: int, world: int, scheme: str, width: int, depth: int) -> dic
     model = make(width, depth)
     shard_module(model, device_mesh({"h": list(range(world))}, "cpu"), (nn.Sequential,), checkpoint=False,
                  offload=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     total, mine = sum(SHARES), SHARES[rank]
     begin = sum(SHARES[:rank])
     count = max(PIECES) if scheme == "padded" else (PIECES[rank] if scheme == "gathered" else 1)
     own = PIECES[rank] if scheme != "one" else 1
     held, times = 0, []
+
+    def sample(*_: Any) -> None:
+        nonlocal held
+        held = max(held, gathered_bytes(model))
+
+    for block in model.blocks:
+        # Before FSDP's own post-forward hook reshards the block: the block's gathered parameters count.
+        block.register_forward_hook(sample, prepend=True)
     with counted() as calls:
         for x, y in batches(width):
             start = time.perf_counter()
@@ -126,9 +135,9 @@ def rank_main(rank: int, world: int, scheme: str, width: int, depth: int) -> dic
                     context = nullcontext()
                 with context:
                     loss = nn.functional.mse_loss(model(xs[a:b]), ys[a:b]) * weight
-                    held = max(held, gathered_bytes(model))
+                    sample()
                     (loss * loss_weight(mine, total, world)).backward()
-                    held = max(held, gathered_bytes(model))
+                    sample()
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - start)
@@ -142,7 +151,7 @@ def rank_main(rank: int, world: int, scheme: str, width: int, depth: int) -> dic
 
 def reference(width: int, depth: int) -> dict[str, torch.Tensor]:
     model = make(width, depth)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for x, y in batches(width):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
