@@ -9,10 +9,15 @@ fit meets it:
    offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
    numbers, and again before the first step once the real shares and optimizer are known;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
-   (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
-4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
+   (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
+   shards;
+4. the steps (:meth:`FSDP2Strategy.training_step` ...): each runs through the sharded root's ``__call__`` with its
+   ``forward`` redirected to the step, as Lightning runs DDP's wrapper, so the root's parameters are gathered whatever
+   the step calls;
+5. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
    reduce-scatter gives Σ_r (b_r/G) g_r; accumulation steps skip the reduce-scatter (:meth:`block_backward_sync`);
-5. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
+   a rank's micro-batches keep its parameters gathered, so every rank joins the same collectives (:meth:`no_sync`);
+6. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
    distributed checkpoint, resumable on another world size, exportable to one file.
 
 Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
@@ -52,12 +57,12 @@ from lightning_hetero.config import (
 )
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
+    check_ties,
     default_blocks,
     device_mesh,
     gathered_across_micro_batches,
     is_sharded,
     mixed_precision,
-    check_ties,
     set_gradient_sync,
     shard_module,
     tied_parameters,
@@ -278,6 +283,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
+        self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         self._footprint: Optional[ModelFootprint] = None
 
@@ -297,7 +303,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
                      offload="offload" in mode, mp_policy=mixed_precision(modes))
-        check_ties(module, getattr(self, "_ties_before_sharding", ()))
+        check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
