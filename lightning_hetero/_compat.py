@@ -148,6 +148,16 @@ def launcher_strategy(launcher: object) -> object:
     """The strategy a Lightning process launcher was made for (kept under a private name)."""
     return launcher._strategy  # type: ignore[attr-defined]
 
+
+def logged_results(trainer: object) -> "Optional[Any]":
+    """The running loop's collection of ``self.log`` accumulations (``{key: _ResultMetric}``), or ``None``.
+
+    A padding step's logged values must leave the epoch's accumulations as they were: Lightning has no public hook
+    between ``self.log`` and its epoch-end reduction.
+    """
+    return getattr(trainer, "_results", None)
+
+
 # A step routed through a module's `__call__` with its `forward` redirected to the step: Lightning's strategies use it
 # for their wrappers (DDP, FSDP1), with no public name. The sharded root's `__call__` runs FSDP2's root pre-forward.
 from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection  # noqa: E402
