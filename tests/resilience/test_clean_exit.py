@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 RUNS = 3
