@@ -70,12 +70,18 @@ from lightning_hetero.plan.memory import (
     memory_column,
     optimizer_slots,
     parse_memory_policy,
+    report_peaks,
     resolve_memory,
 )
+from lightning_hetero.lab.shared_gpu import shared_device_backend
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, verify_manifest, write_manifest
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+
+
+# The measured peaks are compared with the plan after this many optimizer steps (the optimizer state exists by then).
+PEAK_AFTER_STEPS = 2
 
 
 class FSDP2Strategy(DDPStrategy):
@@ -236,6 +242,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
               "`memory`: 'checkpoint' or 'offload')")
+        # Several ranks on one GPU (an emulation mode): gloo, and no device binding (lightning_hetero.lab.shared_gpu).
+        process_group_backend = shared_device_backend(parallel_devices, process_group_backend)
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -247,6 +255,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
+        # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
+        self.memory_peaks: Optional[list[Optional[int]]] = None
         self._footprint: Optional[ModelFootprint] = None
 
     @property
@@ -260,11 +270,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         weights, total = self.lab.capacities, self.core.global_batch_size or 0  # 0: shares known at the loader
         self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
-        mode = self.memory_plan[self.global_rank].mode
+        plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
         modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
-        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
-                     offload="offload" in mode, mp_policy=mixed_precision(modes))
+        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
+                     offload=plan.offload_blocks, mp_policy=mixed_precision(modes))
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
@@ -286,6 +296,24 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
         self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.lightning_module.trainer.global_step == PEAK_AFTER_STEPS:
+            self._report_peaks()
+
+    @override
+    def on_train_end(self) -> None:
+        self._report_peaks()  # a run shorter than PEAK_AFTER_STEPS steps
+        super().on_train_end()
+
+    def _report_peaks(self) -> None:
+        """Every rank's measured peak beside its estimate, once (a collective: every rank calls it)."""
+        if self.memory_plan is None or self.memory_peaks is not None:
+            return
+        self.memory_peaks = report_peaks(self.memory_plan, self.lab.devices, self.memory_policy.headroom,
+                                         self.root_device, self.lightning_module.trainer.global_step, self.global_rank)
 
     # -- exact weighting --------------------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
