@@ -78,7 +78,7 @@ def plan(name: str, cfg: GPTConfig, caps_gib: list[float]) -> Optional[list[Rank
 
 
 def _rank(rank: int, world: int, port: int, cfg: GPTConfig, rules: list[str], samples: list[int], caps: list[float],
-          steps: int, cuda: bool, queue: Any) -> None:
+          warmup: int, steps: int, cuda: bool, queue: Any) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, rules: list[str], sa
                                generator=torch.Generator(device).manual_seed(rank))
         weight = loss_weight(samples[rank], sum(samples), world)
         times, losses = [], []
-        for step in range(2 + steps):
+        for step in range(warmup + steps):
             dist.barrier()
             start = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -116,7 +116,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, rules: list[str], sa
                 torch.cuda.synchronize(device)
             dist.barrier()
             losses.append(float(loss.detach()))
-            if step >= 2:
+            if step >= warmup:
                 times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
         queue.put((rank, {"ok": True, "step_s": statistics.median(times), "peak_gib": None if peak is None else
@@ -129,7 +129,7 @@ def _rank(rank: int, world: int, port: int, cfg: GPTConfig, rules: list[str], sa
             dist.destroy_process_group()
 
 
-def trial(cfg: GPTConfig, plans: list[RankMemory], samples: list[int], caps: list[float], steps: int,
+def trial(cfg: GPTConfig, plans: list[RankMemory], samples: list[int], caps: list[float], warmup: int, steps: int,
           cuda: bool) -> dict[str, Any]:
     """Train ``cfg`` under ``plans`` on two fresh ranks; a rank that fails stops the trial."""
     ctx = mp.get_context("spawn")
@@ -138,7 +138,7 @@ def trial(cfg: GPTConfig, plans: list[RankMemory], samples: list[int], caps: lis
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rules = [p.mode for p in plans]
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, cfg, rules, samples, caps, steps, cuda, queue))
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, cfg, rules, samples, caps, warmup, steps, cuda, queue))
              for r in range(2)]
     start = time.perf_counter()
     for p in procs:
@@ -171,7 +171,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--caps-gib", default="52,22")
     parser.add_argument("--layers", default="16,24,32,40,48", help="the depths the planner is asked about")
     parser.add_argument("--ratio-layers", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps (the first allocates AdamW's state)")
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--plans", default="equal-keep,whole-rank,per-block")
     parser.add_argument("--cpu", action="store_true", help="a gloo dry run on CPU (no memory figures)")
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT (with --cpu)")
@@ -198,15 +199,42 @@ def main(argv: Optional[list[str]] = None) -> None:
             cfg = config(layers, args.tiny)
             plans = plan(name, cfg, caps)
             assert plans is not None
-            trials[(name, layers)] = {"plan_name": name, **trial(cfg, plans, PLANS[name], caps, args.steps, cuda)}
+            trials[(name, layers)] = {"plan_name": name, **trial(cfg, plans, PLANS[name], caps, args.warmup, args.steps,
+                                                                   cuda)}
             t = trials[(name, layers)]
+            save()
             print(f"{name:<11} {layers:>3} layers ({t['parameters'] / 1e9:.2f}B): {'ok' if t['ok'] else 'FAILED'} "
                   f"plan {t['plan']} est {[round(x, 1) for x in t['estimate_gib']]} peak "
                   f"{[None if x is None else round(x, 1) for x in t['peak_gib']]} step {t['step_s']} "
                   f"({t['wall_s']:.0f} s) {[e for e in t['errors'] if e]}", flush=True)
         return trials[(name, layers)]
 
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    tag = "cpu" if not cuda else "1gpu_shared"
     largest: dict[str, dict[str, Any]] = {}
+    ratio: dict[str, Any] = {"layers": args.ratio_layers}
+
+    def result() -> dict[str, Any]:
+        return {"device": device, "torch": torch.__version__, "emulation": f"two ranks time-sharing one {device}, "
+                f"memory caps {caps} GiB emulated (set_per_process_memory_fraction), gloo", "caps_gib": caps,
+                "grid_layers": grid, "width": config(1, args.tiny).width, "seq": config(1, args.tiny).seq,
+                "warmup": args.warmup, "steps": args.steps,
+                "predicted": {n: {str(k): v for k, v in p.items()} for n, p in predicted.items()},
+                "largest": largest, "ratio": ratio, "trials": list(trials.values()),
+                "wall_s": time.perf_counter() - started}
+
+    def save() -> None:
+        # After every trial: a run cut short keeps what it measured.
+        with open(os.path.join(args.out, f"fsdp_shared_{tag}.json"), "w") as f:
+            json.dump(result(), f, indent=1)
+
+    # The ratio first: both plans at one size, measured back to back in this run.
+    if {"whole-rank", "per-block"} <= set(names):
+        for name in ("whole-rank", "per-block"):
+            ratio[name] = run(name, args.ratio_layers) if plan(name, config(args.ratio_layers, args.tiny),
+                                                                  caps) else None
+        times = [ratio[n]["step_s"] if ratio[n] else None for n in ("whole-rank", "per-block")]
+        ratio["whole_over_per_block"] = times[0] / times[1] if all(times) else None
     for name in names:
         fitting = [layers for layers in grid if predicted[name][layers] is not None]
         confirmed = None
@@ -217,27 +245,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         largest[name] = {"planned_layers": fitting[-1] if fitting else None, "trained_layers": confirmed,
                          "parameters": gpt_parameters(config(confirmed, args.tiny)) if confirmed else 0,
                          "grid_top": fitting[-1:] == grid[-1:]}
-    ratio: dict[str, Any] = {"layers": args.ratio_layers}
-    if {"whole-rank", "per-block"} <= set(names):
-        for name in ("whole-rank", "per-block"):
-            if predicted[name].get(args.ratio_layers) is not None or args.ratio_layers not in grid:
-                ratio[name] = run(name, args.ratio_layers) if plan(name, config(args.ratio_layers, args.tiny),
-                                                                      caps) else None
-        times = [ratio.get(n) and ratio[n]["step_s"] for n in ("whole-rank", "per-block")]
-        ratio["whole_over_per_block"] = times[0] / times[1] if all(times) else None
-
-    device = torch.cuda.get_device_name(0) if cuda else "cpu"
-    result = {"device": device, "torch": torch.__version__, "emulation": f"two ranks time-sharing one {device}, "
-              f"memory caps {caps} GiB emulated (set_per_process_memory_fraction), gloo", "caps_gib": caps,
-              "grid_layers": grid, "width": config(1, args.tiny).width, "seq": config(1, args.tiny).seq,
-              "predicted": {n: {str(k): v for k, v in p.items()} for n, p in predicted.items()},
-              "largest": largest, "ratio": {k: v for k, v in ratio.items()},
-              "trials": list(trials.values()), "wall_s": time.perf_counter() - started}
-    tag = "cpu" if not cuda else "1gpu_shared"
-    with open(os.path.join(args.out, f"fsdp_shared_{tag}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    plot(result, os.path.join(args.out, f"fsdp_shared_{tag}.png"))
-    print(summary(result))
+        save()
+    final = result()
+    plot(final, os.path.join(args.out, f"fsdp_shared_{tag}.png"))
+    print(summary(final))
 
 
 def summary(result: dict[str, Any]) -> str:

@@ -62,6 +62,7 @@ from lightning_hetero.grad.sharding import (
 )
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
+    MemoryFitError,
     MemoryPolicy,
     MemoryPolicyArg,
     ModelFootprint,
@@ -295,7 +296,14 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
-        self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+        try:
+            self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+        except MemoryFitError as err:
+            if self.core.global_batch_size is not None:
+                raise
+            # The model was sharded before the loader existed: its plan could not count the shares' activations.
+            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares were known: give "
+                                 "`global_batch_size` so that it counts each rank's activations.") from None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -157,8 +157,9 @@ def _worker(phase: str, out: str, accelerator: str) -> None:
         cfg = BIG if gpu else TINY
         per_sample, fraction = gpt_activation_bytes(GPTConfig(**cfg))
         policy = MemoryPolicy(activation_bytes_per_sample=per_sample, checkpointed_fraction=fraction)
+        # The global batch known at setup: the plan counts each rank's activations before the model is sharded.
         strategy = HeteroFSDPStrategy(capacities=CAPACITIES, memory=policy, parallel_devices=devices, emulate=emulate,
-                                      resilience={"timeout": 300})
+                                      global_batch_size=4, resilience={"timeout": 300})
         model = GPTModule(cfg, "adamw", batch_size=2, n=64)
         trainer(strategy, "bf16-mixed" if gpu else "32-true", 3, []).fit(model)
         result.update(plan=[p.mode for p in strategy.memory_plan],
