@@ -18,6 +18,7 @@ treats them as externally launched and each builds its own model (nothing large 
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -211,17 +212,20 @@ def launch(phase: str, out: str, accelerator: str, timeout: float = 400) -> dict
         log = open(os.path.join(out, f"{phase}_rank{rank}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline, failed_at = time.time() + timeout, None
-    while any(p.poll() is None for p, _ in procs) and time.time() < deadline:
-        if failed_at is None and any(p.poll() not in (None, 0) for p, _ in procs):
-            failed_at = time.time()
-        if failed_at is not None and time.time() - failed_at > 10:
-            break
-        time.sleep(0.5)
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        log.close()
+    try:
+        while any(p.poll() is None for p, _ in procs) and time.time() < deadline:
+            if failed_at is None and any(p.poll() not in (None, 0) for p, _ in procs):
+                failed_at = time.time()
+            if failed_at is not None and time.time() - failed_at > 10:
+                break
+            time.sleep(0.5)
+    finally:
+        # Also when the launcher itself is stopped (SIGTERM from `timeout`): no rank outlives it on the GPU.
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
     results: dict[str, Any] = {"returncodes": [p.returncode for p, _ in procs], "ranks": [], "logs": []}
     for rank in range(2):
         path = os.path.join(out, f"{phase}_rank{rank}.json")
@@ -348,6 +352,7 @@ if __name__ == "__main__":
     parser.add_argument("--phases", default="exact,big,baseline")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the launcher's clean-up
     if args.worker:
         _worker(args.worker, args.out, args.accelerator)
     else:
