@@ -220,10 +220,10 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         "wall_s": time.perf_counter() - recorder.start,
     }
     if config != "ddp":
-        lab = strategy.lab
+        lab, plan = strategy.lab, strategy.plan
         columns = dict(lab.columns)
-        row.update(capacity_source=lab.capacity_source, capacities=[round(c, 4) for c in lab.capacities],
-                   split=list(lab.split), hosts={k: list(v) for k, v in lab.hosts.items()},
+        row.update(capacity_source=plan.source, capacities=[round(c, 4) for c in plan.capacities],
+                   split=list(plan.split), hosts={k: list(v) for k, v in lab.hosts.items()},
                    compression=columns.get("compression"), links=columns.get("link (measured)"))
         pacer = getattr(getattr(strategy.compression, "state", None), "pacer", None) if strategy.compression else None
         pacer = pacer or getattr(getattr(strategy.weighting, "inner_state", None), "pacer", None)

@@ -278,9 +278,9 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         "setup_s": timer.first_step - timer.fit_start,
     }
     if config != "ddp":
-        lab = strategy.lab
-        row.update(capacity_source=lab.capacity_source, capacities=[round(c, 4) for c in lab.capacities],
-                   split=list(lab.split), devices=[d.name for d in lab.devices],
+        lab, plan = strategy.lab, strategy.plan
+        row.update(capacity_source=plan.source, capacities=[round(c, 4) for c in plan.capacities],
+                   split=list(plan.split), devices=[d.name for d in lab.devices],
                    emulated=dict(lab.columns).get("emulated"))
     else:
         row.update(split=[batch] * world)

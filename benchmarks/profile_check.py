@@ -114,8 +114,8 @@ def fit_phase(sms: int, out: str) -> None:
         profile = strategy.share_controller.profile
         with open(os.path.join(out, "profile_fit.json"), "w") as f:
             json.dump({"capacities": list(profile.capacities), "caps": profile.caps, "cost_s": profile.cost_s,
-                       "split": list(strategy.lab.split), "ranks": profile.state_dict()["ranks"],
-                       "table": strategy.lab.table()}, f, indent=1)
+                       "split": list(strategy.plan.split), "ranks": profile.state_dict()["ranks"],
+                       "table": strategy.lab.table(strategy.plan)}, f, indent=1)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_hetero.data.microbatch import MicroBatchArg, parse_micro_batch
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StreamMode = Literal["exact", "shard"]
@@ -57,8 +56,25 @@ def check(owner: str, name: str, value: Any, ok: bool, what: str) -> None:
         raise ValueError(f"`{field}`={value!r} must be {what}.")
 
 
+# The release that drops the flat (ungrouped) spellings of the grouped options (deprecated in 0.2.0).
+FLAT_ARGUMENTS_REMOVED_IN = "0.4.0"
+
+
 def check_choice(owner: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
     check(owner, name, value, value in choices, "one of " + ", ".join(repr(c) for c in choices))
+
+
+MicroBatchArg = Union[int, list[int], Literal["auto"]]
+
+
+def parse_micro_batch(value: Optional[MicroBatchArg], owner: str = "") -> Optional[Union[str, tuple[int, ...]]]:
+    """``None``, ``"auto"`` or a tuple of positive per-rank limits (one int: the same for all, as a 1-tuple)."""
+    if value is None or value == "auto":
+        return value
+    values = [value] if is_int(value) else value
+    check(owner, "micro_batch", value, isinstance(values, (list, tuple)) and bool(values) and all(
+        is_int(v) and v >= 1 for v in values), "None, 'auto', a positive integer or a list of one per rank")
+    return tuple(values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -145,10 +161,7 @@ class DataSplit:
         check("data", "sample_cost", self.sample_cost,
               self.sample_cost is None or (isinstance(self.sample_cost, str) and "." in self.sample_cost),
               "a dotted path 'package.module.function' or None")
-        try:
-            parse_micro_batch(self.micro_batch)
-        except ValueError as err:
-            raise ValueError(str(err).replace("`micro_batch`", "`data.micro_batch`", 1)) from None
+        parse_micro_batch(self.micro_batch, owner="data")
 
     @property
     def uses_costs(self) -> bool:
@@ -299,8 +312,8 @@ def from_flat_arguments(
         if groups[group] is not None:
             groups[group] = updated
         warnings.warn(
-            f"`{name}={value!r}` is deprecated: write `{group}={{'{field}': {value!r}}}` "
-            f"(YAML: `{group}: {{{field}: {_yaml(value)}}}`).",
+            f"`{name}={value!r}` is deprecated and will be removed in {FLAT_ARGUMENTS_REMOVED_IN}: write "
+            f"`{group}={{'{field}': {value!r}}}` (YAML: `{group}: {{{field}: {_yaml(value)}}}`).",
             FutureWarning,
             stacklevel=3,
         )

@@ -28,7 +28,7 @@ def main() -> None:
         trainer = Trainer(strategy=strategy, devices=1, num_nodes=2, **common)
     trainer.fit(TinyModel(n=40))
     lab = trainer.strategy.lab
-    torch.save(lab.as_dict(), os.path.join(out_dir, f"lab{trainer.global_rank}.pt"))
+    torch.save({**lab.as_dict(), **trainer.strategy.plan.as_dict()}, os.path.join(out_dir, f"lab{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

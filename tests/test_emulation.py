@@ -269,7 +269,7 @@ def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
 def test_emulate_round_trips_through_constructor_and_config():
     value = ["A100-40GB", {"sm_share": 0.25, "memory_gib": 24, "link": "pcie", "capability": "7.5"}, None]
     strategy = HeteroDDPStrategy(emulate=value)
-    specs = strategy.core.emulate
+    specs = strategy.core.lab.emulate
     assert [s.as_dict() if s is not None else None for s in specs] == [
         {"preset": "A100-40GB"}, {"sm_share": 0.25, "memory_gib": 24.0, "capability": "7.5", "link": "pcie"}, None
     ]
@@ -283,7 +283,7 @@ def test_emulate_round_trips_through_constructor_and_config():
     cfg = parser.parse_args(["--strategy.emulate", json.dumps(value)])
     assert cfg.strategy.emulate[0] == "A100-40GB" and cfg.strategy.emulate[2] is None
     built = parser.instantiate_classes(cfg).strategy
-    assert built.core.emulate == specs
+    assert built.core.lab.emulate == specs
     assert "emulate" in parser.dump(cfg)
 
 

@@ -162,9 +162,9 @@ def test_bad_memory_arguments_name_the_field(value, message):
     with pytest.raises(ValueError) as err:
         parse_memory_policy(value)
     assert message in str(err.value)
-    with pytest.raises(ValueError, match=r"`memory` headroom=1.5 must be a number in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"`memory.headroom`=1.5 must be a number in \[0, 1\)"):
         MemoryPolicy(headroom=1.5)
-    with pytest.raises(ValueError, match=r"`memory` checkpointed_fraction=0 must be a number in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"`memory.checkpointed_fraction`=0 must be a number in \(0, 1\]"):
         MemoryPolicy(checkpointed_fraction=0)
 
 

@@ -96,7 +96,7 @@ def test_bad_block_rules_name_the_field(value, message):
     with pytest.raises(ValueError) as err:
         parse_memory_policy(value)
     assert message in str(err.value)
-    with pytest.raises(ValueError, match="granularity='layer' must be one of"):
+    with pytest.raises(ValueError, match=r"`memory.granularity`='layer' must be one of"):
         MemoryPolicy(granularity="layer")
 
 

@@ -9,11 +9,11 @@ from lightning.pytorch import seed_everything
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero.config import parse_micro_batch
 from lightning_hetero.data.microbatch import (
     _combine,
     chunk_sizes,
     micro_limits,
-    parse_micro_batch,
     run_micro_batches,
     slice_batch,
 )

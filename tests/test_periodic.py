@@ -88,7 +88,7 @@ def test_periodic_sync_arguments_are_parsed_and_refused_where_they_clash():
 
 def test_one_host_warns_and_stays_inactive():
     devices = tuple(DeviceInfo(r, "a", "cpu", "cpu", (0, 0), 1, 1) for r in range(2))
-    lab = HeteroLab(devices=devices, capacities=(1.0, 1.0), capacity_source="equal")
+    lab = HeteroLab(devices=devices)
     periodic = PeriodicCrossHostSync(PeriodicSync(every=4))
     with pytest.warns(UserWarning, match="one host"):
         periodic.setup(lab, None, rank=1)  # type: ignore[arg-type]
@@ -120,7 +120,7 @@ def _outer_worker(rank: int, port: int, out_dir: str, wire: str, overlap: bool =
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     devices = tuple(DeviceInfo(r, h, "cpu", "cpu", (0, 0), 1, 1) for r, h in enumerate("ab"))
-    lab = HeteroLab(devices=devices, capacities=(3.0, 1.0), capacity_source="given")
+    lab = HeteroLab(devices=devices)
     periodic = PeriodicCrossHostSync(PeriodicSync(every=2, outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
                                                   overlap=overlap),
                                      wire_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[wire])

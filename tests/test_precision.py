@@ -155,7 +155,7 @@ class ScaleModel(TinyModel):
 
     def on_train_end(self) -> None:
         torch.save({"scales": self.scales, "start_scale": self.start_scale, "precision": self.trainer.precision,
-                    "table": self.trainer.strategy.lab.table(), "dtype": str(self.net[0].weight.dtype)},
+                    "table": self.trainer.strategy.lab.table(self.trainer.strategy.plan), "dtype": str(self.net[0].weight.dtype)},
                    os.path.join(self.out_dir, f"scale{self.global_rank}.pt"))
 
 
@@ -302,7 +302,7 @@ def test_policy_parses_from_yaml(yaml: str, expected: PrecisionPolicy) -> None:
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(HeteroDDPStrategy, "strategy")
     strategy = parser.instantiate_classes(parser.parse_string("strategy:\n  " + yaml)).strategy
-    assert strategy.core.precision_policy == expected
+    assert strategy.core.lab.precision_policy == expected
     with pytest.raises(SystemExit):  # not a precision mode: refused by the parser, not silently accepted
         parser.parse_string("strategy:\n  precision_policy: bf16")
 

@@ -40,7 +40,8 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
+    # The process may exit between opening its stat file and reading it.
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 

@@ -27,28 +27,11 @@ Example::
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-
-MicroBatchArg = Union[int, list[int], Literal["auto"]]
-
-
-def parse_micro_batch(value: Optional[MicroBatchArg]) -> Optional[Union[str, tuple[int, ...]]]:
-    """``None``, ``"auto"`` or a tuple of positive per-rank limits (one int: the same for all, as a 1-tuple)."""
-    if value is None or value == "auto":
-        return value
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(values, (list, tuple)) or not values or any(
-        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values
-    ):
-        raise ValueError(
-            f"`micro_batch`={value!r} must be None, 'auto', a positive integer or a list of one per rank."
-        )
-    return tuple(values)
-
 
 def micro_limits(spec: Optional[Union[str, tuple[int, ...]]], caps: Optional[Sequence[int]],
                  world_size: int) -> Optional[list[Optional[int]]]:

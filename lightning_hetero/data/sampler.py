@@ -18,7 +18,6 @@ Shares may change between steps (live rebalancing): a change is keyed to a globa
 applies it to the same batch, and the gradient weight of a step is always read off the split that produced it.
 """
 
-import bisect
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from torch import Tensor
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, Sampler
 
-from lightning_hetero.plan.split import split_batch, split_by_cost, validate_costs
+from lightning_hetero.plan.shares import ShareChange, ShareSchedule
+from lightning_hetero.plan.split import split_by_cost, validate_costs
 
 
 class GlobalOrder(Sampler[int]):
@@ -197,15 +197,6 @@ class BatchShares:
     costs: tuple[tuple[float, ...], ...]  # per rank, the costs of its samples in the order it trains on them
 
 
-@dataclass(frozen=True)
-class ShareChange:
-    """From global batch ``first_batch`` of an epoch on, split with these capacities (and optional caps)."""
-
-    first_batch: int
-    capacities: tuple[float, ...]
-    caps: Optional[tuple[int, ...]] = None
-
-
 class HeteroBatchSampler(BatchSampler):
     """Yields this rank's share of every global batch.
 
@@ -224,30 +215,21 @@ class HeteroBatchSampler(BatchSampler):
         rank: int,
         drop_last: bool,
         caps: Optional[Sequence[int]] = None,
+        schedule: Optional[ShareSchedule] = None,
     ) -> None:
-        if global_batch_size < len(capacities):
-            raise ValueError(
-                f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
-                "every rank needs at least one sample of each global batch."
-            )
         # BatchSampler.__init__ is skipped on purpose: its `batch_size` means a per-rank constant, which ours is not.
         self.sampler = order
-        self.global_batch_size = global_batch_size
+        # The plan's schedule (a strategy's loaders), or one of its own; it refuses a global batch below world size.
+        self.schedule = schedule or ShareSchedule(global_batch_size, capacities, caps, epoch=order.epoch)
         self.rank = rank
         self.drop_last = drop_last
-        self.world_size = len(capacities)
-        self._changes: list[ShareChange] = [
-            ShareChange(0, tuple(float(c) for c in capacities), tuple(caps) if caps else None)
-        ]
-        self._full_splits: dict[int, list[int]] = {}
+        self.world_size = self.schedule.world_size
         self.batches_yielded = 0  # in the current epoch; the rebalancer keys changes past this
         self.start_batch = 0  # set to resume mid-epoch
-        self._schedule_epoch = order.epoch  # the epoch `_changes` are keyed to
         self.costs: Optional[list[float]] = None  # per dataset index (see `use_costs`)
         self.balance_by_cost = False
         self.balance_padded = False
         self.weight_by_cost = False
-        self.cap_shares = True  # False when ranks run oversized shares as micro-batches instead
         self._batch_shares: dict[int, BatchShares] = {}  # of this epoch's batches drawn so far, by batch index
 
     def use_costs(self, costs: Sequence[float], balance: bool, weight: bool, padded: bool = False) -> None:
@@ -261,53 +243,47 @@ class HeteroBatchSampler(BatchSampler):
         self.balance_padded = padded
         self._batch_shares.clear()
 
-    # -- schedule -----------------------------------------------------------------------------------------------
+    # -- schedule (the plan's: this sampler reads it) -----------------------------------------------------------
+    @property
+    def global_batch_size(self) -> int:
+        return self.schedule.global_batch_size
+
+    @global_batch_size.setter
+    def global_batch_size(self, value: int) -> None:
+        self.schedule.set_global_batch_size(value)
+
+    @property
+    def cap_shares(self) -> bool:
+        """False when ranks run oversized shares as micro-batches instead of capping them."""
+        return self.schedule.cap_shares
+
+    @cap_shares.setter
+    def cap_shares(self, value: bool) -> None:
+        self.schedule.cap_shares = value
+
     @property
     def batch_size(self) -> int:
         """This rank's share of a full global batch under the current shares (for display and Lightning)."""
-        return self.split_at(self._changes[-1].first_batch)[self.rank]
+        return self.split_at(self.schedule.latest.first_batch)[self.rank]
 
     @property
     def capacities(self) -> tuple[float, ...]:
-        return self._changes[-1].capacities
+        return self.schedule.capacities
 
     def change_shares(self, capacities: Sequence[float], first_batch: int, caps: Optional[Sequence[int]] = None) -> None:
         """Split global batches ``first_batch``, ``first_batch + 1``, ... of this epoch with new capacities."""
-        if len(capacities) != self.world_size:
-            raise ValueError(f"`capacities` has {len(capacities)} weights for {self.world_size} ranks.")
-        if first_batch < self._changes[-1].first_batch:
-            raise ValueError("share changes must move forward in the epoch")
         self.roll_schedule_to_epoch()
-        self._changes = [c for c in self._changes if c.first_batch < first_batch]
-        self._changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
-        self._full_splits.clear()
-        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
+        self.schedule.change(capacities, first_batch, caps)
 
     def roll_schedule_to_epoch(self) -> None:
-        """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
-        if self.sampler.epoch != self._schedule_epoch:
-            latest = self._changes[-1]
-            self._changes = [ShareChange(0, latest.capacities, latest.caps)]
-            self._full_splits.clear()
-            self._schedule_epoch = self.sampler.epoch
+        self.schedule.roll_to_epoch(self.sampler.epoch)
 
     def change_at(self, batch_index: int) -> ShareChange:
-        firsts = [c.first_batch for c in self._changes]
-        return self._changes[bisect.bisect_right(firsts, batch_index) - 1]
+        return self.schedule.change_at(batch_index)
 
     def split_at(self, batch_index: int, batch_len: Optional[int] = None) -> list[int]:
         """Per-rank sample counts of global batch ``batch_index`` (of ``batch_len`` samples; default: full)."""
-        change = self.change_at(batch_index)
-        n = self.global_batch_size if batch_len is None else batch_len
-        if n == self.global_batch_size:
-            key = change.first_batch
-            if key not in self._full_splits:
-                self._full_splits[key] = split_batch(n, change.capacities, self._caps(change))
-            return self._full_splits[key]
-        return split_batch(n, change.capacities, self._caps(change))
-
-    def _caps(self, change: ShareChange) -> Optional[tuple[int, ...]]:
-        return change.caps if self.cap_shares else None
+        return self.schedule.split_at(batch_index, batch_len)
 
     def global_batch_len(self, batch_index: int) -> int:
         """Number of real samples in global batch ``batch_index`` of an epoch."""
@@ -357,7 +333,8 @@ class HeteroBatchSampler(BatchSampler):
         costs = [self.costs[i] for i in global_batch]
         if self.balance_by_cost:
             change = self.change_at(batch_index)
-            positions = split_by_cost(costs, change.capacities, self._caps(change), padded=self.balance_padded)
+            positions = split_by_cost(costs, change.capacities, self.schedule.caps_of(change),
+                                      padded=self.balance_padded)
         else:
             bounds = [0]
             for b in self.split_at(batch_index, len(global_batch)):
@@ -388,7 +365,7 @@ class HeteroBatchSampler(BatchSampler):
             "seed": self.sampler.seed,
             "order": self.sampler.state_dict(),
             "global_batch_size": self.global_batch_size,
-            "changes": [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self._changes],
+            "changes": self.schedule.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
@@ -399,15 +376,8 @@ class HeteroBatchSampler(BatchSampler):
         self.global_batch_size = int(state.get("global_batch_size", self.global_batch_size))
         if state.get("changes") is None:
             self.roll_schedule_to_epoch()
-            self._full_splits.clear()
-            self.start_batch = start_batch
-            return
-        self._changes = [
-            ShareChange(int(first), tuple(caps_), tuple(limits) if limits else None)
-            for first, caps_, limits in state["changes"]
-        ]
-        self._full_splits.clear()
-        self._schedule_epoch = self.sampler.epoch
+        else:
+            self.schedule.load_state_dict(state["changes"], self.sampler.epoch)
         self.start_batch = start_batch
 
 

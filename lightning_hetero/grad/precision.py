@@ -23,7 +23,6 @@ Example::
     >>> HeteroDDPStrategy(precision_policy=PrecisionPolicy(rules={"*": "auto"}, tf32=False, init_scale=2.0**12))
 """
 
-import math
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -34,14 +33,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from lightning_hetero.plan.capacity import rule_for_rank
+from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
+from lightning_hetero.lab.rules import RankRules
 
 PrecisionMode = Literal["32-true", "16-mixed", "bf16-mixed"]
 PrecisionRule = Literal["auto", "32-true", "16-mixed", "bf16-mixed"]
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
 PRECISION_RULES: tuple[str, ...] = get_args(PrecisionRule)
-RANK_KEY_PREFIX = "rank:"
 
 
 @dataclass(frozen=True)
@@ -62,26 +61,25 @@ class PrecisionPolicy:
     init_scale: float = 2.0**16
     growth_interval: int = 2000
 
+    @property
+    def rank_rules(self) -> RankRules[str]:
+        """The rules, checked (``None``: ``{"*": "auto"}``)."""
+        return RankRules.parse("precision_policy", {"*": "auto"} if self.rules is None else self.rules,
+                               _check_precision_rule)
+
     def __post_init__(self) -> None:
-        rules = {"*": "auto"} if self.rules is None else self.rules
-        if not isinstance(rules, Mapping) or not rules:
-            raise ValueError(f"`precision_policy` rules={self.rules!r} must be a non-empty mapping.")
-        for key, mode in rules.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"`precision_policy` key {key!r} must be a non-empty device-name substring.")
-            if key.startswith(RANK_KEY_PREFIX) and not key[len(RANK_KEY_PREFIX) :].isdigit():
-                raise ValueError(f"`precision_policy` key {key!r} must be 'rank:N' with N a non-negative integer.")
-            if mode not in PRECISION_RULES:
-                raise ValueError(f"`precision_policy`[{key!r}]={mode!r} is not one of {PRECISION_RULES}.")
-        object.__setattr__(self, "rules", dict(rules))
-        if not isinstance(self.tf32, bool):
-            raise ValueError(f"`precision_policy` tf32={self.tf32!r} must be a bool.")
-        if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)) or not (
-            math.isfinite(self.init_scale) and self.init_scale > 0
-        ):
-            raise ValueError(f"`precision_policy` init_scale={self.init_scale!r} must be a positive finite number.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
-            raise ValueError(f"`precision_policy` growth_interval={self.growth_interval!r} must be a positive integer.")
+        object.__setattr__(self, "rules", dict(self.rank_rules.rules))
+        check("precision_policy", "tf32", self.tf32, isinstance(self.tf32, bool), "a bool")
+        check("precision_policy", "init_scale", self.init_scale, is_number(self.init_scale) and self.init_scale > 0,
+              "a positive finite number")
+        check("precision_policy", "growth_interval", self.growth_interval,
+              is_int(self.growth_interval) and self.growth_interval >= 1, "a positive integer")
+
+
+def _check_precision_rule(key: str, mode: Any) -> str:
+    if mode not in PRECISION_RULES:
+        raise ValueError(f"`precision_policy`[{key!r}]={mode!r} is not one of {PRECISION_RULES}.")
+    return str(mode)
 
 
 PrecisionPolicyArg = Union[PrecisionRule, dict[str, PrecisionRule], PrecisionPolicy]
@@ -116,19 +114,13 @@ def _bf16_capable(device: DeviceInfo) -> bool:
 
 def resolve_rank_precision(policy: PrecisionPolicy, device: DeviceInfo) -> str:
     """The precision mode ``device`` (one rank) trains in; ``ValueError`` naming the rank when it cannot."""
-    rules = policy.rules or {}
-    rule = rule_for_rank(rules, device.rank, device.name)
-    where = f"rank {device.rank} ({device.name!r} on {device.host}, cc {device.capability[0]}.{device.capability[1]})"
-    if rule is None:
-        raise ValueError(
-            f"`precision_policy` keys {list(rules)} match neither {where} nor 'rank:{device.rank}'; "
-            "add a key for it or a '*' fallback."
-        )
+    rule = policy.rank_rules.for_device(device)
     if rule == "auto":
         if _gpu_capability(device) is None:
             return "32-true"
         return "bf16-mixed" if _bf16_capable(device) else "16-mixed"
     if rule == "bf16-mixed" and not _bf16_capable(device):
+        where = f"rank {device.rank} ({device.name!r} on {device.host}, cc {device.capability[0]}.{device.capability[1]})"
         raise ValueError(
             f"`precision_policy` asks {where} for 'bf16-mixed', but bf16 needs compute capability >= 8.0; "
             "use '16-mixed' (loss-scaled fp16) or 'auto' for this device."

@@ -10,7 +10,7 @@ all-gather and the reduce-scatter (``MixedPrecisionPolicy``).
 
 Capacity weighting needs nothing from FSDP: each rank scales its loss by b_r · W / G and FSDP's averaging
 reduce-scatter (÷ W) leaves Σ_r (b_r / G) g_r, the gradient of the mean loss over the global batch (see
-:func:`loss_weight`). ``set_gradient_divide_factor`` cannot do it: its factor is applied after the sum on backends
+:func:`~lightning_hetero.grad.weighting.loss_weight`). ``set_gradient_divide_factor`` cannot do it: its factor is applied after the sum on backends
 without ``PREMUL_SUM`` (gloo), so a per-rank factor would scale the others' gradients too.
 
 Example::
@@ -131,11 +131,3 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync)
-
-
-def loss_weight(local_samples: int, global_samples: int, world_size: int) -> float:
-    """Factor for this rank's mean loss so that FSDP's average over ranks is the global batch's mean: b_r · W / G.
-    A rank with no samples this step (padding) contributes nothing."""
-    if global_samples <= 0:
-        return 1.0
-    return local_samples * world_size / global_samples

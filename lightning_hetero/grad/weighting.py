@@ -21,6 +21,20 @@ import torch.distributed as dist
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
+def loss_weight(local_samples: float, global_samples: float, world_size: int) -> float:
+    """Factor for this rank's mean loss so that an average over ``world_size`` ranks is the global batch's mean:
+    b_r · W / G (DDP's built-in all-reduce, FSDP's reduce-scatter). A step without samples anywhere keeps the loss;
+    a rank with none (a padding step) contributes nothing.
+
+    Example::
+
+        loss * loss_weight(6, 8, world_size=2)  # rank 0 trains on 6 of the 8 samples: its mean loss times 1.5
+    """
+    if global_samples <= 0:
+        return 1.0
+    return local_samples * world_size / global_samples
+
+
 class WeightingState:
     """This rank's share of the current optimizer step, plus the hook it hands the weighted bucket to.
 

@@ -1,7 +1,8 @@
-"""The whole lab: every rank's device, the groups they form, and each rank's share of the global batch.
+"""The whole lab: every rank's device and the groups they form (device facts only).
 
-:class:`HeteroLab` is the public, read-only description the strategy exposes as ``strategy.lab`` (and rank 0
-prints once as a table). :class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one
+:class:`HeteroLab` is the public, read-only description the strategy exposes as ``strategy.lab``; rank 0 prints it
+once as a table together with the share plan (:class:`~lightning_hetero.plan.shares.SharePlan`, which owns
+capacities and splits). :class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one
 per device class and one per host, plus a "leaders" group (first rank of each) for two-level communication.
 """
 
@@ -12,19 +13,16 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.plan.shares import SharePlan
 
 GroupKey = str  # "class" or "host"
 
 
 @dataclass(frozen=True)
 class HeteroLab:
-    """Ranks, their devices, groups and batch shares. Immutable: the strategy swaps in a new one on change."""
+    """Ranks, their devices and groups. Immutable: the strategy swaps in a new one when a column is added."""
 
     devices: tuple[DeviceInfo, ...]
-    capacities: tuple[float, ...]
-    capacity_source: str
-    global_batch_size: Optional[int] = None
-    split: tuple[int, ...] = ()
     # Extra per-rank columns for the table (precision, measured samples/s, memory cap, compression ...).
     columns: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
 
@@ -40,15 +38,6 @@ class HeteroLab:
     def hosts(self) -> dict[str, tuple[int, ...]]:
         return _group_ranks(self.devices, "host")
 
-    @property
-    def shares(self) -> tuple[float, ...]:
-        """Fraction of each global batch each rank trains on."""
-        if self.split:
-            total = sum(self.split)
-            return tuple(b / total for b in self.split)
-        total = sum(self.capacities)
-        return tuple(c / total for c in self.capacities)
-
     def with_column(self, name: str, values: Sequence[Any]) -> "HeteroLab":
         kept = tuple((n, v) for n, v in self.columns if n != name)
         return replace(self, columns=kept + ((name, tuple(str(v) for v in values)),))
@@ -56,21 +45,17 @@ class HeteroLab:
     def as_dict(self) -> dict[str, Any]:
         return {
             "devices": [d.as_dict() for d in self.devices],
-            "capacities": list(self.capacities),
-            "capacity_source": self.capacity_source,
-            "global_batch_size": self.global_batch_size,
-            "split": list(self.split),
             "device_classes": {k: list(v) for k, v in self.device_classes.items()},
             "hosts": {k: list(v) for k, v in self.hosts.items()},
             "columns": {n: list(v) for n, v in self.columns},
         }
 
-    def table(self) -> str:
-        """A compact text table, one line per rank."""
+    def table(self, plan: SharePlan) -> str:
+        """A compact text table, one line per rank: its device, and its share under ``plan``."""
         headers = ["rank", "host", "device", "cc", "mem GiB", "SMs", "capacity", "share", "batch"]
         headers += [name for name, _ in self.columns]
         rows = []
-        shares = self.shares
+        shares, split = plan.shares, plan.split
         for d in self.devices:
             r = d.rank
             row = [
@@ -80,9 +65,9 @@ class HeteroLab:
                 f"{d.capability[0]}.{d.capability[1]}" if d.type == "cuda" else "-",
                 f"{d.memory_bytes / 2**30:.0f}",
                 str(d.multiprocessors),
-                f"{self.capacities[r]:.3g}",
+                f"{plan.capacities[r]:.3g}",
                 f"{shares[r]:.1%}",
-                str(self.split[r]) if self.split else "-",
+                str(split[r]) if split else "-",
             ]
             row += [values[r] for _, values in self.columns]
             rows.append(row)
@@ -90,9 +75,10 @@ class HeteroLab:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*row) for row in rows]
-        g = f"global batch {self.global_batch_size}" if self.global_batch_size else "global batch not yet known"
+        batch = plan.loader_batch_size
+        g = f"global batch {batch}" if batch else "global batch not yet known"
         lines.append(
-            f"capacities: {self.capacity_source}; {g}; "
+            f"capacities: {plan.source}; {g}; "
             f"{len(self.device_classes)} device class(es), {len(self.hosts)} host(s)"
         )
         return "\n".join(lines)

@@ -387,10 +387,11 @@ class HeteroMonitor(Callback):
             self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
             self._sidecar.flush()  # a crash loses no logged window
         if self.warn and kept is not None:  # the steps the table counts too (after warm-up), named in the message
-            lab = getattr(trainer.strategy, "lab", None)  # HeteroDDPStrategy's, during fit
+            # The hetero strategies' share plan and controller, during fit.
+            plan = getattr(trainer.strategy, "plan", None)
             shares = getattr(trainer.strategy, "share_controller", None)
             for key, message in advice(kept, nvml_util=window["nvml"]["gpu_util"],
-                                       capacity_source=getattr(lab, "capacity_source", None),
+                                       capacity_source=getattr(plan, "source", None),
                                        rebalance=getattr(shares, "rebalance", None)):
                 if key not in self._warned:
                     self._warned.add(key)
@@ -480,7 +481,7 @@ def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, A
     return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
 
 
-# Capacity sources that already come from measuring the model (see HeteroLab.capacity_source).
+# Capacity sources that already come from measuring the model (see SharePlan.source).
 _MEASURED_SOURCES = ("profile", "rebalanced", "restored")
 
 

@@ -4,7 +4,7 @@
 
 - a list of positive numbers, one per global rank: ``[3, 1]``;
 - a mapping from a device-name substring to a weight: ``{"A100": 3.0, "3090": 1.0}`` (``"*"`` matches any device;
-  the longest matching key wins);
+  the longest matching key wins; ``"rank:N"`` names one rank; see :class:`~lightning_hetero.lab.rules.RankRules`);
 - ``"equal"``; ``"peak"`` (the published-rate table in :mod:`lightning_hetero.lab.devices`);
 - ``"profile"`` (time the user's own model on every rank before training);
 - ``"auto"``: ``"profile"`` when fitting, else ``"peak"`` on GPUs whose cards are all known, else ``"equal"``.
@@ -13,11 +13,12 @@
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from lightning_hetero.lab.devices import DeviceInfo, peak_tflops
+from lightning_hetero.lab.rules import RankRules
 from lightning_hetero.plan.split import validate_weights
 
 CapacitiesArg = Union[str, Sequence[float], Mapping[str, float]]
@@ -32,6 +33,10 @@ class CapacitySpec:
     weights: tuple[float, ...] = ()
     mapping: tuple[tuple[str, float], ...] = ()
 
+    @property
+    def rules(self) -> RankRules[float]:
+        return RankRules("capacities", self.mapping)
+
 
 def parse_capacities(value: CapacitiesArg) -> CapacitySpec:
     """Validate the ``capacities`` argument at construction time; ``ValueError`` naming it otherwise."""
@@ -40,35 +45,12 @@ def parse_capacities(value: CapacitiesArg) -> CapacitySpec:
             raise ValueError(f"`capacities`={value!r} is not one of {CAPACITY_SOURCES}, a list or a mapping.")
         return CapacitySpec(source=value)
     if isinstance(value, Mapping):
-        if not value:
-            raise ValueError("`capacities` mapping is empty: map device-name substrings to weights.")
-        pairs = []
-        for key, weight in value.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"`capacities` key {key!r} must be a non-empty device-name substring.")
-            pairs.append((key, validate_weights([weight], f"capacities[{key!r}]")[0]))
-        return CapacitySpec(source="mapping", mapping=tuple(pairs))
+        rules = RankRules.parse("capacities", value,
+                                lambda key, weight: validate_weights([weight], f"capacities[{key!r}]")[0])
+        return CapacitySpec(source="mapping", mapping=rules.rules)
     if isinstance(value, Sequence):
         return CapacitySpec(source="list", weights=tuple(validate_weights(value, "capacities")))
     raise ValueError(f"`capacities`={value!r} must be a list, a mapping or one of {CAPACITY_SOURCES}.")
-
-
-def weight_for_device(mapping: Sequence[tuple[str, float]], device_name: str) -> Optional[float]:
-    """The weight of the longest key that is a substring of ``device_name`` (case-insensitive), ``"*"`` last."""
-    lowered = device_name.lower()
-    matches = [(key, w) for key, w in mapping if key != "*" and key.lower() in lowered]
-    if matches:
-        return max(matches, key=lambda kw: len(kw[0]))[1]
-    return dict(mapping).get("*")
-
-
-def rule_for_rank(rules: Mapping[str, Any], rank: int, device_name: str) -> Any:
-    """A per-rank policy's rule for one rank: ``"rank:N"`` wins, else the longest device-name key, else ``"*"``
-    (``None``: no key matches)."""
-    if f"rank:{rank}" in rules:
-        return rules[f"rank:{rank}"]
-    by_name = [(key, rule) for key, rule in rules.items() if not key.startswith("rank:")]
-    return weight_for_device(by_name, device_name)
 
 
 def peak_capacities(devices: Sequence[DeviceInfo], dtype: torch.dtype) -> Optional[list[float]]:
@@ -95,17 +77,7 @@ def resolve_static_capacities(
             )
         return list(spec.weights), "explicit"
     if spec.source == "mapping":
-        weights = []
-        for d in devices:
-            w = weight_for_device(spec.mapping, d.name)
-            if w is None:
-                keys = [k for k, _ in spec.mapping]
-                raise ValueError(
-                    f"`capacities` keys {keys} match no part of rank {d.rank}'s device name {d.name!r} "
-                    f"(host {d.host}); add a key for it or a '*' fallback."
-                )
-            weights.append(w)
-        return weights, "mapping"
+        return [spec.rules.for_device(d) for d in devices], "mapping"
     if spec.source == "equal":
         return [1.0] * world, "equal"
     peak = peak_capacities(devices, dtype)

@@ -29,14 +29,15 @@ Example::
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from torch import nn
 
 from lightning_hetero.grad.sharding import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.plan.capacity import rule_for_rank
+from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.lab.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)  # in the order whole-rank "auto" tries them: fastest first
@@ -109,33 +110,29 @@ class MemoryPolicy:
     checkpointed_fraction: float = 0.5
     granularity: Granularity = "block"
 
+    @property
+    def rank_rules(self) -> RankRules[str]:
+        """The rules, checked (``None``: ``{"*": "auto"}``)."""
+        return RankRules.parse("memory", {"*": "auto"} if self.rules is None else self.rules, _check_memory_rule)
+
     def __post_init__(self) -> None:
-        rules = {"*": "auto"} if self.rules is None else self.rules
-        if not isinstance(rules, Mapping) or not rules:
-            raise ValueError(f"`memory` rules={self.rules!r} must be a non-empty mapping.")
-        for key, mode in rules.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"`memory` key {key!r} must be a non-empty device-name substring or 'rank:N'.")
-            if key.startswith("rank:") and not key[len("rank:"):].isdigit():
-                raise ValueError(f"`memory` key {key!r} must be 'rank:N' with N a non-negative integer.")
-            if mode != "auto":
-                parse_rule(mode, f"`memory`[{key!r}]")
-        object.__setattr__(self, "rules", dict(rules))
-        if self.granularity not in get_args(Granularity):
-            raise ValueError(f"`memory` granularity={self.granularity!r} must be one of {get_args(Granularity)}.")
-        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) or not (
-            0 <= self.headroom < 1
-        ):
-            raise ValueError(f"`memory` headroom={self.headroom!r} must be a number in [0, 1).")
+        object.__setattr__(self, "rules", dict(self.rank_rules.rules))
+        check("memory", "headroom", self.headroom, is_number(self.headroom) and 0 <= self.headroom < 1,
+              "a number in [0, 1)")
+        check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
+              f"one of {get_args(Granularity)}")
         fraction = self.checkpointed_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"`memory` checkpointed_fraction={fraction!r} must be a number in (0, 1].")
+        check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
+              "a number in (0, 1]")
         per_sample = self.activation_bytes_per_sample
-        if per_sample is not None and (isinstance(per_sample, bool) or not isinstance(per_sample, int)
-                                       or per_sample < 0):
-            raise ValueError(
-                f"`memory` activation_bytes_per_sample={per_sample!r} must be a non-negative integer or None."
-            )
+        check("memory", "activation_bytes_per_sample", per_sample, per_sample is None or (
+            is_int(per_sample) and per_sample >= 0), "a non-negative integer or None")
+
+
+def _check_memory_rule(key: str, mode: Any) -> str:
+    if mode != "auto":
+        parse_rule(mode, f"`memory`[{key!r}]")
+    return str(mode)
 
 
 MemoryPolicyArg = Union[MemoryRule, dict[str, MemoryRule], MemoryPolicy]
@@ -297,12 +294,7 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
         per_sample = activation_bytes_per_sample or 0
     plans = []
     for device, count, budget in zip(devices, samples, budgets):
-        rule = rule_for_rank(policy.rules or {}, device.rank, device.name)
-        if rule is None:
-            raise ValueError(
-                f"`memory` keys {list(policy.rules or {})} match neither rank {device.rank} ({device.name!r}) nor "
-                f"'rank:{device.rank}'; add a key for it or a '*' fallback."
-            )
+        rule = policy.rank_rules.for_device(device)
 
         def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
@@ -322,10 +314,10 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
 
 def memory_column(plans: Sequence[RankMemory], policy: MemoryPolicy) -> list[str]:
     """Lab-table column: each rank's plan (``auto: ...`` when the policy chose it) and its estimate."""
-    rules = policy.rules or {}
+    rules = policy.rank_rules
     column = []
     for p in plans:
-        chosen = "auto: " if rule_for_rank(rules, p.rank, p.device) == "auto" else ""
+        chosen = "auto: " if rules.lookup(p.rank, p.device) == "auto" else ""
         column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB")
     return column
 

@@ -13,27 +13,51 @@
   shorten the step by more than ``rebalance_threshold``, keyed to a global-batch index past every rank's prefetched
   batches.
 
+It reads the strategy through a :class:`~lightning_hetero.view.StrategyView` and writes capacities, caps and share
+changes into the :class:`~lightning_hetero.plan.shares.SharePlan` (their one owner).
+
 Example::
 
-    controller = ShareController(rebalance=True, every=20, threshold=0.05, smoothing=0.5)
-    core.rank_states.register("shares", controller)
+    controller = ShareController(view, plan, lab, rebalance=True, every=20, threshold=0.05, smoothing=0.5)
+    rank_states.register("shares", controller)
 """
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.plan.split import split_batch
+from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
-from lightning_hetero.data.sampler import HeteroBatchSampler
+from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.view import StrategyView
+
+
+class PlannedSampler(Protocol):
+    """What the controller reads of the training batch sampler (``data/sampler.py``), which reads the plan."""
+
+    sampler: Any
+    rank: int
+    world_size: int
+    global_batch_size: int
+    batches_yielded: int
+    start_batch: int
+
+    @property
+    def capacities(self) -> tuple[float, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None: ...
 
 
 def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:
@@ -196,6 +220,9 @@ class ShareController:
 
     def __init__(
         self,
+        view: StrategyView,
+        plan: SharePlan,
+        lab: LabSetup,
         profile: bool = False,
         profile_steps: int = 4,
         memory_headroom: float = 0.1,
@@ -205,6 +232,9 @@ class ShareController:
         threshold: float = 0.05,
         smoothing: float = 0.5,
     ) -> None:
+        self.view = view
+        self.plan = plan
+        self.lab = lab
         self.profile_enabled = profile
         self.profile_steps = profile_steps
         self.memory_headroom = memory_headroom
@@ -214,9 +244,8 @@ class ShareController:
         self.threshold = threshold
         self.smoothing = smoothing
         self.profile: Optional[ProfileResult] = None
-        self.caps: Optional[tuple[int, ...]] = None
         self._slept_mark = 0.0  # the emulator's cumulative sleep at the last step boundary
-        self.sampler: Optional[HeteroBatchSampler] = None
+        self.sampler: Optional[PlannedSampler] = None
         self.timer: Optional[StepTimer] = None
         self.ema: Optional[list[float]] = None
         self.batches_seen = 0
@@ -228,6 +257,11 @@ class ShareController:
         self._restored: Optional[dict[str, Any]] = None
         self._expect_batch: Optional[int] = None
         self._devices: Optional[list[str]] = None  # the lab's device classes, saved to detect changed cards
+
+    @property
+    def caps(self) -> Optional[tuple[int, ...]]:
+        """Per-rank memory caps (the plan's)."""
+        return self.plan.caps
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -259,86 +293,93 @@ class ShareController:
         }
 
     # -- start of training -----------------------------------------------------------------------------------------
-    def on_train_loader(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> None:
+    def on_train_loader(self, sampler: PlannedSampler, dataloader: Any) -> None:
         """Before the loader's first batch is drawn: restore a resumed run's shares, or profile (a collective)."""
         self.sampler = sampler
-        trainer = strategy.lightning_module.trainer
+        plan = self.plan
+        trainer = self._trainer()
         restored, self._restored = self._restored, None
         if restored is None and trainer.fit_loop.restarting:  # e.g. a checkpoint of Lightning's `DDPStrategy`
             restored = {"replan": "the checkpoint holds no share state (another strategy wrote it)"}
-        self._devices = [d.device_class for d in strategy.lab.devices]
+        self._devices = [d.device_class for d in self.lab.lab.devices]
         replan = None if restored is None else _replan_reason(restored, self._devices)
         if restored is not None:
-            self._restore(restored, sampler, trainer, strategy, replan is not None)
+            self._restore(restored, sampler, trainer, replan is not None)
             if replan is not None:
                 rank_zero_info(f"HeteroDDPStrategy resume: {replan}; shares are planned for this lab "
-                               f"(capacities '{strategy.lab.capacity_source}').")
+                               f"(capacities '{plan.source}').")
         if restored is None or replan is not None:
             # One rank has nobody to share with: profiling it would only delay the first step.
             if self.profile_enabled and self.profile is None and sampler.world_size > 1:
-                self.profile = self._run_profile(strategy, sampler, dataloader)
+                self.profile = self._run_profile(sampler, dataloader)
                 if self.profile is not None:
-                    self.caps = self.profile.caps
-                    strategy.update_capacities(self.profile.capacities, "profile")
-            if self.caps is None and self.max_batch_per_rank is not None:
-                self.caps = (self.max_batch_per_rank,) * sampler.world_size
+                    plan.set_caps(self.profile.caps)
+                    plan.update(self.profile.capacities, "profile")
+            if plan.caps is None and self.max_batch_per_rank is not None:
+                plan.set_caps((self.max_batch_per_rank,) * sampler.world_size)
             # The latest shares (profiled, or rebalanced before a loader reload) from the loader's first batch.
-            sampler.change_shares(strategy.lab.capacities, first_batch=0, caps=self.caps)
+            plan.change(plan.capacities, first_batch=0, epoch=sampler.sampler.epoch)
         kept = restored is not None and replan is None
-        strategy.update_capacities(sampler.capacities, "restored" if kept else strategy.lab.capacity_source)
+        plan.update(sampler.capacities, "restored" if kept else plan.source)
         if self.profile is not None:
-            strategy.add_lab_columns(table_columns(self.profile))
-        elif self.caps is not None:
-            strategy.add_lab_columns({"mem cap": [str(c) for c in self.caps]})
+            self.lab.add_columns(table_columns(self.profile))
+        elif plan.caps is not None:
+            self.lab.add_columns({"mem cap": [str(c) for c in plan.caps]})
         if self.rebalance and self.timer is None:
-            self.timer = StepTimer(strategy.root_device)
+            self.timer = StepTimer(self.view.root_device)
         self._skip_next = True
 
-    def _run_profile(self, strategy: Any, sampler: HeteroBatchSampler, dataloader: Any) -> Optional[ProfileResult]:
-        module = strategy.lightning_module
+    def _trainer(self) -> Any:
+        module = self.view.lightning_module
+        assert module is not None
+        return module.trainer
+
+    def _run_profile(self, sampler: PlannedSampler, dataloader: Any) -> Optional[ProfileResult]:
+        view = self.view
+        module = view.lightning_module
+        assert module is not None
         if not module.automatic_optimization:
             rank_zero_warn("HeteroDDPStrategy: manual optimization cannot be profiled; keeping "
-                           f"'{strategy.lab.capacity_source}' capacities.")
+                           f"'{self.plan.source}' capacities.")
             return None
         order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
         # Up to a whole global batch: a refinement pass may time this rank at its (possibly large) share.
         need = sampler.global_batch_size
         offset = sampler.rank * max(1, need // sampler.world_size)
         indices = [order[(offset + i) % len(order)] for i in range(need)]
-        emulator = getattr(strategy, "emulation", None)
+        emulator = self.lab.emulation
         result = profile_lightning_module(
             module,
             dataloader.dataset,
             dataloader.collate_fn,
             indices,
             sampler.global_batch_size,
-            strategy.root_device,
-            forward_context=strategy.precision_plugin.forward_context,
+            view.root_device,
+            forward_context=view.precision_plugin.forward_context,
             steps=self.profile_steps,
             headroom=self.memory_headroom,
             max_batch_per_rank=self.max_batch_per_rank,
-            optimizers=strategy.optimizers,
+            optimizers=view.optimizers,
             step_context=emulator.work if emulator is not None else _nothing,
-            classes=[d.device_class for d in strategy.lab.devices],
+            classes=[d.device_class for d in self.lab.lab.devices],
         )
         if result is None:
             rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "
-                           f"'{strategy.lab.capacity_source}' capacities.")
+                           f"'{self.plan.source}' capacities.")
             return None
         rates = ", ".join(f"{c:.4g}" for c in result.capacities)
         rank_zero_info(f"HeteroDDPStrategy profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
                        + (f", memory caps {list(result.caps)}" if result.caps else ""))
         return result
 
-    def _restore(self, state: dict[str, Any], sampler: HeteroBatchSampler, trainer: Any, strategy: Any,
-                 replan: bool) -> None:
+    def _restore(self, state: dict[str, Any], sampler: PlannedSampler, trainer: Any, replan: bool) -> None:
         if not replan:  # measurements of other devices (or another world size) say nothing about these
             self.profile = None if state.get("profile") is None else ProfileResult.from_state_dict(state["profile"])
-            self.caps = tuple(state["caps"]) if state.get("caps") else None
+            self.plan.set_caps(state["caps"] if state.get("caps") else None)
             self.ema = state.get("ema")
             self.batches_seen = int(state.get("batches_seen", 0))
         saved_g = (state.get("sampler") or {}).get("global_batch_size")
-        explicit_g = strategy.global_batch_size
+        explicit_g = self.plan.global_batch_size
         if saved_g is not None and explicit_g is not None and saved_g != explicit_g:
             raise ValueError(
                 f"`global_batch_size`={explicit_g} but the checkpoint was trained with a global batch of {saved_g}: "
@@ -392,7 +433,7 @@ class ShareController:
     def excluded(self) -> Any:
         return self.timer.excluded() if self.timer is not None else _nothing()
 
-    def on_train_batch_start(self, strategy: Any, batch_idx: int, local_samples: int) -> None:
+    def on_train_batch_start(self, batch_idx: int, local_samples: int) -> None:
         """Account the previous step; every ``every`` batches exchange measurements and maybe rebalance."""
         if self._expect_batch is not None:
             expected, self._expect_batch = self._expect_batch, None
@@ -405,7 +446,7 @@ class ShareController:
         if self.timer is None or self.sampler is None:
             return
         seconds = self.timer.stop()
-        emulator = getattr(strategy, "emulation", None)
+        emulator = self.lab.emulation
         if emulator is not None:
             # The CPU emulator's slowdown sleeps after the step, outside the timed window; it stands for compute.
             slept, self._slept_mark = emulator.slept_seconds - self._slept_mark, emulator.slept_seconds
@@ -417,14 +458,14 @@ class ShareController:
         self._last_samples = local_samples
         self.batches_seen += 1
         if self.batches_seen % self.every == 0:
-            decision = self.exchange(strategy, batch_idx)
+            decision = self.exchange(batch_idx)
             if decision is not None:
-                self._apply(strategy, decision)
+                self._apply(decision)
 
-    def exchange(self, strategy: Any, batch_idx: int) -> Optional[Decision]:
+    def exchange(self, batch_idx: int) -> Optional[Decision]:
         """The one collective of a rebalancing round and the decision every rank derives from it."""
         assert self.sampler is not None
-        rows = gather_measurements([*self._window, float(self.sampler.batches_yielded)], strategy.root_device)
+        rows = gather_measurements([*self._window, float(self.sampler.batches_yielded)], self.view.root_device)
         self._window = [0.0, 0.0]
         if any(samples <= 0 or seconds <= 0 for samples, seconds, _ in rows):
             return None  # some rank measured nothing this round (padding steps only)
@@ -432,7 +473,7 @@ class ShareController:
         a = self.smoothing
         first_round = self.ema is None
         self.ema = rates if first_round else [a * r + (1 - a) * e for r, e in zip(rates, self.ema)]
-        self._log_rates(strategy)
+        self._log_rates()
         if first_round:
             return None  # the first window carries start-up costs (allocator, kernel selection): never act on it alone
         current = self.sampler.capacities
@@ -443,14 +484,14 @@ class ShareController:
         first = max(int(max(y for _, _, y in rows)), batch_idx + 1)
         return Decision(first, tuple(current), tuple(self.ema), tuple(old), tuple(new), moved, gain)
 
-    def _apply(self, strategy: Any, decision: Decision) -> None:
+    def _apply(self, decision: Decision) -> None:
         assert self.sampler is not None
-        self.sampler.change_shares(decision.new_capacities, first_batch=decision.first_batch, caps=self.caps)
-        strategy.update_capacities(decision.new_capacities, "rebalanced", decision.new_split)
+        self.plan.change(decision.new_capacities, first_batch=decision.first_batch, epoch=self.sampler.sampler.epoch)
+        self.plan.update(decision.new_capacities, "rebalanced")
         self.decisions.append(decision)
         self._skip_next = True
-        trainer = strategy.lightning_module.trainer
-        if strategy.global_rank == 0:
+        trainer = self._trainer()
+        if self.view.global_rank == 0:
             rank_zero_info(decision.message())
             if trainer.logger is not None:
                 metrics = {f"hetero/share_rank{r}": b / sum(decision.new_split) for r, b in enumerate(decision.new_split)}
@@ -458,9 +499,9 @@ class ShareController:
                 metrics["hetero/rebalance_gain"] = decision.gain
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _log_rates(self, strategy: Any) -> None:
-        trainer = strategy.lightning_module.trainer
-        if strategy.global_rank == 0 and trainer.logger is not None and self.ema is not None:
+    def _log_rates(self) -> None:
+        trainer = self._trainer()
+        if self.view.global_rank == 0 and trainer.logger is not None and self.ema is not None:
             trainer.logger.log_metrics(
                 {f"hetero/samples_per_s_rank{r}": v for r, v in enumerate(self.ema)}, step=trainer.global_step
             )
@@ -482,33 +523,3 @@ def _replan_reason(state: dict[str, Any], devices: list[str]) -> Optional[str]:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-def validate_tuning(
-    profile_steps: int,
-    memory_headroom: float,
-    max_batch_per_rank: Optional[int],
-    rebalance_every: int,
-    rebalance_threshold: float,
-    rebalance_smoothing: float,
-) -> None:
-    """``ValueError`` naming the argument for out-of-range tuning values."""
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def is_num(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    if not is_int(profile_steps) or profile_steps < 1:
-        raise ValueError(f"`profile_steps`={profile_steps!r} must be a positive integer.")
-    if not is_num(memory_headroom) or not 0 <= memory_headroom < 1:
-        raise ValueError(f"`memory_headroom`={memory_headroom!r} must be a fraction of device memory in [0, 1).")
-    if max_batch_per_rank is not None and (not is_int(max_batch_per_rank) or max_batch_per_rank < 1):
-        raise ValueError(f"`max_batch_per_rank`={max_batch_per_rank!r} must be a positive integer or None.")
-    if not is_int(rebalance_every) or rebalance_every < 1:
-        raise ValueError(f"`rebalance_every`={rebalance_every!r} must be a positive number of batches.")
-    if not is_num(rebalance_threshold) or not 0 <= rebalance_threshold < 1:
-        raise ValueError(f"`rebalance_threshold`={rebalance_threshold!r} must be a fraction of the step time in [0, 1).")
-    if not is_num(rebalance_smoothing) or not 0 < rebalance_smoothing <= 1:
-        raise ValueError(f"`rebalance_smoothing`={rebalance_smoothing!r} must be in (0, 1] (1: no smoothing).")

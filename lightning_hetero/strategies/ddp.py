@@ -37,7 +37,7 @@ from lightning_hetero.grad.autocompress import resolve_compression
 from lightning_hetero.grad.compression import CompressionArg, GradientCompression, parse_compression
 from lightning_hetero.grad.periodic import PeriodicSyncArg, periodic_runtime
 from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.weighting import WeightingState, weighted_allreduce_hook
+from lightning_hetero.grad.weighting import WeightingState, loss_weight, weighted_allreduce_hook
 from lightning_hetero.lab.emulation import PacedState, paced_hook
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
@@ -162,11 +162,11 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.groups,
-                                                               self.root_device, self.core.link_pacer(len(self.lab.hosts)),
+                                                               self.root_device, self.core.lab.link_pacer(len(self.lab.hosts)),
                                                                self.lightning_module)
         self.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
-            self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.link_pacer(len(self.lab.hosts)))
+            self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
             self.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
 
     # -- the model ----------------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             self.compression.check_optimizers(self.optimizers)
         if self.periodic is not None and isinstance(self.model, DistributedDataParallel):
             self.periodic.attach(self.model.module, self.optimizers)
-            self.core.rank_states.register("periodic", self.periodic)
+            self.core.resilience.rank_states.register("periodic", self.periodic)
 
     def no_sync(self) -> Any:
         return self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext()
@@ -199,7 +199,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         if not isinstance(self.model, DistributedDataParallel):
             return
         inner_hook, inner_state = self._inner_comm_hook()
-        emulator = self.core.emulation
+        emulator = self.core.lab.emulation
         if inner_hook is None and self.periodic is None and (emulator is None or not emulator.slows_cpu):
             return  # weighted on the loss (`weigh_loss`); DDP's built-in all-reduce averages
         self.weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
@@ -215,7 +215,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         config = self.compression_config
         hierarchical = config is not None and config.hierarchical
         # An emulated slow link between hosts paces the leaders' hop (hierarchical) or the whole exchange (flat).
-        pacer = self.core.link_pacer(len(self.lab.hosts) if hierarchical else self.world_size)
+        pacer = self.core.lab.link_pacer(len(self.lab.hosts) if hierarchical else self.world_size)
         counter = None
         if hook is None and wrapper is None:
             assert isinstance(self.model, DistributedDataParallel)
@@ -223,7 +223,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
                 config, list(self.model.module.parameters()), self.world_size, self.root_device, self.groups,
                 pacer=pacer if hierarchical else None,
             )
-            self.core.rank_states.register("compression", self.compression)  # restored state loads here
+            self.core.resilience.rank_states.register("compression", self.compression)  # restored state loads here
             hook, state = self.compression.hook, self.compression.state
             counter = self.compression.counter if hook is not None else None
             if hook is None and pacer is None:
@@ -238,19 +238,19 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.weighting is None or self.core.step_share is None:
+        if self.weighting is None or self.core.step.share is None:
             return
         if self.periodic is not None:  # b_r / B_host after the warm-up
-            self.periodic.weigh_step(self.weighting, self.core.train_sampler.rank_sizes_at(batch_idx))
+            self.periodic.weigh_step(self.weighting, self.core.loaders.train_sampler.rank_sizes_at(batch_idx))
         else:
-            self.weighting.add_step(*self.core.step_share)
+            self.weighting.add_step(*self.core.step.share)
 
     def weigh_loss(self, loss: Tensor) -> Tensor:
         """b_r·W/G times the loss when DDP's built-in all-reduce averages (no comm hook): exactly Σ_r (b_r/G) g_r."""
-        share = self.core.step_share
-        if self.weighting is not None or share is None or self.world_size == 1 or not share[1]:
+        share = self.core.step.share
+        if self.weighting is not None or share is None or self.world_size == 1:
             return loss
-        return loss * (share[0] * self.world_size / share[1])
+        return loss * loss_weight(share[0], share[1], self.world_size)
 
     def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
         """Call ``observer`` as each gradient bucket enters the comm hook (the last call: the backward ended)."""

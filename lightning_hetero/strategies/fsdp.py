@@ -55,11 +55,11 @@ from lightning_hetero.grad.sharding import (
     default_blocks,
     device_mesh,
     is_sharded,
-    loss_weight,
     mixed_precision,
     set_gradient_sync,
     shard_module,
 )
+from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
     MemoryFitError,
@@ -269,11 +269,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     def shard(self, module: nn.Module) -> None:
         blocks = self.blocks or default_blocks(module)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
-        weights, total = self.lab.capacities, self.core.global_batch_size or 0  # 0: shares known at the loader
+        weights, total = self.plan.capacities, self.plan.global_batch_size or 0  # 0: shares known at the loader
         self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
         plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
-        modes = self.core.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
                      offload=plan.offload_blocks, mp_policy=mixed_precision(modes))
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
@@ -299,7 +299,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         try:
             self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
         except MemoryFitError as err:
-            if self.core.global_batch_size is not None:
+            if self.plan.global_batch_size is not None:
                 raise
             # The model was sharded before the loader existed: its plan could not count the shares' activations.
             raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares were known: give "
@@ -327,7 +327,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     def weigh_loss(self, loss: Tensor) -> Tensor:
         """b_r·W/G times the loss: FSDP's reduce-scatter averages over the W ranks (both mesh dimensions with HSDP),
         which leaves Σ_r (b_r/G) g_r, exact per micro-step (accumulation with partial batches included)."""
-        share = self.core.step_share
+        share = self.core.step.share
         if share is None or self.world_size == 1:
             return loss
         return loss * loss_weight(share[0], share[1], self.world_size)

@@ -1,4 +1,6 @@
-"""The Lightning strategy overrides every heterogeneous strategy shares: each calls the :class:`HeteroCore`.
+"""The Lightning strategy overrides every heterogeneous strategy shares: each calls a collaborator of the
+:class:`HeteroCore` (``core.lab``, ``core.plan``, ``core.shares``, ``core.loaders``, ``core.step``,
+``core.resilience``).
 
 A strategy is ``class HeteroXStrategy(HeteroLifecycle, XStrategy)``: Python's method order runs these overrides
 first, and each hands on to the parallelism's own (``super()``).
@@ -22,6 +24,7 @@ from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
 
@@ -55,22 +58,27 @@ class HeteroLifecycle:
     # -- public, read-only views -------------------------------------------------------------------------------------
     @property
     def lab(self) -> HeteroLab:
-        """Ranks, devices, groups and batch shares of this job (available after setup)."""
-        return self.core.lab
+        """Ranks, devices and groups of this job (available after setup)."""
+        return self.core.lab.lab
+
+    @property
+    def plan(self) -> SharePlan:
+        """Capacities (and where they came from), memory caps, the split of the global batch and its changes."""
+        return self.core.plan
 
     @property
     def groups(self) -> LabGroups:
         """This rank's process groups: by device class, by host, and the leaders across them."""
-        return self.core.groups
+        return self.core.lab.groups
 
     @property
     def train_batch_sampler(self) -> Optional[HeteroBatchSampler]:
-        return self.core.train_sampler
+        return self.core.loaders.train_sampler
 
     @property
     def emulation(self) -> Optional[Emulator]:
         """This rank's lab emulator (``None`` unless ``emulate`` gave it a profile)."""
-        return self.core.emulation
+        return self.core.lab.emulation
 
     @property
     def share_controller(self) -> ShareController:
@@ -78,21 +86,22 @@ class HeteroLifecycle:
         return self.core.shares
 
     @property
-    def train_step_size(self) -> Optional[int]:
-        """This rank's real samples in the current training batch."""
-        return self.core.train_step_size()
+    def train_step_size(self) -> Optional[float]:
+        """This rank's real samples (or token weight) in the current training batch."""
+        return self.core.step.train_step_size()
 
     def update_capacities(self, capacities: Sequence[float], source: str,
                           split: Optional[Sequence[int]] = None) -> None:
-        self.core.update_capacities(capacities, source, split)
+        """Adopt new capacities for what follows. ``split`` is derived by the plan (accepted, not needed)."""
+        self.core.plan.update(capacities, source)
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
         """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
-        self.core.add_lab_columns(columns)
+        self.core.lab.add_columns(columns)
 
     def attach_monitor(self, monitor: Any) -> None:
         """The monitor that times collectives issued inside a step (``None``: none)."""
-        self.core.monitor = monitor
+        self.core.step.monitor = monitor
 
     def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
         """Call ``observer`` where a synchronizing backward ends, from the gradient hook; False: no hook to watch."""
@@ -125,7 +134,7 @@ class HeteroLifecycle:
 
     @override
     def setup_environment(self) -> None:
-        self.core.before_process_group()
+        self.core.lab.before_process_group()
         super().setup_environment()  # type: ignore[misc]
         self.core.after_process_group()
 
@@ -134,30 +143,31 @@ class HeteroLifecycle:
         if dist.is_initialized():
             super().setup_distributed()  # type: ignore[misc]
         else:
-            self.core.init_process_group()
+            self.core.lab.init_process_group()
 
     # -- data -------------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self.core.process_dataloader(dataloader)
+        return self.core.loaders.process_dataloader(dataloader)
 
     # -- steps ------------------------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        self.core.on_train_batch_start(batch_idx)
+        self.core.step.on_train_batch_start(batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        core = self.core
-        core.shares.step_started()
-        with core.step(core.train_step_size()):
-            sizes = core.micro_batch_sizes(_batch_size_of(args, kwargs)) if core.micro_limit else None
+        step = self.core.step
+        self.core.shares.step_started()
+        with step.step(step.train_step_size()):
+            micro = self.core.loaders.micro_limit
+            sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:
                 return super().training_step(*args, **kwargs)  # type: ignore[misc]
             trainer = self.lightning_module.trainer
             optimizer = self.optimizers[0] if self.optimizers else None
-            return core.run_micro_batches(
+            return step.run_micro_batches(
                 sizes, args[0] if args else kwargs["batch"],
                 forward=lambda chunk: super(HeteroLifecycle, self).training_step(chunk, *args[1:], **kwargs),
                 # Lightning divides the step's loss by the accumulation window; the micro-batches' losses likewise.
@@ -168,37 +178,38 @@ class HeteroLifecycle:
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        self.core.before_backward(closure_loss)
+        self.core.step.before_backward(closure_loss)
         out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
-        self.core.after_backward()
+        self.core.step.after_backward()
         return out
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self.core.emulated_work():  # the closure runs forward and backward
+            # The closure runs forward and backward.
+            with self.core.lab.emulated_work():
                 out = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self.core.pending_grads = None
-        self.core.after_optimizer_step()
+            self.core.step.pending_grads = None
+        self.core.step.after_optimizer_step()
         return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.enter("validation")
-        with self.core.step(_batch_size_of(args, kwargs)):
+        self.core.resilience.enter("validation")
+        with self.core.step.step(_batch_size_of(args, kwargs)):
             return super().validation_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.enter("test")
-        with self.core.step(_batch_size_of(args, kwargs)):
+        self.core.resilience.enter("test")
+        with self.core.step.step(_batch_size_of(args, kwargs)):
             return super().test_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.enter("predict")
-        with self.core.emulated_work():
+        self.core.resilience.enter("predict")
+        with self.core.lab.emulated_work():
             return super().predict_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
@@ -208,36 +219,36 @@ class HeteroLifecycle:
         if self.world_size == 1:  # any reduction over one rank is its own value: no collective, as on a single device
             return tensor
         is_mean = reduce_op is None or reduce_op == dist.ReduceOp.AVG or str(reduce_op).lower() in ("mean", "avg")
-        if is_mean and isinstance(tensor, Tensor) and self.core.logging_batch_size is not None and dist.is_initialized():
-            return self.core.reduce_weighted_mean(tensor, group)
+        if is_mean and isinstance(tensor, Tensor) and self.core.step.logging_batch_size is not None and dist.is_initialized():
+            return self.core.step.reduce_weighted_mean(tensor, group)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        with self.core.in_phase("collective"):
+        with self.core.resilience.in_phase("collective"):
             super().barrier(name)  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # type: ignore[misc]
-        self.core.on_exception(exception)
+        self.core.resilience.on_exception(exception)
 
     # -- checkpoints and teardown -----------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         load = super().load_checkpoint  # type: ignore[misc]
         checkpoint = load(checkpoint_path, **_compat.weights_only_argument(load, weights_only))
-        self.core.on_load(checkpoint, checkpoint_path)
+        self.core.resilience.on_load(checkpoint, checkpoint_path)
         return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self.core.on_save(checkpoint)
-        with self.core.in_phase("checkpoint"):
+        with self.core.resilience.in_phase("checkpoint"):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     @override
     def teardown(self) -> None:
-        self.core.teardown()
+        self.core.resilience.teardown()
         super().teardown()  # type: ignore[misc]
         self.core.after_teardown()

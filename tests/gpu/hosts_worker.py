@@ -40,7 +40,7 @@ class LabRecorder(Callback):
             lab = trainer.strategy.lab
             with open(os.path.join(self.out, "lab.json"), "w") as f:
                 json.dump({"hosts": {k: list(v) for k, v in lab.hosts.items()}, "columns": dict(lab.columns),
-                           "table": lab.table()}, f)
+                           "table": lab.table(trainer.strategy.plan)}, f)
 
 
 def run(out: str, compression: str, accelerator: str) -> dict[str, Any]:

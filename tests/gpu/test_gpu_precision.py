@@ -154,7 +154,7 @@ def _worker(out: str, accelerator: str) -> None:
             "scales_equal_every_step": all(len(set(s)) == 1 for s in compare.scales),
             "scale_first_last": [compare.scales[0][0], compare.scales[-1][0]], "loss_first": compare.losses[0],
             "loss_last10": sum(compare.losses[-10:]) / 10, "final_loss": final, "fit_s": seconds,
-            "table": strategy.lab.table(),
+            "table": strategy.lab.table(strategy.plan),
         }
         precisions: list[Any] = [None] * 2
         dist.all_gather_object(precisions, str(trainer.precision))
