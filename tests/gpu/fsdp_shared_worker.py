@@ -169,7 +169,7 @@ def _worker(phase: str, out: str, accelerator: str) -> None:
                       budget_gib=[p.budget / GIB for p in strategy.memory_plan],
                       peak_gib=[None if p is None else p / GIB for p in strategy.memory_peaks or []],
                       losses=model.losses, parameters=sum(p.numel() for p in model.parameters()),
-                      samples=[len(i) for _, i in model.seen[:1]], table=strategy.lab.table())
+                      samples=[len(i) for _, i in model.seen[:1]], table=strategy.lab.table(strategy.plan))
     elif phase == "baseline":
         from datetime import timedelta
 
