@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import GPT, Block, GPTConfig, gpt_activation_bytes, gpt_parameters  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
-from lightning_hetero.grad.sharding import device_mesh, loss_weight, mixed_precision, shard_module  # noqa: E402
+from lightning_hetero.grad.sharding import device_mesh, mixed_precision, shard_module  # noqa: E402
+from lightning_hetero.grad.weighting import loss_weight  # noqa: E402
 from lightning_hetero.lab.devices import DeviceInfo  # noqa: E402
 from lightning_hetero.plan.memory import (  # noqa: E402
     GIB,

@@ -124,7 +124,7 @@ from torch.distributed._composable import checkpoint as checkpoint_module_in_pla
 
 def fsdp_offloads(module: object) -> bool:
     """Whether ``fully_shard`` gave ``module``'s own parameters a CPU offload policy: FSDP2 keeps the policy in its
-    private per-module state and has no public accessor (tests and the memory plan's checks read it)."""
+    private per-module state and has no public accessor (tests read it to check a per-block plan was applied)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     state = module._get_fsdp_state()  # type: ignore[attr-defined]
@@ -161,3 +161,12 @@ def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]
 def launcher_strategy(launcher: object) -> object:
     """The strategy a Lightning process launcher was made for (kept under a private name)."""
     return launcher._strategy  # type: ignore[attr-defined]
+
+
+def logged_results(trainer: object) -> "Optional[Any]":
+    """The running loop's collection of ``self.log`` accumulations (``{key: _ResultMetric}``), or ``None``.
+
+    A padding step's logged values must leave the epoch's accumulations as they were: Lightning has no public hook
+    between ``self.log`` and its epoch-end reduction.
+    """
+    return getattr(trainer, "_results", None)

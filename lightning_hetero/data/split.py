@@ -21,7 +21,7 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, parse_micro_batch
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import micro_limits
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch, for_evaluation
 from lightning_hetero.data.streaming import build_stream_loader
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
 from lightning_hetero.lab.setup import LabSetup
@@ -68,6 +68,9 @@ class LoaderSplit:
             )
         else:
             batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+            # Every evaluation sample once, in equal batch counts.
+            if stage != RunningStage.TRAINING:
+                batch_sampler = for_evaluation(batch_sampler)
             outer = dataloader.batch_sampler  # type: ignore[attr-defined]
             # The prediction loop tracks batch indices through Lightning's wrapper: keep it around ours.
             wrapped = _compat.IndexBatchSamplerWrapper(batch_sampler) if isinstance(
