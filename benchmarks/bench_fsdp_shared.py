@@ -70,7 +70,8 @@ def plan(name: str, cfg: GPTConfig, caps_gib: list[float]) -> Optional[list[Rank
                           granularity="rank" if name == "whole-rank" else "block")
     with torch.device("meta"):
         footprint = ModelFootprint.of(GPT(cfg), (Block,), slots=2)
-    devices = [DeviceInfo(r, "host", "cuda", f"{c:g} GiB cap", (9, 0), int(c * GIB), 132) for r, c in enumerate(caps_gib)]
+    devices = [DeviceInfo(r, "host", "cuda", f"{c:g} GiB cap", (9, 0), int(c * GIB), 132)
+               for r, c in enumerate(caps_gib)]
     try:
         return resolve_memory(policy, footprint, devices, PLANS[name], [device_budget(d, policy.headroom)
                                                                         for d in devices], len(devices))

@@ -133,4 +133,5 @@ def gpt_activation_bytes(cfg: GPTConfig) -> tuple[int, float]:
 
 def gpt_parameters(cfg: GPTConfig) -> int:
     """Parameters of :class:`GPT` (tied embedding and head)."""
-    return cfg.vocab * cfg.width + cfg.seq * cfg.width + cfg.layers * (12 * cfg.width**2 + 13 * cfg.width) + 2 * cfg.width
+    per_block = 12 * cfg.width**2 + 13 * cfg.width
+    return cfg.vocab * cfg.width + cfg.seq * cfg.width + cfg.layers * per_block + 2 * cfg.width

@@ -296,7 +296,8 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
     for device, count, budget in zip(devices, samples, budgets):
         rule = policy.rank_rules.for_device(device)
 
-        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget) -> RankMemory:
+        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count,
+                         budget: int = budget) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
                             policy.checkpointed_fraction)
 

@@ -5,9 +5,10 @@ fit meets it:
 
 1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
    sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
-2. the memory plan (:mod:`lightning_hetero.plan.memory`): each rank's mode (keep / activation checkpointing / CPU
-   offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
-   numbers, and again before the first step once the real shares and optimizer are known;
+2. the memory plan (:mod:`lightning_hetero.plan.memory`): how many blocks each rank offloads to host memory and how
+   many recompute their activations, from the ``memory`` policy and the lab's memory; a job that cannot fit fails
+   here with every rank's numbers, and again before the first step once the real shares and optimizer are known;
+   after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
 4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
@@ -180,11 +181,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
 
     Args:
-        memory: what each rank keeps in device memory: ``"auto"`` (the fastest mode that fits, rank by rank),
-            ``"keep"``, ``"checkpoint"`` (activation checkpointing), ``"offload"`` (shard, gradients and optimizer
-            state in host memory), ``"checkpoint_offload"``, a mapping from device-name substring or ``"rank:N"`` to
-            one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that cannot fit fails before its first
-            step with every rank's numbers.
+        memory: what each rank keeps in device memory: ``"auto"`` (per rank, the fewest offloaded blocks, then the
+            fewest recomputed blocks, that fit), per-block counts (``"offload:4,checkpoint:all"``), whole-rank modes
+            (``"keep"``, ``"checkpoint"``, ``"offload"``, ``"checkpoint_offload"``), a mapping from device-name
+            substring or ``"rank:N"`` to one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that
+            cannot fit fails before its first step with every rank's numbers.
         blocks: dotted class paths (``"mypkg.model.Block"``) of the modules to shard one by one (one all-gather
             each). Default: the entries of the model's ``nn.ModuleList`` s, else every module with parameters of its
             own. A model that shards itself in ``configure_model`` keeps its sharding.
@@ -204,7 +205,9 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         start_method: ``"popen"`` (Lightning's script launcher; also torchrun / SLURM), ``"spawn"`` or ``"fork"``.
         process_group_backend: ``"nccl"``, ``"gloo"`` ... (default: by device).
         accelerator: as for Lightning's ``DDPStrategy``.
-        parallel_devices: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``; one CUDA index repeated (``one_gpu(2)`` from
+            :mod:`lightning_hetero.lab.shared_gpu`) puts several ranks on one GPU (gloo; memory and correctness, not
+            speed).
         cluster_environment: as for ``DDPStrategy``.
         checkpoint_io: as for ``DDPStrategy``; default: atomic writes, verified by their checksums.
         precision_plugin: as for ``DDPStrategy`` (``precision_policy`` or this, not both).
