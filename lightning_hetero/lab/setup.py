@@ -31,8 +31,9 @@ from lightning_hetero.grad.precision import (
     resolve_precisions,
 )
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
+from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.lab.link_pacing import LinkPacer
 from lightning_hetero.resilience.faults import rendezvous
 from lightning_hetero.view import StrategyView
 

@@ -6,7 +6,7 @@ import torch
 from lightning_hetero import HeteroFSDPStrategy
 from lightning_hetero.grad.sharding import device_mesh
 from lightning_hetero.lab.shared_gpu import binds_device, one_gpu, shared_device_backend, shares_a_device
-from tests._fsdp_worker import run_ranks
+from tests.strategies._fsdp_worker import run_ranks
 from tests.helpers import free_port
 
 CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")

@@ -24,7 +24,7 @@ from lightning_hetero.plan.memory import (
     resolve_memory,
     rule_name,
 )
-from tests._fsdp_worker import run_ranks
+from tests.strategies._fsdp_worker import run_ranks
 from tests.helpers import TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
 
 A100 = DeviceInfo(0, "h", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 108)
