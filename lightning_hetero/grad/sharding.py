@@ -21,7 +21,8 @@ Example::
     >>> shard_module(model, mesh, blocks=(TransformerBlock,), checkpoint=24, offload=6)  # the first 24 / 6 blocks
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Optional, Union
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_hetero._compat import checkpoint_module_in_place
+from lightning_hetero._compat import checkpoint_module_in_place, fsdp_flags
 
 
 def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -71,12 +72,23 @@ def mixed_precision(modes: Sequence[str]) -> Optional[MixedPrecisionPolicy]:
     return None
 
 
+def _block_units(module: nn.Module, blocks: tuple[type[nn.Module], ...],
+                 ties: Sequence[tuple[str, ...]]) -> list[nn.Module]:
+    # A block holding only some users of a tied parameter would shard it apart from the others: such a block is left
+    # to the block (or root) that holds all of them, where FSDP2 keeps the parameter one.
+    return [m for name, m in module.named_modules() if m is not module and isinstance(m, blocks)
+            and not _splits_a_tie(name, ties)]
+
+
+def _outermost(units: Sequence[nn.Module]) -> list[nn.Module]:
+    nested = {id(inner) for block in units for inner in block.modules() if inner is not block}
+    return [m for m in units if id(m) not in nested]
+
+
 def top_level_blocks(module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[nn.Module]:
-    """The modules of ``blocks`` classes not inside another one, in module order (the forward order of a layer list):
-    the units a memory plan counts ("the first k blocks")."""
-    targets = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
-    nested = {id(inner) for block in targets for inner in block.modules() if inner is not block}
-    return [m for m in targets if id(m) not in nested]
+    """The modules of ``blocks`` classes that :func:`shard_module` shards and that are not inside another one, in
+    module order (the forward order of a layer list): the units a memory plan counts ("the first k blocks")."""
+    return _outermost(_block_units(module, blocks, tied_parameters(module)))
 
 
 BlockCount = Union[bool, int]
@@ -104,8 +116,11 @@ def shard_module(
     state in host memory (blocks inside one inherit its choice). The root's own parameters (embeddings, heads) are
     offloaded only when every block is. A module the user already sharded keeps its blocks; only the root is added
     if missing."""
-    top = top_level_blocks(module, blocks) if not is_sharded(module) else []
+    ties = tied_parameters(module)
+    units = _block_units(module, blocks, ties) if not is_sharded(module) else []
+    top = _outermost(units)
     checkpointed, offloaded = _first(checkpoint, len(top)), _first(offload, len(top))
+    inside = {id(m) for m in units}
 
     def options(offload_this: bool) -> dict[str, object]:
         policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_this else OffloadPolicy()
@@ -115,7 +130,7 @@ def shard_module(
         return chosen
 
     for index, block in reversed(list(enumerate(top))):
-        inner = [m for m in block.modules() if m is not block and isinstance(m, blocks)]
+        inner = [m for m in block.modules() if m is not block and id(m) in inside]
         # Reversed pre-order: inner blocks are sharded before the blocks that hold them, as FSDP2 requires.
         for unit in reversed(inner):
             fully_shard(unit, **options(index < offloaded))
@@ -124,10 +139,77 @@ def shard_module(
         fully_shard(block, **options(index < offloaded))
     if not isinstance(module, FSDPModule):
         fully_shard(module, **options(offloaded == len(top) and (len(top) > 0 or bool(offload))))
+    check_ties(module, ties)
     return module
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter reachable under more than one name (tied weights, e.g. an output head sharing
+    the embedding's weight), one tuple per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
+    """Raise if sharding made two parameters of one that was tied (each would train apart from the other)."""
+    for names in ties:
+        found = {id(module.get_parameter(name)) for name in names}
+        if len(found) > 1:
+            raise ValueError(
+                f"the tied parameters {list(names)} were sharded apart and would train as {len(found)} different "
+                f"parameters: shard the modules that share a parameter in one `fully_shard` call (e.g. "
+                f"`fully_shard([embedding, head])` or only the module that holds both).")
+
+
+def _splits_a_tie(block_name: str, ties: Sequence[tuple[str, ...]]) -> bool:
+    prefix = block_name + "."
+    return any(0 < sum(name.startswith(prefix) for name in names) < len(names) for names in ties)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync)
+
+
+@contextmanager
+def gathered_across_micro_batches(module: nn.Module) -> Iterator[None]:
+    """Around the forward and backward of every micro-batch but a rank's last in the step: the parameters stay
+    gathered (no reshard after forward or backward) and gradients accumulate unsharded (no reduce-scatter).
+
+    A rank that runs k micro-batches so joins exactly the collectives of a rank that runs one: each block's
+    all-gather at its first forward, then at the last micro-batch (with FSDP's own settings again) the all-gather of
+    backward and the reduce-scatter. The cost is memory: the whole model's parameters and an unsharded gradient are
+    held from the first forward to the last backward (:func:`~lightning_hetero.plan.memory.micro_batch_gathered_bytes`).
+
+    Example::
+
+        >>> for chunk in chunks[:-1]:
+        ...     with gathered_across_micro_batches(model):
+        ...         loss_fn(model(chunk)).backward()
+        >>> loss_fn(model(chunks[-1])).backward()  # reshards, reduce-scatters
+    """
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    flags = [fsdp_flags(m) for m in sharded]
+    if isinstance(module, FSDPModule):
+        # Not the step's last backward: FSDP would otherwise reshard every group when the backward ends.
+        module.set_is_last_backward(False)
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        # The root never reshards after forward (FSDP sets that at its first forward); only the blocks are changed.
+        if m is not module:
+            m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(True)
+        for m, (after_forward, after_backward, sync) in zip(sharded, flags):
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(after_backward, recurse=False)
+            if m is not module:
+                m.set_reshard_after_forward(after_forward, recurse=False)
+
