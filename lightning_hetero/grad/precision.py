@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
 
 PrecisionMode = Literal["32-true", "16-mixed", "bf16-mixed"]
 PrecisionRule = Literal["auto", "32-true", "16-mixed", "bf16-mixed"]

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]
 MemoryRule = Literal["auto", "keep", "checkpoint", "offload", "checkpoint_offload"]
