@@ -4,7 +4,8 @@
 one job and read the Lightning strategy through one typed :class:`~lightning_hetero.view.StrategyView`:
 
 - ``plan`` (:class:`~lightning_hetero.plan.shares.SharePlan`): capacities, memory caps, the schedule of share changes;
-- ``lab`` (:class:`~lightning_hetero.lab.setup.LabSetup`): emulation, the process group, devices, groups, precision;
+- ``lab`` (:class:`~lightning_hetero.lab.setup.LabSetup`): emulation, the process group, devices, groups;
+- ``precision`` (:class:`~lightning_hetero.grad.precision.RankPrecision`): every rank's precision, this rank's plugin;
 - ``profiler`` (:class:`~lightning_hetero.plan.profile_run.ShareProfiler`): profiling at start, its record;
 - ``shares`` (:class:`~lightning_hetero.plan.rebalance.ShareController`): live rebalancing;
 - ``share_state`` (:class:`~lightning_hetero.plan.state.ShareState`): the checkpointed share state, the resume;
@@ -27,7 +28,7 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, check, is_int
 from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
-from lightning_hetero.grad.precision import PrecisionPolicy, parse_precision_policy
+from lightning_hetero.grad.precision import PrecisionPolicy, RankPrecision, parse_precision_policy
 from lightning_hetero.grad.step import StepShare
 from lightning_hetero.lab.emulation import EmulationSpec, parse_emulate
 from lightning_hetero.lab.setup import LabSetup
@@ -51,7 +52,8 @@ class HeteroCore:
         self.view = view
         self.options = options
         self.plan = SharePlan(capacity_spec, global_batch_size)
-        self.lab = LabSetup(view, options, emulate, precision_policy)
+        self.lab = LabSetup(view, options, emulate)
+        self.precision = RankPrecision(view, precision_policy)
         self.resilience = ResilienceHooks(view, options.resilience)
         profiling, rebalancing = options.profiling, options.rebalance
         self.profiler = ShareProfiler(
@@ -78,8 +80,9 @@ class HeteroCore:
         local = self.lab.describe_local()
         self.resilience.start_watchdog(local.host, local.name)
         devices = self.lab.gather(local)
-        self.plan.resolve(devices, self.lab.compute_dtype())
-        self.lab.build(devices)
+        self.precision.install(devices)
+        self.plan.resolve(devices, self.precision.compute_dtype())
+        self.lab.build(devices, self.precision.table_columns(devices))
         self._add_callbacks()
 
     def _add_callbacks(self) -> None:

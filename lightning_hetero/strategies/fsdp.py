@@ -262,7 +262,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
         mode = self.memory_plan[self.global_rank].mode
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
-        modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
                      offload="offload" in mode, mp_policy=mixed_precision(modes))
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
