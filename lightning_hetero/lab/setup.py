@@ -21,8 +21,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
+from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.lab.link_pacing import LinkPacer
 from lightning_hetero.resilience.faults import rendezvous
 from lightning_hetero.view import StrategyView
 

@@ -292,7 +292,8 @@ def test_emulate_round_trips_through_constructor_and_config():
 def test_bench_lab_tiny_cpu_run(tmp_path):
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
     import bench_lab
 
     rows = bench_lab.main(["--tiny", "--accelerator", "cpu", "--scenarios", "mix2", "--models", "gpt",

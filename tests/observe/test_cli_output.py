@@ -10,7 +10,7 @@ import pytest
 from lightning_hetero.observe.errors import user_message
 from tests.helpers import free_port
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 DEMO = [sys.executable, os.path.join(ROOT, "examples", "train_digits.py"), "fit", "--config",
         os.path.join(ROOT, "configs", "cpu_lab.yaml")]
 

@@ -1,8 +1,8 @@
 """A training script for the pre-emption tests: the test signals it from outside (the launcher's parent, torchrun).
 
-    python tests/_preempt_worker.py OUT_DIR fork        # 2 forked ranks, the script's process is their parent
-    python tests/_preempt_worker.py OUT_DIR popen       # the script's process is rank 0, it starts rank 1
-    torchrun --nproc-per-node 2 tests/_preempt_worker.py OUT_DIR torchrun
+    python tests/resilience/_preempt_worker.py OUT_DIR fork        # 2 forked ranks, the script's process is their parent
+    python tests/resilience/_preempt_worker.py OUT_DIR popen       # the script's process is rank 0, it starts rank 1
+    torchrun --nproc-per-node 2 tests/resilience/_preempt_worker.py OUT_DIR torchrun
 
 Every process writes ``<pid>.pid``, each rank ``rank<r>`` (its pid); rank 0 writes ``started`` once step 3 is done
 and ``final.pt`` (the parameters) when training ends. Checkpoints go to ``OUT_DIR/ckpts`` (``resume="auto"``): run it
@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
 from lightning_hetero import HeteroDDPStrategy, Observation, Resilience  # noqa: E402
 from tests.helpers import TinyModel, flat_params  # noqa: E402

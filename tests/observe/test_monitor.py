@@ -13,7 +13,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor, advice, analyse, summary_text
+from lightning_hetero.observe.analysis import advice, analyse, summary_text
+from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor
 from tests.helpers import TinyModel, free_port
 
 
@@ -45,9 +46,9 @@ def test_analyse_splits_sync_into_wait_and_exposed_comm() -> None:
 def test_summary_and_token_rate() -> None:
     w = _window([[2.0, 0.0, 0.5, 4, 512]], [[2.0, 0.0, 0.5, 4, 512]])
     assert w["tokens_per_s"] == pytest.approx(1024 / 2.0)
-    from lightning_hetero.observe.monitor import _accumulate
+    from lightning_hetero.observe.analysis import accumulate
 
-    rows, foot = summary_text(_accumulate(None, w))
+    rows, foot = summary_text(accumulate(None, w))
     assert rows[0][0] == "0" and rows[0][1] == "50.0%" and "tokens/s" in foot and "of ideal" in foot
     ids = torch.zeros(4, 128, dtype=torch.long)
     tokens = HeteroMonitor()
@@ -230,7 +231,7 @@ def test_report_draws_png_from_sidecar(tmp_path, capsys) -> None:
 def test_doctor_model_command(tmp_path) -> None:
     from lightning_hetero.observe.doctor import dry_run_command
 
-    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
     config = os.path.join(root, "configs", "cpu_lab.yaml")
     cmd = dry_run_command(config, script="examples/train_digits.py", steps=8, root_dir=str(tmp_path))
     assert cmd[1] == "examples/train_digits.py" and cmd[2:5] == ["fit", "--config", config]
@@ -277,7 +278,7 @@ def test_the_wait_in_the_gradient_all_reduce_follows_the_backward_end_mark(tmp_p
 def test_summary_table_is_whole_in_a_log_file(capsys) -> None:
     """Not a terminal (a log file, a pipe): rich cut the table to 80 columns ("ra…", "sha…", "5.038e+…")."""
     pytest.importorskip("rich")
-    from lightning_hetero.observe.monitor import print_summary
+    from lightning_hetero.observe.analysis import print_summary
 
     totals = {"compute": [0.5, 0.25], "wait": [0.01, 0.2], "data": [0.01, 0.01], "comm": [0.05, 0.05],
               "cycle": [0.6, 0.6], "samples": [2519000.0, 800000.0], "tokens": [0.0, 0.0], "steps": [10.0]}

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "examples", "train_digits.py")
 CONFIG = os.path.join(ROOT, "configs", "two_hosts_cpu.yaml")
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")

@@ -24,7 +24,7 @@ from lightning_hetero.plan.profiling import (
 )
 from tests.helpers import IndexedDataset, TinyModel, free_port
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
 
 
 def test_balanced_capacities_equalise_predicted_step_time() -> None:

@@ -12,7 +12,7 @@ from lightning.pytorch import seed_everything
 from torch.utils.data import DataLoader, IterableDataset
 
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed
-from tests.test_sampler_sources import check_against_reference
+from tests.data.test_sampler_sources import check_against_reference
 
 
 class Stream(IterableDataset):

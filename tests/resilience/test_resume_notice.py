@@ -17,7 +17,7 @@ from lightning_hetero.observe.notices import (
     restore_inexact_resume_warning,
     silence_inexact_resume_warning,
 )
-from tests.test_resume import _deterministic_gather, _fit
+from tests.resilience.test_resume import _deterministic_gather, _fit
 
 
 class _WarningsAtEpochStart(Callback):

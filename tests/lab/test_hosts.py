@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.grad.autocompress import AutoCompression, LinkMeasurement, choose
-from lightning_hetero.grad.compression import (
+from lightning_hetero.grad.compression_config import (
     CastCompression,
     NoCompression,
     PowerSGDCompression,
@@ -20,7 +20,8 @@ from lightning_hetero.grad.compression import (
     parse_compression,
 )
 from lightning_hetero.lab.devices import HOST_OVERRIDE_ENV, describe_device
-from lightning_hetero.lab.emulation import LinkPacer, job_link_class, parse_emulate, start_emulation
+from lightning_hetero.lab.emulation import job_link_class, parse_emulate, start_emulation
+from lightning_hetero.lab.link_pacing import LinkPacer
 from tests.helpers import Recorder, TinyModel, free_port, max_rel_diff, reference_run
 
 HOSTS_2X2 = [{"host": "a"}, {"host": "a"}, {"host": "b"}, {"host": "b"}]
@@ -276,7 +277,8 @@ def test_bench_hosts_tiny_cpu_run(tmp_path):
     import json
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
     import bench_hosts
 
     rows = bench_hosts.main(["--tiny", "--accelerator", "cpu", "--layout", "1+1", "--models", "gpt", "--links", "10gbe",

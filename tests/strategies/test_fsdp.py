@@ -24,10 +24,10 @@ from lightning_hetero.plan.memory import (
     resolve_memory,
 )
 from lightning_hetero.resilience.sharded import export_full_checkpoint, is_sharded_checkpoint
-from tests._fsdp_worker import make_model, reference, run_ranks, train_sharded
+from tests.strategies._fsdp_worker import make_model, reference, run_ranks, train_sharded
 from tests.helpers import Recorder, TinyModel, fit_distributed, flat_params, free_port, max_rel_diff, reference_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Global batches split by capacity, the last one partial (with [5, 2, 1] one rank gets no sample: a padding step).
 SPLITS = {

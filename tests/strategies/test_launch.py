@@ -10,8 +10,8 @@ import torch
 
 from tests.helpers import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_launch_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "strategies", "_launch_worker.py")
 
 
 def _env(**extra):

@@ -1,6 +1,6 @@
 """A training script for the popen-launcher fault test (Lightning re-executes a script, not pytest).
 
-    python tests/_fault_worker.py OUT_DIR FAULT FAULT_RANK TIMEOUT [START_METHOD]  # Trainer(devices=2), popen default
+    python tests/resilience/_fault_worker.py OUT_DIR FAULT FAULT_RANK TIMEOUT [START_METHOD]  # Trainer(devices=2), popen default
 """
 
 import os
@@ -9,10 +9,10 @@ import sys
 import torch
 from lightning.pytorch import Trainer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
 from lightning_hetero import HeteroDDPStrategy  # noqa: E402
-from tests.test_faults import FaultyModel  # noqa: E402
+from tests.resilience.test_faults import FaultyModel  # noqa: E402
 
 
 def main() -> None:

@@ -279,11 +279,11 @@ def test_peer_failures_are_told_apart_from_own_errors():
 
 @pytest.mark.slow
 def _popen_job_with_failing_rank_1(workdir: str) -> tuple[subprocess.Popen, str, float, list]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(PYTHONPATH=root, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     os.makedirs(workdir, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "tests", "_fault_worker.py"), workdir,
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "tests", "resilience", "_fault_worker.py"), workdir,
                              "exception", "1", "120"], env=env, cwd=root, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = proc.communicate(timeout=240)
@@ -327,13 +327,13 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 def _torchrun_job(workdir: str, fault: str, timeout: float = TIMEOUT) -> dict:
     """Two ranks under ``torchrun`` (its agent serves the store and terminates the survivors a moment after one rank
     fails); each rank's stderr in its own file."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(PYTHONPATH=root)
     os.makedirs(workdir, exist_ok=True)
     logs = os.path.join(workdir, "logs")
     cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--log-dir", logs, "--redirects", "2",
-           os.path.join(root, "tests", "_fault_worker.py"), workdir, fault, "1", str(timeout)]
+           os.path.join(root, "tests", "resilience", "_fault_worker.py"), workdir, fault, "1", str(timeout)]
     proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         proc.communicate(timeout=120)
@@ -390,10 +390,10 @@ def test_an_error_at_the_end_of_an_epoch_names_that_hook(tmp_path):
 @pytest.mark.slow
 def test_fork_launcher_a_killed_rank_is_named_in_rank_0s_first_line(tmp_path):
     """Lightning's fork launcher, like torchrun, terminates the other ranks right after one dies."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(PYTHONPATH=root, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "_fault_worker.py"), str(tmp_path), "sigkill",
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "resilience", "_fault_worker.py"), str(tmp_path), "sigkill",
                            "1", str(TIMEOUT), "fork"], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     line = next((l for l in proc.stderr.splitlines() if l.startswith("[rank 0] lightning_hetero:")), "")

@@ -14,18 +14,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import CastCompression, HeteroDDPStrategy, PowerSGDCompression, TopKCompression
-from lightning_hetero.grad.compression import (
+from lightning_hetero.grad.bucket_state import CommCounter
+from lightning_hetero.grad.compress_hooks import (
     CastState,
-    CommCounter,
     HierarchicalState,
-    PowerSGDHookState,
     TopKState,
     cast_hook,
     hierarchical_hook,
-    parse_compression,
-    powersgd_hook,
     topk_hook,
 )
+from lightning_hetero.grad.compression_config import parse_compression
+from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
 from tests.helpers import Recorder, free_port
 
 CAPACITIES = [3, 1]  # unequal shares: the weighting hook scales the two ranks' buckets differently
@@ -520,7 +519,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 
     from lightning.pytorch.cli import LightningCLI
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(root, "examples"))
     from train_digits import DigitsClassifier, DigitsDataModule
 
@@ -533,8 +532,7 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
     assert cli.trainer.strategy.compression_config == expected
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", TopKCompression(ratio=0.01, hierarchical=True),
                                          TopKCompression(ratio=0.01),
                                          TopKCompression(ratio=0.01, warmup_steps=10, momentum=0.9)])
@@ -557,11 +555,11 @@ class _Bucket(FakeBucket):
 
 def test_bucket_state_follows_parameters_across_layouts():
     """Saved in DDP's rebuilt layout (two buckets), restored into the initial one (one bucket, other order)."""
-    from lightning_hetero.grad.compression import BucketStates, _elementwise
+    from lightning_hetero.grad.bucket_state import BucketStates, elementwise_segments
 
     params = [torch.zeros(3, 2), torch.zeros(3), torch.zeros(4)]
     saved: dict[int, torch.Tensor] = {}
-    states = BucketStates(params, torch.device("cpu"), {"residual": (lambda: saved, _elementwise, True)})
+    states = BucketStates(params, torch.device("cpu"), {"residual": (lambda: saved, elementwise_segments, True)})
     states.observe(_Bucket(0, [params[2], params[1]]))
     states.observe(_Bucket(1, [params[0]]))
     saved[0] = torch.arange(7.0)  # params[2] -> 0..3, params[1] -> 4..6
@@ -569,7 +567,7 @@ def test_bucket_state_follows_parameters_across_layouts():
     checkpoint = states.state_dict()
 
     restored: dict[int, torch.Tensor] = {}
-    again = BucketStates(params, torch.device("cpu"), {"residual": (lambda: restored, _elementwise, True)})
+    again = BucketStates(params, torch.device("cpu"), {"residual": (lambda: restored, elementwise_segments, True)})
     again.load_state_dict(checkpoint)
     again.observe(_Bucket(0, [params[0], params[1], params[2]]))
     expected = torch.cat([torch.arange(10.0, 16.0), torch.arange(4.0, 7.0), torch.arange(4.0)])

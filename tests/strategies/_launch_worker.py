@@ -1,7 +1,7 @@
 """A standalone training script for the launch tests (Lightning's popen launcher re-executes a script, not pytest).
 
-    python tests/_launch_worker.py OUT_DIR registry      # Trainer(strategy="hetero_ddp"), Lightning launches 2 procs
-    python tests/_launch_worker.py OUT_DIR node          # one "node" of 2; the caller starts both with NODE_RANK set
+    python tests/strategies/_launch_worker.py OUT_DIR registry      # Trainer(strategy="hetero_ddp"), Lightning launches 2 procs
+    python tests/strategies/_launch_worker.py OUT_DIR node          # one "node" of 2; the caller starts both with NODE_RANK set
 """
 
 import os
@@ -10,7 +10,7 @@ import sys
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
 import lightning_hetero  # noqa: E402, F401
 from tests.helpers import Recorder, TinyModel  # noqa: E402

@@ -1,7 +1,7 @@
 """SIGTERM (pre-emption): every rank stops after the same step, writes the checkpoint and exits within 10 s, and the
 same command run again ends with the parameters of an uninterrupted run.
 
-Each job is ``tests/_preempt_worker.py`` in its own process group (2 CPU ranks, 0.1 s per step, ``resume="auto"``),
+Each job is ``tests/resilience/_preempt_worker.py`` in its own process group (2 CPU ranks, 0.1 s per step, ``resume="auto"``),
 signalled from here once step 3 is done: the fork launcher's parent, one rank alone, the popen launcher's rank 0, or
 the ``torchrun`` agent.
 """
@@ -19,8 +19,8 @@ import torch
 
 from tests.helpers import free_port, max_rel_diff
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_preempt_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "resilience", "_preempt_worker.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 EXIT_BUDGET_S = 10.0  # from the signal to the last process gone (the checkpoint here takes well under 1 s)
 
