@@ -68,7 +68,7 @@ class StepShare:
             self.step_weights = costs if sampler.weight_by_cost else [1.0] * len(costs)
         # Rebalancing measures the unit the split balances: tokens/s or samples/s.
         work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
-        # The position in the epoch first (checked against a resume's); then a share change may be keyed to a later batch.
+        # The position in the epoch first (checked after a resume); a share change may then be keyed to a later batch.
         self.share_state.on_train_batch_start(batch_idx)
         self.shares.on_train_batch_start(batch_idx, work)
         return self.share

@@ -2,8 +2,9 @@
 
 :class:`HeteroLab` is the public, read-only description the strategy exposes as ``strategy.lab``; rank 0 prints it
 once as a table together with the share plan (:class:`~lightning_hetero.plan.shares.SharePlan`, which owns
-capacities and splits; the table reads it as a :class:`PlanColumns`, so the lab imports nothing of the plan). :class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one
-per device class and one per host, plus a "leaders" group (first rank of each) for two-level communication.
+capacities and splits; the table reads it as a :class:`PlanColumns`, so the lab imports nothing of the plan).
+:class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one per device class and one per
+host, plus a "leaders" group (first rank of each) for two-level communication.
 """
 
 from collections.abc import Sequence

@@ -9,8 +9,8 @@ torchtitan's ``ParallelDims`` is the model: one object holds the facts, readers 
   (explicit, peak, profiled, rebalanced, restored), the memory caps and the training schedule. It makes every
   loader's schedule (:meth:`SharePlan.new_schedule`), which the samplers read; profiling
   (:class:`~lightning_hetero.plan.profile_run.ShareProfiler`), rebalancing
-  (:class:`~lightning_hetero.plan.rebalance.ShareController`) and resume (:class:`~lightning_hetero.plan.state.ShareState`)
-  write it; the lab table shows it.
+  (:class:`~lightning_hetero.plan.rebalance.ShareController`) and resume
+  (:class:`~lightning_hetero.plan.state.ShareState`) write it; the lab table shows it.
 - :class:`PlannedSampler` and :class:`LabView` are what those writers read of the training sampler and of the lab
   set-up.
 
