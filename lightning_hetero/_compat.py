@@ -156,3 +156,23 @@ def logged_results(trainer: object) -> "Optional[Any]":
     between ``self.log`` and its epoch-end reduction.
     """
     return getattr(trainer, "_results", None)
+
+
+# A step routed through a module's `__call__` with its `forward` redirected to the step: Lightning's strategies use it
+# for their wrappers (DDP, FSDP1), with no public name. The sharded root's `__call__` runs FSDP2's root pre-forward.
+from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection  # noqa: E402
+
+
+def fsdp_flags(module: object) -> tuple[bool, bool, bool]:
+    """An FSDP2 module's (reshard after forward, reshard after backward, gradient sync): ``FSDPModule`` has the
+    setters (``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_requires_gradient_sync``) but no
+    getters; these are the fields of its parameter groups that the setters write."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    if not groups:
+        return False, False, True
+    return (any(g.post_forward_mesh_info is not None for g in groups), all(g.reshard_after_backward for g in groups),
+            all(g.reduce_grads for g in groups))

@@ -19,7 +19,8 @@ Example::
     ...              mp_policy=mixed_precision(["bf16-mixed", "bf16-mixed"]))
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_hetero._compat import checkpoint_module_in_place
+from lightning_hetero._compat import checkpoint_module_in_place, fsdp_flags
 
 
 def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -82,8 +83,12 @@ def shard_module(
     options = {"mesh": mesh, "offload_policy": offload_policy}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
+    ties = tied_parameters(module)
     if not is_sharded(module):
-        targets = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
+        # A block holding only some users of a tied parameter would shard it apart from the others: such a block is
+        # left to the block (or root) that holds all of them, where FSDP2 keeps the parameter one.
+        targets = [m for name, m in module.named_modules() if m is not module and isinstance(m, blocks)
+                   and not _splits_a_tie(name, ties)]
         nested = {id(inner) for block in targets for inner in block.modules() if inner is not block}
         # Reversed pre-order: inner blocks are sharded before the blocks that hold them, as FSDP2 requires.
         for block in reversed(targets):
@@ -92,10 +97,77 @@ def shard_module(
             fully_shard(block, **options)
     if not isinstance(module, FSDPModule):
         fully_shard(module, **options)
+    check_ties(module, ties)
     return module
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter reachable under more than one name (tied weights, e.g. an output head sharing
+    the embedding's weight), one tuple per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
+    """Raise if sharding made two parameters of one that was tied (each would train apart from the other)."""
+    for names in ties:
+        found = {id(module.get_parameter(name)) for name in names}
+        if len(found) > 1:
+            raise ValueError(
+                f"the tied parameters {list(names)} were sharded apart and would train as {len(found)} different "
+                f"parameters: shard the modules that share a parameter in one `fully_shard` call (e.g. "
+                f"`fully_shard([embedding, head])` or only the module that holds both).")
+
+
+def _splits_a_tie(block_name: str, ties: Sequence[tuple[str, ...]]) -> bool:
+    prefix = block_name + "."
+    return any(0 < sum(name.startswith(prefix) for name in names) < len(names) for names in ties)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync)
+
+
+@contextmanager
+def gathered_across_micro_batches(module: nn.Module) -> Iterator[None]:
+    """Around the forward and backward of every micro-batch but a rank's last in the step: the parameters stay
+    gathered (no reshard after forward or backward) and gradients accumulate unsharded (no reduce-scatter).
+
+    A rank that runs k micro-batches so joins exactly the collectives of a rank that runs one: each block's
+    all-gather at its first forward, then at the last micro-batch (with FSDP's own settings again) the all-gather of
+    backward and the reduce-scatter. The cost is memory: the whole model's parameters and an unsharded gradient are
+    held from the first forward to the last backward (:func:`~lightning_hetero.plan.memory.micro_batch_gathered_bytes`).
+
+    Example::
+
+        >>> for chunk in chunks[:-1]:
+        ...     with gathered_across_micro_batches(model):
+        ...         loss_fn(model(chunk)).backward()
+        >>> loss_fn(model(chunks[-1])).backward()  # reshards, reduce-scatters
+    """
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    flags = [fsdp_flags(m) for m in sharded]
+    if isinstance(module, FSDPModule):
+        # Not the step's last backward: FSDP would otherwise reshard every group when the backward ends.
+        module.set_is_last_backward(False)
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        # The root never reshards after forward (FSDP sets that at its first forward); only the blocks are changed.
+        if m is not module:
+            m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(True)
+        for m, (after_forward, after_backward, sync) in zip(sharded, flags):
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(after_backward, recurse=False)
+            if m is not module:
+                m.set_reshard_after_forward(after_forward, recurse=False)
+

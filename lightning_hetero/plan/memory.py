@@ -180,6 +180,13 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     return RankMemory(device.rank, device.name, mode, shard, state, gathered, per_sample, samples, budget)
 
 
+def micro_batch_gathered_bytes(footprint: ModelFootprint, micro_batches: int) -> int:
+    """What a rank that runs its share in ``micro_batches`` > 1 pieces holds on its device beyond one-piece FSDP: the
+    whole model's parameters, gathered at its first forward and kept until its last backward, and their unsharded
+    gradient accumulated across the pieces (fp32 sizes). 0 for one piece: FSDP gathers block by block as usual."""
+    return 0 if micro_batches <= 1 else 2 * footprint.parameter_bytes
+
+
 def device_budget(device: DeviceInfo, headroom: float, free_bytes: Optional[int] = None) -> int:
     """Bytes a rank may fill: its free memory (measured on CUDA, else the device's total) minus the headroom."""
     available = device.memory_bytes if free_bytes is None else min(free_bytes, device.memory_bytes)

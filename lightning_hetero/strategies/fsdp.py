@@ -9,10 +9,15 @@ fit meets it:
    offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
    numbers, and again before the first step once the real shares and optimizer are known;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
-   (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
-4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
+   (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
+   shards;
+4. the steps (:meth:`FSDP2Strategy.training_step` ...): each runs through the sharded root's ``__call__`` with its
+   ``forward`` redirected to the step, as Lightning runs DDP's wrapper, so the root's parameters are gathered whatever
+   the step calls;
+5. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
    reduce-scatter gives Σ_r (b_r/G) g_r; accumulation steps skip the reduce-scatter (:meth:`block_backward_sync`);
-5. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
+   a rank's micro-batches keep its parameters gathered, so every rank joins the same collectives (:meth:`no_sync`);
+6. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
    distributed checkpoint, resumable on another world size, exportable to one file.
 
 Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
@@ -52,12 +57,15 @@ from lightning_hetero.config import (
 )
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
+    check_ties,
     default_blocks,
     device_mesh,
+    gathered_across_micro_batches,
     is_sharded,
     mixed_precision,
     set_gradient_sync,
     shard_module,
+    tied_parameters,
 )
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.capacity import CapacitiesArg
@@ -78,12 +86,48 @@ from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
+_ROOT_REDIRECTION = _compat.ForwardRedirection()
+
+
 class FSDP2Strategy(DDPStrategy):
     """The parallelism: FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
     recomputes and offloads comes from :meth:`shard`, which the hetero strategy supplies."""
 
     def shard(self, module: nn.Module) -> None:
         raise NotImplementedError
+
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before `configure_model`: a module that shards itself there must keep these ties.
+        self._ties_before_sharding = tied_parameters(model)
+
+    # -- steps: through the sharded root's `__call__`, so FSDP2's root pre-forward gathers the root's parameters ----
+    def _through_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        # The root is the LightningModule itself, so Lightning's own steps call it unwrapped: a step that uses
+        # `self.model(...)` would meet the root's parameters (embeddings, heads) still sharded.
+        module = self.lightning_module
+        return _ROOT_REDIRECTION(module, module, step, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -104,9 +148,6 @@ class FSDP2Strategy(DDPStrategy):
             yield
         finally:
             set_gradient_sync(self.lightning_module, True)
-
-    def no_sync(self) -> Any:
-        return self.block_backward_sync()
 
     # -- checkpoints: a directory of shards, written by every rank ------------------------------------------------
     @property
@@ -187,8 +228,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
         profiling: how measured capacities are profiled (:class:`~lightning_hetero.config.Profiling`).
         rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
-        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); ``micro_batch`` must stay
-            ``None`` (every rank's forward joins the same all-gathers: hold large shares with ``memory``).
+        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); with ``micro_batch`` a rank runs
+            its share in several pieces, its parameters gathered once for all of them (see ``docs/fsdp.md``).
         precision_policy: per-rank mixed precision, as for ``HeteroDDPStrategy`` (bf16 all-gather and
             reduce-scatter when every rank trains in bf16; fp32 master weights always).
         emulate: emulate a mixed lab on identical devices, as for ``HeteroDDPStrategy``.
@@ -232,10 +273,6 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
         self.hybrid = hybrid
         options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
-        # Every forward joins the same all-gathers, so ranks cannot run different numbers of micro-batches.
-        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
-              "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
-              "`memory`: 'checkpoint' or 'offload')")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -246,6 +283,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
+        self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         self._footprint: Optional[ModelFootprint] = None
 
@@ -265,6 +303,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
                      offload="offload" in mode, mp_policy=mixed_precision(modes))
+        check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
@@ -286,6 +325,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
         self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+
+    def no_sync(self) -> Any:
+        """Around each micro-batch but a rank's last: the parameters stay gathered and gradients accumulate
+        unsharded, so every rank joins the same collectives whatever number of micro-batches it runs."""
+        return gathered_across_micro_batches(self.lightning_module)
 
     # -- exact weighting --------------------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:

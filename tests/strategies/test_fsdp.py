@@ -245,7 +245,7 @@ def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path
     ({"blocks": "torch.nn.Linear"}, "`blocks`='torch.nn.Linear' must be None or a non-empty list"),
     ({"global_batch_size": 0}, "`global_batch_size`=0 must be a positive integer or None"),
     ({"resilience": {"timeout": -1}}, "`resilience.timeout`=-1"),
-    ({"data": {"micro_batch": 2}}, "`data.micro_batch`=2 must be None with HeteroFSDPStrategy"),
+    ({"data": {"micro_batch": 0}}, "`data.micro_batch`=0 must be None, 'auto', a positive integer"),
     ({"blocks": ["Linear"]}, "`blocks`=['Linear'] must be None or a non-empty list of dotted class paths"),
     ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
     ({"capacities": [3, -1]}, "capacities"),
