@@ -39,6 +39,9 @@ class StrategyView(Protocol):
     def root_device(self) -> torch.device: ...
 
     @property
+    def parallel_devices(self) -> Optional[list[torch.device]]: ...
+
+    @property
     def cluster_environment(self) -> Optional[ClusterEnvironment]: ...
 
     @property

@@ -172,6 +172,9 @@ LAYERS: tuple[frozenset[str], ...] = (
 LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("lightning_hetero.observe.doctor", "lightning_hetero"):
         "`doctor --model`'s LightningCLI entry imports the package to register the strategy names (function level)",
+    ("lightning_hetero.plan.memory", "lightning_hetero.grad.sharding"):
+        "a per-block memory plan counts the blocks FSDP2 shards: the tie-aware block finder (`top_level_blocks`) lives "
+        "with the sharding it must agree with",
 }
 
 

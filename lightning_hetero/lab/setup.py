@@ -23,6 +23,7 @@ from lightning_hetero.config import Options
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
 from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
+from lightning_hetero.lab.shared_gpu import binds_device
 from lightning_hetero.lab.link_pacing import LinkPacer
 from lightning_hetero.resilience.faults import rendezvous
 from lightning_hetero.view import StrategyView
@@ -74,7 +75,8 @@ class LabSetup:
         assert env is not None
         store = rendezvous(env.main_address, env.main_port, view.global_rank, view.world_size,
                            self.options.resilience.timeout, ranks_per_node=view.num_processes)
-        _compat.init_process_group(view, store)
+        # Ranks sharing one GPU leave it unbound: gloo's `new_group` fails on a bound device (see lab/shared_gpu.py).
+        _compat.init_process_group(view, store, bind_device=binds_device(view.parallel_devices, view.root_device))
 
     def describe_local(self) -> DeviceInfo:
         """This rank's device (as emulated, if it is)."""

@@ -120,18 +120,20 @@ def _plan(policy, samples=(12, 4), per_sample=2 * GIB, devices=(A100, RTX3090)):
     return resolve_memory(policy, FOOTPRINT, devices, list(samples), budgets, len(devices), per_sample)
 
 
-def test_auto_memory_keeps_everything_where_it_fits_and_checkpoints_or_offloads_the_short_rank():
-    plans = _plan(parse_memory_policy("auto"))
+def test_whole_rank_auto_memory_keeps_everything_where_it_fits_and_checkpoints_or_offloads_the_short_rank():
+    """``granularity="rank"``: one whole-rank mode each (per-block plans: tests/test_fsdp_memory.py)."""
+    whole = MemoryPolicy(granularity="rank")
+    plans = _plan(whole)
     # A100: 13.97 GiB of state + 0.93 gathered + 24 GiB activations fits 72 GiB; the 3090's 8 GiB of activations do
     # not fit its 21.6 GiB, half of them (checkpointing) do.
     assert [p.mode for p in plans] == ["keep", "checkpoint"]
     assert plans[1].activations == 4 * GIB
     # A model that keeps most activations outside its blocks gains less from checkpointing: offload then.
-    assert _plan(MemoryPolicy(checkpointed_fraction=0.9))[1].mode == "offload"
-    column = memory_column(plans, parse_memory_policy("auto"))
+    assert _plan(MemoryPolicy(checkpointed_fraction=0.9, granularity="rank"))[1].mode == "offload"
+    column = memory_column(plans, whole)
     assert column[0].startswith("auto: keep") and column[1].startswith("auto: checkpoint")
     # More activations per sample: neither checkpointing nor offloading alone fits the 3090; both do.
-    assert [p.mode for p in _plan(parse_memory_policy("auto"), per_sample=8 * GIB)][1] == "checkpoint_offload"
+    assert [p.mode for p in _plan(whole, per_sample=8 * GIB)][1] == "checkpoint_offload"
 
 
 def test_rank_rules_win_over_device_names():
