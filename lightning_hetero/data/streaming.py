@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
 from lightning_hetero.plan.shares import ShareSchedule
 from lightning_hetero.plan.split import split_batch
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 StreamMode = Literal["exact", "shard"]
 STREAM_MODES = ("exact", "shard")

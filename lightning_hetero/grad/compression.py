@@ -43,7 +43,7 @@ from lightning_hetero.grad.compression_config import (
     TopKCompression,
 )
 from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 
 class GradientCompression:

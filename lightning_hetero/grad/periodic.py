@@ -40,7 +40,7 @@ from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.grad.compression_config import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 OuterName = Literal["average", "nesterov"]
 

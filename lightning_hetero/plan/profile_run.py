@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
 from lightning_hetero.view import StrategyView
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 
 class ShareProfiler:

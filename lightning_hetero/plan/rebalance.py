@@ -36,7 +36,7 @@ from lightning_hetero.plan.profiling import ProfileResult
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.view import StrategyView
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 
 def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:

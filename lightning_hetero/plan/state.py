@@ -22,7 +22,7 @@ from lightning_hetero.plan.profile_run import ShareProfiler
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
 from lightning_hetero.view import StrategyView
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 
 class ShareState:

@@ -41,7 +41,7 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero._compat import PathType
 from lightning_hetero._compat import weights_only_argument
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
 CHECKSUM_SUFFIX = ".sha256"  # the checksum file next to each checkpoint file, in `sha256sum` format

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero._compat import collect_rng_states, set_rng_states
-from lightning_hetero.observe.naming import running_strategy
+from lightning_hetero.view import running_strategy
 
 
 class Stateful(Protocol):

@@ -24,7 +24,7 @@ from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.observe.metrics import discard_padding_step, evaluation_padding, reduce_logged, step_indices
-from lightning_hetero.observe.naming import name_running_strategy
+from lightning_hetero.view import name_running_strategy
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher

@@ -11,7 +11,7 @@ import torch
 import lightning_hetero
 from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
 from lightning_hetero.lab.emulation import lab_warning
-from lightning_hetero.observe.naming import name_running_strategy, running_strategy
+from lightning_hetero.view import name_running_strategy, running_strategy
 
 PACKAGE = pathlib.Path(lightning_hetero.__file__).parent
 STRATEGY_NAMES = ("HeteroDDPStrategy", "HeteroFSDPStrategy")
