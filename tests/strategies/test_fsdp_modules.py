@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
 from lightning_hetero import HeteroFSDPStrategy
+from lightning_hetero._compat import fsdp_offloads
 from lightning_hetero.grad.sharding import check_ties, tied_parameters
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
 
@@ -318,9 +319,8 @@ class RecordsItsPlan(WrapperModule):
 
     def on_train_end(self) -> None:
         plan = self.trainer.strategy.memory_plan[self.global_rank]
-        offloaded = [p.offload_to_cpu for p in self.model.blocks[0]._get_fsdp_state()._fsdp_param_group.fsdp_params]
         torch.save({"mode": plan.mode, "micro_batches": plan.micro_batches, "gathered": plan.gathered,
-                    "offloaded": all(offloaded), "forward_sizes": self.forward_sizes},
+                    "offloaded": fsdp_offloads(self.model.blocks[0]), "forward_sizes": self.forward_sizes},
                    f"{self.out_dir}/plan{self.global_rank}.pt")
 
 
