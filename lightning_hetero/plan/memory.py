@@ -349,12 +349,16 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
     short = [p for p in plans if not p.fits]
     if short:
+        # A rank that splits its share holds the whole model gathered: running it whole may be what fits.
+        split = any(p.micro_batches > 1 for p in short)
         raise MemoryFitError(
             "the model does not fit: " + "; ".join(p.describe() for p in short)
             + ". Every rank: " + "; ".join(p.describe() for p in plans)
             + ". Allow 'offload'/'checkpoint' on the short ranks (`memory`), lower their share (`capacities`, "
-            "`max_batch_per_rank`), run it whole (`data.micro_batch` holds the whole model gathered), or use more "
-            "ranks."
+            "`max_batch_per_rank`), "
+            + ("run their share whole (`data.micro_batch`: several micro-batches hold the whole model gathered), "
+               if split else "")
+            + "or use more ranks."
         )
     return plans
 
