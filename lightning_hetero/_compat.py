@@ -102,19 +102,16 @@ def default_store() -> object:
     return dist.distributed_c10d._get_default_store()
 
 
-def init_process_group(strategy: object, store: object) -> None:
+def init_process_group(strategy: object, store: object, bind_device: bool) -> None:
     """Lightning's ``setup_distributed`` for ``strategy`` with our own rendezvous ``store`` (Lightning's builds its
-    store inside and takes none from outside; the backend and timeout live in the strategy's private fields)."""
+    store inside and takes none from outside; the backend and timeout live in the strategy's private fields).
+    ``bind_device``: bind the process group to the rank's device (``device_id``)."""
     strategy.set_world_ranks()  # type: ignore[attr-defined]
     strategy._process_group_backend = strategy._get_process_group_backend()  # type: ignore[attr-defined]
-    from lightning_hetero.lab.shared_gpu import binds_device
-
     root = strategy.root_device  # type: ignore[attr-defined]
-    # Ranks sharing one GPU leave it unbound: gloo's `new_group` fails on a bound device (see lab/shared_gpu.py).
-    bind = binds_device(strategy.parallel_devices, root)  # type: ignore[attr-defined]
     init_dist_connection(strategy.cluster_environment, strategy._process_group_backend,  # type: ignore[attr-defined]
                          timeout=strategy._timeout, store=store,  # type: ignore[attr-defined]
-                         device_id=root if bind else None)
+                         device_id=root if bind_device else None)
 
 
 # Activation checkpointing applied to a module in place (parameter names unchanged, so a checkpointed rank's state

@@ -39,7 +39,7 @@ from torch import nn
 from lightning_hetero.grad.sharding import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)  # in the order whole-rank "auto" tries them: fastest first

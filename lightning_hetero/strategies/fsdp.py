@@ -317,7 +317,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                                              self._micro_limits())
         plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
-        modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
                      offload=plan.offload_blocks, mp_policy=mixed_precision(modes))
         check_ties(module, self._ties_before_sharding)

@@ -83,7 +83,7 @@ class HeteroLifecycle:
 
     @property
     def share_controller(self) -> ShareController:
-        """Profiling results, rebalancing decisions and the share state saved in checkpoints."""
+        """Rebalancing decisions and the profiling record (the checkpointed share state is ``core.share_state``)."""
         return self.core.shares
 
     @property

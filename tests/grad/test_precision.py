@@ -302,7 +302,7 @@ def test_policy_parses_from_yaml(yaml: str, expected: PrecisionPolicy) -> None:
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(HeteroDDPStrategy, "strategy")
     strategy = parser.instantiate_classes(parser.parse_string("strategy:\n  " + yaml)).strategy
-    assert strategy.core.lab.precision_policy == expected
+    assert strategy.core.precision.policy == expected
     with pytest.raises(SystemExit):  # not a precision mode: refused by the parser, not silently accepted
         parser.parse_string("strategy:\n  precision_policy: bf16")
 

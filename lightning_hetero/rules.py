@@ -13,14 +13,25 @@ Example::
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Optional, TypeVar
-
-from lightning_hetero.lab.devices import DeviceInfo
+from typing import Any, Callable, Generic, Optional, Protocol, TypeVar
 
 RANK_PREFIX = "rank:"
 ANY_DEVICE = "*"
 
 T = TypeVar("T")
+
+
+class RankedDevice(Protocol):
+    """A rank's device as a rule reads it (a :class:`~lightning_hetero.lab.devices.DeviceInfo`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class RankRules(Generic[T]):
             return max(matches, key=lambda kv: len(kv[0]))[1]
         return by_key.get(ANY_DEVICE)
 
-    def for_device(self, device: DeviceInfo) -> T:
+    def for_device(self, device: RankedDevice) -> T:
         """The rule of ``device``'s rank, or a ``ValueError`` naming the rank, its device and host."""
         rule = self.lookup(device.rank, device.name)
         if rule is None:
