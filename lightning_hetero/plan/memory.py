@@ -4,7 +4,8 @@ A rank's device holds its shard of the parameters, their gradients and the optim
 over a shard group of S ranks), the gathered parameters and gradients of the block being computed, and the
 activations of its b_r samples. A rank that runs its share as k > 1 micro-batches (``data.micro_batch``) keeps the
 whole model's parameters gathered and its gradients unsharded from the first micro-batch's forward to the last one's
-backward (:func:`micro_batch_gathered_bytes`), and holds the activations of one micro-batch at a time. Two choices per block trade time for memory without changing the math:
+backward (:func:`micro_batch_gathered_bytes`), and holds the activations of one micro-batch at a time. Two choices
+per block trade time for memory without changing the math:
 
 - checkpoint: recompute the block's activations in the backward pass (one more forward of that block);
 - offload: the block's shard, its gradients and their optimizer state live in host memory (the optimizer steps there).
@@ -229,7 +230,9 @@ class RankMemory:
 
     @property
     def gathered_what(self) -> str:
-        return "gathered blocks" if self.micro_batches <= 1 else f"model gathered over {self.micro_batches} micro-batches"
+        if self.micro_batches <= 1:
+            return "gathered blocks"
+        return f"model gathered over {self.micro_batches} micro-batches"
 
     @property
     def per_piece(self) -> str:
@@ -238,7 +241,8 @@ class RankMemory:
     def describe(self) -> str:
         return (
             f"rank {self.rank} ({self.device}, {self.mode}): parameters+gradients {self.shard / GIB:.3g} GiB, "
-            f"optimizer state {self.optimizer_state / GIB:.3g} GiB, {self.gathered_what} {self.gathered / GIB:.3g} GiB, "
+            f"optimizer state {self.optimizer_state / GIB:.3g} GiB, "
+            f"{self.gathered_what} {self.gathered / GIB:.3g} GiB, "
             f"activations {self.activations_per_sample / 2**20:.3g} MiB/sample x {self.samples}{self.per_piece} = "
             f"{self.activations / GIB:.3g} GiB; needs {self.needed / GIB:.3g} GiB of {self.budget / GIB:.3g} GiB free"
         )
@@ -369,7 +373,9 @@ def memory_column(plans: Sequence[RankMemory], policy: MemoryPolicy) -> list[str
     column = []
     for p in plans:
         chosen = "auto: " if rules.lookup(p.rank, p.device) == "auto" else ""
-        pieces = f", {p.micro_batches} micro-batches: {p.gathered / GIB:.2g} GiB gathered" if p.micro_batches > 1 else ""
+        pieces = ""
+        if p.micro_batches > 1:
+            pieces = f", {p.micro_batches} micro-batches: {p.gathered / GIB:.2g} GiB gathered"
         column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB{pieces}")
     return column
 

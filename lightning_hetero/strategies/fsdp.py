@@ -6,8 +6,10 @@ fit meets it:
 1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
    sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
 2. the memory plan (:mod:`lightning_hetero.plan.memory`): how many blocks each rank offloads to host memory and how
-   many recompute their activations, from the ``memory`` policy and the lab's memory; a job that cannot fit fails
-   here with every rank's numbers, and again before the first step once the real shares and optimizer are known;
+   many recompute their activations, from the ``memory`` policy and the lab's memory (a rank that runs its share as
+   micro-batches is planned with the model gathered across them and one micro-batch's activations); a job that
+   cannot fit fails here with every rank's numbers, and again before the first step once the real shares, micro-batch
+   limits and optimizer are known;
    after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
