@@ -32,6 +32,7 @@ from lightning_hetero.grad.precision import (
 )
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
 from lightning_hetero.lab.emulation import EmulationSpec, Emulator, LinkPacer, lab_warning, start_emulation
+from lightning_hetero.lab.rehearsal import lab_devices, rehearsal, rehearsed_summaries
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.resilience.faults import rendezvous
 from lightning_hetero.view import StrategyView
@@ -81,6 +82,11 @@ class LabSetup:
         """Lightning's set-up, through a rendezvous that names the ranks (nodes) that did not join in time."""
         view = self.view
         reset_seed()
+        rehearsed = rehearsal()
+        if rehearsed is not None:
+            # One rank of a lab that is not here: no rendezvous, collectives stood in for (see `lab.rehearsal`).
+            _compat.init_rehearsal_process_group(view, rehearsed.rank, rehearsed.world_size)
+            return
         view.set_world_ranks()
         env = view.cluster_environment
         assert env is not None
@@ -97,7 +103,10 @@ class LabSetup:
 
     def gather(self, local: DeviceInfo) -> tuple[DeviceInfo, ...]:
         """Every rank's device (a collective), and the per-rank precision they imply installed."""
-        devices = gather_devices(local)
+        if rehearsal() is not None:
+            devices = lab_devices(self.emulate, local, self.view.root_device)
+        else:
+            devices = gather_devices(local)
         self._install_precision(devices)
         return devices
 
@@ -111,6 +120,8 @@ class LabSetup:
             summaries: list[Any] = [None] * self.view.world_size
             summary = self.emulation.summary() if self.emulation is not None else "real device"
             dist.all_gather_object(summaries, summary)
+            if rehearsal() is not None:
+                summaries = rehearsed_summaries(self.emulate, self.view.root_device)
             self.add_columns({"emulated": summaries})
             if self.view.global_rank == 0:
                 rank_zero_warn(lab_warning(summaries))
