@@ -75,7 +75,9 @@ def card_label(entry: Any) -> str:
 @dataclass(frozen=True)
 class RankJob:
     """What one rehearsal process runs: ``mode`` is ``"hetero"`` (the config's strategy, or ``strategy``), ``"ddp"``
-    or ``"fsdp"`` (Lightning's, equal batches)."""
+    or ``"fsdp"`` (Lightning's, equal batches), all with the fake process group; the honesty checks also run
+    ``"shared"`` (our strategy for real: the lab's ranks together on this one device, gloo) and ``"solo"`` (one card
+    alone, a world of one, ``batch_size`` its rehearsed batch)."""
 
     config: str
     mode: str
@@ -85,6 +87,8 @@ class RankJob:
     out: str
     strategy: Optional[str] = None
     accelerator: str = "cpu"
+    port: int = 29555
+    batch_size: Optional[int] = None
 
 
 @dataclass
@@ -194,10 +198,14 @@ def run_rank(job: RankJob) -> RankResult:
 
     class RehearsalCLI(LightningCLI):
         def before_instantiate_classes(self) -> None:
-            if job.mode != "hetero":
+            if job.mode in ("ddp", "fsdp"):
                 return
             from jsonargparse import Namespace
 
+            if job.batch_size is not None:
+                # The loader's batch is the data module's, or (without one) the model's own `batch_size`.
+                owner = self.config.get("data") or self.config.model
+                owner.init_args.batch_size = job.batch_size
             trainer = self.config.trainer
             strategy = trainer.get("strategy")
             if job.strategy is not None and not (isinstance(strategy, Namespace)
@@ -220,7 +228,11 @@ def run_rank(job: RankJob) -> RankResult:
             return super().instantiate_trainer(**kwargs)
 
     try:
-        if job.mode != "hetero":
+        if job.mode == "shared":
+            # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port + 1}", rank=job.rank,
+                                    world_size=world)
+        elif job.mode in ("ddp", "fsdp"):
             # Lightning's own strategies keep an initialised process group (the fake one) instead of creating theirs.
             init_fake_process_group(job.rank, world)
             if device.type == "cuda" and result.card_memory_bytes is not None:
@@ -244,7 +256,7 @@ def run_rank(job: RankJob) -> RankResult:
         trainer.fit(cli.model, datamodule=cli.datamodule)
         result.ok = True
         strategy = trainer.strategy
-        if job.mode == "hetero":
+        if job.mode in ("hetero", "shared", "solo"):
             plan = strategy.plan.as_dict()  # type: ignore[attr-defined]
             result.split, result.capacity_source = plan["split"], plan["capacity_source"]
             result.global_batch = plan["global_batch_size"]
@@ -274,27 +286,44 @@ def run_rank(job: RankJob) -> RankResult:
 def rank_environment(job: RankJob) -> dict[str, str]:
     """Rank ``r`` of ``N`` as Lightning sees it: its own node of one process, started from outside."""
     env = dict(os.environ, LOCAL_RANK="0", NODE_RANK=str(job.rank), WORLD_SIZE=str(len(job.lab)),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", PYTHONUNBUFFERED="1")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), PYTHONUNBUFFERED="1")
     env.pop(REHEARSE_ENV, None)
     if job.mode == "hetero":
         env[REHEARSE_ENV] = f"{job.rank}/{len(job.lab)}"
     return env
 
 
-def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
-    """Run one rank in a fresh process (its own session: on timeout or interruption the whole group is killed)."""
-    cmd = [sys.executable, "-m", "lightning_hetero.observe.rehearse", json.dumps(asdict(job))]
-    process = subprocess.Popen(cmd, env=rank_environment(job), stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[RankResult]:
+    """Run ranks in fresh processes, together (each in its own session: on timeout or interruption every process
+    group is killed, data loader workers included)."""
+    processes = []
     try:
-        process.wait(timeout=timeout)
-    except BaseException as err:
-        _kill_group(process)
-        if not isinstance(err, subprocess.TimeoutExpired):
-            raise
-        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=f"timed out after {timeout:g} s")
+        for job in jobs:
+            cmd = [sys.executable, "-m", "lightning_hetero.observe.rehearse", json.dumps(asdict(job))]
+            processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for process in processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
     finally:
-        _kill_group(process)
+        for process in processes:
+            _kill_group(process)
+    return [_collect(job, process, timeout if timed_out else None) for job, process in zip(jobs, processes)]
+
+
+def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
+    """Run one rank in a fresh process (see :func:`launch_ranks`)."""
+    return launch_ranks([job], timeout, log)[0]
+
+
+def _collect(job: RankJob, process: "subprocess.Popen[bytes]", timed_out: Optional[float]) -> RankResult:
+    if timed_out is not None and process.returncode in (None, -signal.SIGKILL):
+        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=f"timed out after {timed_out:g} s")
     try:
         with open(job.out) as f:
             data = json.load(f)
@@ -547,3 +576,85 @@ if __name__ == "__main__":
 
     payload = json.loads(sys.argv.pop(1))
     run_main(lambda: run_rank(RankJob(**payload)), "lightning-hetero doctor --lab (rehearsed rank)")
+
+
+# -- honesty check ------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _relative(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    return None if not predicted or not measured else predicted / measured - 1.0
+
+
+def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "rehearsal-check",
+                  strategy: Optional[str] = None, timeout: float = 900.0) -> dict[str, Any]:
+    """Rehearse ``lab_text``, then run the same ranks for real, together on this one device (gloo, each capped as
+    its card), and each card alone (emulated solo, its rehearsed batch): the rehearsed plan, shares and peak memory
+    against the real run's, and each card's rehearsed step time against its solo step time. Differences beyond
+    :data:`AGREEMENT` are named in ``report["disagreements"]``."""
+    report = rehearse(config, lab_text, strategy, steps=steps, out_dir=out_dir, baselines=False, timeout=timeout)
+    lab = report["lab"]
+    accelerator = report["accelerator"]
+    rehearsed = [RankResult(**r) for r in report["hetero"]]
+    chosen = STRATEGIES[strategy] if strategy else None
+    port = _free_port()
+    with open(os.path.join(out_dir, "check.log"), "w") as log:
+        shared = launch_ranks([RankJob(config, "shared", r, lab, steps, os.path.join(out_dir, f"shared-rank{r}.json"),
+                                       chosen, accelerator, port=port) for r in range(len(lab))], timeout, log)
+        solo = [launch_rank(RankJob(config, "solo", 0, [lab[r]], steps, os.path.join(out_dir, f"solo-rank{r}.json"),
+                                    chosen, accelerator, port=_free_port(), batch_size=rehearsed[r].batch), timeout,
+                            log) if rehearsed[r].ok else RankResult("solo", r, rehearsed[r].card, error="not rehearsed")
+                for r in range(len(lab))]
+    rows, disagreements = [], []
+    for r, (mine, real, alone) in enumerate(zip(rehearsed, shared, solo)):
+        peak = "peak_allocated_bytes" if accelerator == "gpu" else None
+        row = {
+            "rank": r, "card": mine.card,
+            "plan": [mine.plan, real.plan], "split": [mine.split, real.split],
+            "peak_bytes": [getattr(mine, peak), getattr(real, peak)] if peak else None,
+            "step_seconds": [mine.step_time, alone.step_time],
+        }
+        row["peak_error"] = _relative(*row["peak_bytes"]) if peak else None
+        row["step_error"] = _relative(*row["step_seconds"])
+        rows.append(row)
+        if mine.plan != real.plan or mine.split != real.split:
+            disagreements.append(f"rank {r}: rehearsed plan {mine.plan} split {mine.split}, real {real.plan} "
+                                 f"{real.split}" + (f" ({real.error})" if real.error else ""))
+        if row["peak_error"] is None and peak:
+            disagreements.append(f"rank {r}: peak not compared ({mine.error or real.error})")
+        elif row["peak_error"] is not None and abs(row["peak_error"]) > AGREEMENT:
+            disagreements.append(f"rank {r}: rehearsed peak {_gib(mine.peak_allocated_bytes)} GiB vs "
+                                 f"{_gib(real.peak_allocated_bytes)} GiB really run together ({row['peak_error']:+.1%})")
+        if row["step_error"] is None:
+            disagreements.append(f"rank {r}: step time not compared ({mine.error or alone.error})")
+        elif abs(row["step_error"]) > AGREEMENT:
+            disagreements.append(f"rank {r}: rehearsed step {mine.step_time * 1e3:.1f} ms vs emulated solo "
+                                 f"{alone.step_time * 1e3:.1f} ms ({row['step_error']:+.1%})")  # type: ignore[operator]
+    check = {"rows": rows, "disagreements": disagreements, "agreement": AGREEMENT}
+    report["check"] = check
+    with open(os.path.join(out_dir, "check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(format_check(check))
+    return report
+
+
+def format_check(check: dict[str, Any]) -> str:
+    lines = ["Honesty check: rehearsed vs the same ranks really run together on this device (peak) and each card "
+             "emulated solo (step time)",
+             f"{'rank':<5}{'card':<12}{'plan (reh/real)':<22}{'peak GiB (reh/real)':<22}{'err':>8}"
+             f"{'step ms (reh/solo)':>22}{'err':>8}"]
+    for row in check["rows"]:
+        peaks = row["peak_bytes"] or [None, None]
+        steps = [f"{s * 1e3:.1f}" if s else "-" for s in row["step_seconds"]]
+        peak_err = f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a"
+        step_err = f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a"
+        lines.append(f"{row['rank']:<5}{row['card']:<12}{'/'.join(map(str, row['plan'])):<22}"
+                     f"{_gib(peaks[0]) + '/' + _gib(peaks[1]):<22}{peak_err:>8}{'/'.join(steps):>22}{step_err:>8}")
+    lines += [f"DIFFERS (> {check['agreement']:.0%}): {d}" for d in check["disagreements"]] or \
+        [f"all within {check['agreement']:.0%}"]
+    return "\n".join(lines)
