@@ -515,6 +515,9 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
         "hetero": [], "ddp": [], "fsdp": [], "notes": [], "assumptions": list(ASSUMPTIONS),
     }
     log_path = os.path.join(out_dir, "rehearsal.log")
+    # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so the ranks' process groups are killed on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    scratch = tempfile.mkdtemp(prefix="hetero-rehearse-")
     with open(log_path, "w") as log:
         modes = ("hetero", "ddp", "fsdp") if baselines else ("hetero",)
         if accelerator != "gpu":
@@ -524,7 +527,7 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
         for mode in modes:
             for rank in range(len(lab)):
                 job = RankJob(config=config, mode=mode, rank=rank, lab=lab, steps=steps,
-                              out=os.path.join(out_dir, f"{mode}-rank{rank}.json"),
+                              out=os.path.join(scratch, f"{mode}-rank{rank}.json"),
                               strategy=STRATEGIES[strategy] if strategy else None, accelerator=accelerator)
                 log.write(f"\n===== {mode} rank {rank} ({card_label(lab[rank])}) =====\n")
                 log.flush()
@@ -548,6 +551,10 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     print(text)
     print(f"written: {log_path}, {os.path.join(out_dir, 'rehearsal.json')}" + (f", {plot}" if plot else ""))
     return report
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
@@ -603,10 +610,11 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     rehearsed = [RankResult(**r) for r in report["hetero"]]
     chosen = STRATEGIES[strategy] if strategy else None
     port = _free_port()
+    scratch = tempfile.mkdtemp(prefix="hetero-rehearse-check-")
     with open(os.path.join(out_dir, "check.log"), "w") as log:
-        shared = launch_ranks([RankJob(config, "shared", r, lab, steps, os.path.join(out_dir, f"shared-rank{r}.json"),
+        shared = launch_ranks([RankJob(config, "shared", r, lab, steps, os.path.join(scratch, f"shared-rank{r}.json"),
                                        chosen, accelerator, port=port) for r in range(len(lab))], timeout, log)
-        solo = [launch_rank(RankJob(config, "solo", 0, [lab[r]], steps, os.path.join(out_dir, f"solo-rank{r}.json"),
+        solo = [launch_rank(RankJob(config, "solo", 0, [lab[r]], steps, os.path.join(scratch, f"solo-rank{r}.json"),
                                     chosen, accelerator, port=_free_port(), batch_size=rehearsed[r].batch), timeout,
                             log) if rehearsed[r].ok else RankResult("solo", r, rehearsed[r].card, error="not rehearsed")
                 for r in range(len(lab))]
