@@ -23,9 +23,13 @@ class GPTModule(LightningModule):
         self.save_hyperparameters()
         self.gpt = GPT(GPTConfig(vocab=vocab, seq=seq, width=width, layers=layers, heads=heads))
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(tokens)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
-        logits = self.gpt(tokens[:, :-1])
+        # Through `self(...)`: a sharded root's hooks gather its own parameters (the tied embedding) around forward.
+        logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -608,6 +608,8 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     lab = report["lab"]
     accelerator = report["accelerator"]
     rehearsed = [RankResult(**r) for r in report["hetero"]]
+    rehearsed += [RankResult("hetero", r, card_label(lab[r]), error="not rehearsed (rank 0 failed)")
+                  for r in range(len(rehearsed), len(lab))]
     chosen = STRATEGIES[strategy] if strategy else None
     port = _free_port()
     scratch = tempfile.mkdtemp(prefix="hetero-rehearse-check-")
