@@ -175,7 +175,7 @@ def _paced_ddp_class() -> type:
     """Lightning's DDPStrategy under the bench's emulation, its all-reduce over the paced link (any device type)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from lightning_hetero.lab.emulation import LinkPacer, PacedState, paced_hook
+    from lightning_hetero.lab.link_pacing import LinkPacer, PacedState, paced_hook
 
     class PacedDDP(_emulated_ddp_class()):
         gbit: float = 10.0

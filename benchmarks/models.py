@@ -110,3 +110,28 @@ def resnet50(classes: int = 1000) -> nn.Module:
 def tiny_resnet(classes: int = 10) -> nn.Module:
     """A two-block ResNet for CPU smoke runs."""
     return resnet(layers=(1, 1), width=8, classes=classes)
+
+
+def gpt_activation_bytes(cfg: GPTConfig) -> tuple[int, float]:
+    """Activation bytes one sample of :class:`GPT` keeps for its backward under bf16 autocast, and the fraction of them
+    that checkpointing every block leaves (for :class:`~lightning_hetero.MemoryPolicy`).
+
+    Counted by hand from the tensors autograd saves: per block about 48 bytes per token and width unit (the fp32
+    residual stream and layer-norm outputs, bf16 inputs of the four matmuls, q/k/v and the attention output, the
+    MLP's 4x-wide GELU input and output); outside the blocks the logits (bf16, their fp32 copy, the log-softmax and
+    its gradient: 14 bytes per token and vocabulary entry) and the fp32 embedding and final layer norm. Checkpointed,
+    each block keeps its fp32 input and one block is recomputed at a time. An estimate: the strategy's peak report
+    shows how far it is from the measured peak.
+    """
+    token_width = cfg.seq * cfg.width
+    per_block = 48 * token_width
+    outside = 14 * cfg.seq * cfg.vocab + 12 * token_width
+    total = cfg.layers * per_block + outside
+    checkpointed = cfg.layers * 4 * token_width + per_block + outside
+    return total, min(1.0, checkpointed / total)
+
+
+def gpt_parameters(cfg: GPTConfig) -> int:
+    """Parameters of :class:`GPT` (tied embedding and head)."""
+    per_block = 12 * cfg.width**2 + 13 * cfg.width
+    return cfg.vocab * cfg.width + cfg.seq * cfg.width + cfg.layers * per_block + 2 * cfg.width

@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compression_bench import SIZES  # noqa: E402
 from benchmarks.models import GPT, GPTConfig  # noqa: E402
-from lightning_hetero.grad.compression import CommCounter, PowerSGDCompression, PowerSGDHookState, powersgd_hook  # noqa
+from lightning_hetero.grad.bucket_state import CommCounter  # noqa: E402
+from lightning_hetero.grad.compression_config import PowerSGDCompression  # noqa: E402
+from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook  # noqa
 
 
 class Bucket:

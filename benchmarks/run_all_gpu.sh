@@ -33,7 +33,7 @@ case "${1:-checks}" in
         if [ "$pair2" = "2,3" ]; then
             step compression 430 2,3 python3 benchmarks/compression_bench.py --out "$OUT/compression" >"$OUT/lane2.txt" 2>&1 &
         fi
-        step gpu_tests 240 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_compression.py
+        step gpu_tests 240 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/grad/test_compression.py
         step profile_check 120 0,1 python3 benchmarks/profile_check.py --out "$OUT/profile"
         step demo 90 0,1 python3 examples/train_digits.py
         wait
@@ -53,7 +53,7 @@ case "${1:-checks}" in
         # With 4 GPUs the 2-GPU scenarios run on GPUs 2,3 while GPUs 0,1 re-run the GPU checks; then mix4 on all.
         if [ "$gpus" -ge 4 ]; then
             step lab2 330 2,3 python3 benchmarks/bench_lab.py --scenarios mix2,same2 --out "$OUT/lab2" >"$OUT/lane2.txt" 2>&1 &
-            step gpu_tests 200 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_lab.py tests/test_compression.py
+            step gpu_tests 200 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_lab.py tests/grad/test_compression.py
             step profile_check 120 0,1 python3 benchmarks/profile_check.py --out "$OUT/profile"
             wait
             cat "$OUT/lane2.txt"

@@ -8,8 +8,13 @@ works.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero.config import DataSplit, Observation, Profiling, Rebalancing, Resilience
-from lightning_hetero.grad.autocompress import AutoCompression
-from lightning_hetero.grad.compression import CastCompression, NoCompression, PowerSGDCompression, TopKCompression
+from lightning_hetero.grad.compression_config import (
+    AutoCompression,
+    CastCompression,
+    NoCompression,
+    PowerSGDCompression,
+    TopKCompression,
+)
 from lightning_hetero.grad.periodic import PeriodicSync
 from lightning_hetero.grad.precision import PrecisionPolicy
 from lightning_hetero.lab.devices import describe_device

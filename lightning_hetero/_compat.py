@@ -102,21 +102,32 @@ def default_store() -> object:
     return dist.distributed_c10d._get_default_store()
 
 
-def init_process_group(strategy: object, store: object) -> None:
+def init_process_group(strategy: object, store: object, bind_device: bool) -> None:
     """Lightning's ``setup_distributed`` for ``strategy`` with our own rendezvous ``store`` (Lightning's builds its
-    store inside and takes none from outside; the backend and timeout live in the strategy's private fields)."""
+    store inside and takes none from outside; the backend and timeout live in the strategy's private fields).
+    ``bind_device``: bind the process group to the rank's device (``device_id``)."""
     strategy.set_world_ranks()  # type: ignore[attr-defined]
     strategy._process_group_backend = strategy._get_process_group_backend()  # type: ignore[attr-defined]
     root = strategy.root_device  # type: ignore[attr-defined]
     init_dist_connection(strategy.cluster_environment, strategy._process_group_backend,  # type: ignore[attr-defined]
                          timeout=strategy._timeout, store=store,  # type: ignore[attr-defined]
-                         device_id=root if root.type != "cpu" else None)
+                         device_id=root if bind_device else None)
 
 
 # Activation checkpointing applied to a module in place (parameter names unchanged, so a checkpointed rank's state
 # dict matches the others'): torch's composable `checkpoint` has no public import path; the public
 # `torch.utils.checkpoint.checkpoint` needs a wrapper module, which renames every parameter.
 from torch.distributed._composable import checkpoint as checkpoint_module_in_place  # noqa: E402
+
+def fsdp_offloads(module: object) -> bool:
+    """Whether ``fully_shard`` gave ``module``'s own parameters a CPU offload policy: FSDP2 keeps the policy in its
+    private per-module state and has no public accessor (tests read it to check a per-block plan was applied)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    return any(isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups if group is not None)
+
 
 def remove_warnings_filter(entry: tuple) -> None:
     """Remove one entry of ``warnings.filters``: the module adds filters in public (``filterwarnings``) but has no
@@ -173,3 +184,32 @@ def init_rehearsal_process_group(strategy: object, rank: int, world_size: int) -
     strategy.set_world_ranks()  # type: ignore[attr-defined]
     strategy._process_group_backend = "fake"  # type: ignore[attr-defined]
     init_fake_process_group(rank, world_size)
+
+
+def logged_results(trainer: object) -> "Optional[Any]":
+    """The running loop's collection of ``self.log`` accumulations (``{key: _ResultMetric}``), or ``None``.
+
+    A padding step's logged values must leave the epoch's accumulations as they were: Lightning has no public hook
+    between ``self.log`` and its epoch-end reduction.
+    """
+    return getattr(trainer, "_results", None)
+
+
+# A step routed through a module's `__call__` with its `forward` redirected to the step: Lightning's strategies use it
+# for their wrappers (DDP, FSDP1), with no public name. The sharded root's `__call__` runs FSDP2's root pre-forward.
+from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection  # noqa: E402
+
+
+def fsdp_flags(module: object) -> tuple[bool, bool, bool]:
+    """An FSDP2 module's (reshard after forward, reshard after backward, gradient sync): ``FSDPModule`` has the
+    setters (``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_requires_gradient_sync``) but no
+    getters; these are the fields of its parameter groups that the setters write."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    if not groups:
+        return False, False, True
+    return (any(g.post_forward_mesh_info is not None for g in groups), all(g.reshard_after_backward for g in groups),
+            all(g.reduce_grads for g in groups))

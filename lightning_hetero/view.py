@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 class StrategyView(Protocol):
     """The Lightning strategy as the collaborators see it (ranks, device, module, precision, optimizers)."""
 
-    # Set by the lab set-up when a precision policy installs per-rank precision.
+    # Set by the precision set-up (grad/precision.py::RankPrecision) when a policy installs per-rank precision.
     precision_plugin: Precision
 
     @property
@@ -37,6 +37,9 @@ class StrategyView(Protocol):
 
     @property
     def root_device(self) -> torch.device: ...
+
+    @property
+    def parallel_devices(self) -> Optional[list[torch.device]]: ...
 
     @property
     def cluster_environment(self) -> Optional[ClusterEnvironment]: ...

@@ -58,6 +58,8 @@ class TinyModel(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.hparams.lr / 10)
+        if self.hparams.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10, weight_decay=0.1)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:

@@ -38,3 +38,18 @@ def test_every_exported_name_has_its_row() -> None:
     assert {"HeteroDDPStrategy", "HeteroFSDPStrategy", "PeriodicSync", "Profiling", "Resilience"} <= set(lightning_hetero.__all__)
     missing = sorted(set(lightning_hetero.__all__) - listed)
     assert not missing, f"add a row to docs/api/index.md for each of {missing}"
+
+
+def test_every_file_path_in_the_docs_exists() -> None:
+    """A moved module or test leaves no stale path in the pages, the README or the scripts that run tests."""
+    pages = os.path.join(ROOT, "docs")
+    texts = [os.path.join(pages, name) for name in os.listdir(pages) if name.endswith(".md")]
+    texts += [os.path.join(ROOT, name) for name in ("README.md", ".ci/run", "benchmarks/run_all_gpu.sh")]
+    named = set()
+    for path in texts:
+        text = open(path, encoding="utf-8").read()
+        # Paths from the repository root only (module paths inside the package are written without the prefix).
+        named |= set(re.findall(r"(?<![\w/.])((?:lightning_hetero|tests)/[\w/]+\.py)\b", text))
+    assert "tests/test_equivalence.py" in named
+    missing = sorted(p for p in named if not os.path.exists(os.path.join(ROOT, p)))
+    assert not missing, f"the docs name files that do not exist: {missing}"

@@ -11,11 +11,8 @@ from typing import Optional
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_hetero"
 
-# Pairs known to import each other, each with the change that removes it.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # removed by the compression split
-    frozenset({"lightning_hetero.grad.compression", "lightning_hetero.grad.autocompress"}),
-}
+# Pairs known to import each other, each with the change that removes it (none left).
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -146,3 +143,66 @@ def test_plan_does_not_import_data():
     reaching = {(m, t) for m, ts in graph.items() if m.startswith("lightning_hetero.plan.") for t in ts
                 if t.startswith("lightning_hetero.data.")}
     assert not reaching, reaching
+
+
+def test_compression_configs_import_no_hook_or_runtime():
+    """The user's compression configs are plain data: the hooks and the runtime read them, never the reverse."""
+    graph = import_graph()
+    assert graph["lightning_hetero.grad.compression_config"] <= {"lightning_hetero.config"}, graph[
+        "lightning_hetero.grad.compression_config"]
+
+
+# The layers from the bottom up: a module imports modules of its own layer and of the layers below, never above.
+# The package root's modules first (the options, the rule language, the strategy view, the private-API adapter);
+# resilience is infrastructure the lab set-up, the loader split and the step use (rendezvous, watchdog, checkpoint
+# files); the package itself ("") and its command line sit on top.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"_compat", "config", "rules", "view"}),
+    frozenset({"resilience"}),
+    frozenset({"lab"}),
+    frozenset({"plan"}),
+    frozenset({"observe"}),
+    frozenset({"data"}),
+    frozenset({"grad"}),
+    frozenset({"strategies"}),
+    frozenset({"", "__main__"}),
+)
+
+# Imports against that order, each with its reason.
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("lightning_hetero.observe.doctor", "lightning_hetero"):
+        "`doctor --model`'s LightningCLI entry imports the package to register the strategy names (function level)",
+    ("lightning_hetero.plan.memory", "lightning_hetero.grad.sharding"):
+        "a per-block memory plan counts the blocks FSDP2 shards: the tie-aware block finder (`top_level_blocks`) lives "
+        "with the sharding it must agree with",
+}
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of a module's subpackage (or of a root module, or of the package itself)."""
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else ""
+    for index, layer in enumerate(LAYERS):
+        if name in layer:
+            return index
+    raise KeyError(f"{module}: its subpackage {name!r} has no place in LAYERS; add it where it belongs")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a module imports from a layer above its own."""
+    return sorted((m, t) for m, ts in graph.items() for t in ts if layer_of(t) > layer_of(m))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"lightning_hetero.lab.a": {"lightning_hetero.plan.b", "lightning_hetero.config"},
+             "lightning_hetero.plan.b": {"lightning_hetero.lab.a"}, "lightning_hetero": {"lightning_hetero.plan.b"}}
+    assert upward_imports(graph) == [("lightning_hetero.lab.a", "lightning_hetero.plan.b")]
+
+
+def test_subpackages_import_downwards_only():
+    """Subpackages form one-way layers (no subpackage-level cycle), apart from the listed exceptions."""
+    upward = upward_imports(import_graph())
+    unexplained = [pair for pair in upward if pair not in LAYER_EXCEPTIONS]
+    assert not unexplained, "imports from a higher layer: " + "; ".join(f"{m} -> {t}" for m, t in unexplained)
+    stale = sorted(set(LAYER_EXCEPTIONS) - set(upward))
+    assert not stale, f"listed exceptions that no longer occur (remove them): {stale}"

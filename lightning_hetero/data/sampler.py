@@ -10,6 +10,9 @@ The last global batch of an epoch may be partial (``drop_last=False``); it is sp
 fewer samples than there are ranks, the ranks left without a sample re-read the batch's last sample as a
 *padding* batch whose gradient weight is 0, so step counts still agree and no sample counts twice.
 
+Evaluation (:class:`EvaluationBatchSampler`) splits the whole set instead of each global batch, so every sample is
+evaluated exactly once in equal batch counts, with a padding step only where the set is too small for it.
+
 With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), each global batch can
 be cut so every rank's summed cost rather than its sample count follows its capacity
 (:func:`~lightning_hetero.plan.split.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
@@ -311,6 +314,10 @@ class HeteroBatchSampler(BatchSampler):
             raise RuntimeError(f"global batch {batch_index} has not been drawn from this sampler in this epoch.")
         return self._batch_shares[batch_index]
 
+    def is_padding(self, batch_index: int) -> bool:
+        """Whether this rank's batch ``batch_index`` is a padding step (no sample of its own: weight 0)."""
+        return self.rank_sizes_at(batch_index, by_cost=False)[self.rank] == 0
+
     # -- iteration ----------------------------------------------------------------------------------------------
     def global_batches(self) -> list[list[int]]:
         """The epoch's global batches (as one big device would see them), after ``set_epoch``."""
@@ -398,3 +405,89 @@ def check_training_batch(sampler: HeteroBatchSampler, loader_name: str, explicit
         f"lightning_hetero: the global batch ({sampler.global_batch_size} = the loader's batch_size x "
         f"{sampler.world_size} ranks) is larger than {loader_name}'s dataset ({n} samples): every epoch is {epoch}."
     )
+
+
+class EvaluationBatchSampler(HeteroBatchSampler):
+    """Validation, test and predict: the epoch's samples, not each global batch, are split by capacity.
+
+    One process would evaluate K = ceil(N / G) global batches. Here rank r takes one contiguous run of n_r samples
+    of the epoch's order (rank 0 the first, rank 1 the next, ...) and cuts it into K batches of near-equal size, so
+
+    - every sample is evaluated exactly once (no sample re-read to fill a short last batch);
+    - every rank runs the same K batches (FSDP gathers parameters in each forward; step-level ``sync_dist`` is a
+      collective), none larger than the rank's share b_r of a full global batch (what fits its memory);
+    - no batch is empty while N >= K x world size: n_r starts at (K - 1) b_r plus the rank's share of the last
+      global batch, and a rank below K samples takes them from the rank that would finish last.
+
+    With fewer samples (e.g. fewer than ranks), a rank whose batch k is empty re-reads the first sample of another
+    rank's batch k as a *padding* step (:meth:`is_padding`) that the strategy counts with weight 0.
+
+    Example::
+
+        order = GlobalOrder(41, shuffle=False)
+        sampler = EvaluationBatchSampler(order, global_batch_size=10, capacities=[3, 1], rank=1, drop_last=False)
+        list(sampler)  # rank 1: [[33, 34], [35, 36], [37, 38], [39], [40]]; rank 0: 0..32 in batches of 7, 7, 7, 6, 6
+    """
+
+    def rank_totals(self) -> list[int]:
+        """Every rank's number of samples of the epoch (before any padding)."""
+        k, g = len(self), self.global_batch_size
+        if k == 0:
+            return [0] * self.world_size
+        n = min(len(self.sampler), k * g)
+        change = self.change_at(0)
+        last = self.split_at(0, n - (k - 1) * g)
+        totals = [(k - 1) * b + b_last for b, b_last in zip(self.split_at(0), last)]
+        short = [r for r in range(self.world_size) if totals[r] < k]
+        for r in short:
+            while totals[r] < k:
+                spare = [s for s in range(self.world_size) if totals[s] > k]
+                if not spare:
+                    return totals
+                # From the rank that would finish last (ties: the higher rank), as the split rounds.
+                giver = max(spare, key=lambda s: (totals[s] / change.capacities[s], s))
+                totals[giver] -= 1
+                totals[r] += 1
+        return totals
+
+    def rank_batches(self, rank: Optional[int] = None) -> list[tuple[int, int]]:
+        """(start, length) in the epoch's order of each of ``rank``'s K batches (length 0: a padding step)."""
+        r = self.rank if rank is None else rank
+        totals = self.rank_totals()
+        k = len(self)
+        start = sum(totals[:r])
+        size, extra = divmod(totals[r], k) if k else (0, 0)
+        batches = []
+        for j in range(k):
+            length = size + (1 if j < extra else 0)
+            batches.append((start, length))
+            start += length
+        return batches
+
+    def is_padding(self, batch_index: int) -> bool:
+        """Whether this rank's batch ``batch_index`` re-reads another rank's sample (weight 0)."""
+        batches = self.rank_batches()
+        return batch_index < len(batches) and batches[batch_index][1] == 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.roll_schedule_to_epoch()
+        order = [i for batch in self.global_batches() for i in batch]
+        mine = self.rank_batches()
+        for k, (start, length) in enumerate(mine):
+            self.batches_yielded = k + 1
+            if length:
+                yield order[start : start + length]
+                continue
+            # A padding step: the first sample of the first rank that has a batch k (weight 0).
+            first = next(self.rank_batches(r)[k][0] for r in range(self.world_size) if self.rank_batches(r)[k][1])
+            yield [order[first]]
+
+
+def for_evaluation(sampler: HeteroBatchSampler) -> HeteroBatchSampler:
+    """The evaluation sampler that evaluates every sample once (:class:`EvaluationBatchSampler`) in place of
+    ``sampler``; a user's batch sampler (whose batches are the global batches) keeps its per-batch split."""
+    if isinstance(sampler, EvaluationBatchSampler) or sampler.sampler.batches:
+        return sampler
+    return EvaluationBatchSampler(sampler.sampler, global_batch_size=sampler.global_batch_size,
+                                  capacities=sampler.capacities, rank=sampler.rank, drop_last=sampler.drop_last,
+                                  schedule=sampler.schedule)

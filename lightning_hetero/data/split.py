@@ -2,12 +2,12 @@
 
 :class:`LoaderSplit` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`. It builds a
 :class:`~lightning_hetero.data.sampler.HeteroBatchSampler` (or a stream splitter) that reads the share plan's
-schedule, attaches per-sample costs, and sets up micro-batching; the plan's controller restores or profiles shares
+schedule, attaches per-sample costs, and sets up micro-batching; the plan's share state restores or profiles shares
 before the training loader's first batch.
 
 Example::
 
-    split = LoaderSplit(view, plan, lab, shares, resilience, options)
+    split = LoaderSplit(view, plan, lab, share_state, resilience, options)
     loader = split.process_dataloader(loader)
 """
 
@@ -21,13 +21,13 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, parse_micro_batch
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
 from lightning_hetero.data.microbatch import micro_limits
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch
-from lightning_hetero.data.streaming import build_stream_loader
+from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch, for_evaluation
+from lightning_hetero.data.streaming import build_stream_loader, stream_global_batch
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.observe.notices import silence_inexact_resume_warning
-from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.state import ShareState
 from lightning_hetero.resilience.hooks import ResilienceHooks
 from lightning_hetero.view import StrategyView
 
@@ -35,12 +35,12 @@ from lightning_hetero.view import StrategyView
 class LoaderSplit:
     """Every loader of the job split by the plan; the training sampler, and this rank's micro-batch limit."""
 
-    def __init__(self, view: StrategyView, plan: SharePlan, lab: LabSetup, shares: ShareController,
+    def __init__(self, view: StrategyView, plan: SharePlan, lab: LabSetup, share_state: ShareState,
                  resilience: ResilienceHooks, options: Options) -> None:
         self.view = view
         self.plan = plan
         self.lab = lab
-        self.shares = shares
+        self.share_state = share_state
         self.resilience = resilience
         self.options = options
         self.micro_batch = parse_micro_batch(options.data.micro_batch)
@@ -59,15 +59,18 @@ class LoaderSplit:
         profile_view: Any = dataloader
         if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
             progress = trainer.fit_loop.epoch_progress.current if trainer is not None else None
+            global_batch = stream_global_batch(dataloader, self.plan.global_batch_size, view.world_size, loader_name)
             batch_sampler, new_loader, profile_view = build_stream_loader(
                 dataloader, _stream_loader_settings(dataloader), self.options.data.stream_mode,
-                self.plan.global_batch_size, self.plan.capacities, view.global_rank, view.root_device,
-                global_seed(), loader_name,
+                self.plan.new_schedule(global_batch), view.global_rank, view.root_device, global_seed(),
                 epoch_fn=(lambda: progress.processed) if progress is not None else None,
                 training=stage == RunningStage.TRAINING,
             )
         else:
             batch_sampler = self._build_batch_sampler(dataloader, loader_name)
+            # Every evaluation sample once, in equal batch counts.
+            if stage != RunningStage.TRAINING:
+                batch_sampler = for_evaluation(batch_sampler)
             outer = dataloader.batch_sampler  # type: ignore[attr-defined]
             # The prediction loop tracks batch indices through Lightning's wrapper: keep it around ours.
             wrapped = _compat.IndexBatchSamplerWrapper(batch_sampler) if isinstance(
@@ -104,14 +107,14 @@ class LoaderSplit:
         self._attach_costs(batch_sampler, dataloader.dataset)
         batch_sampler.cap_shares = self.micro_batch is None
         # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
-        self.resilience.rank_states.register("shares", self.shares)
-        self.shares.on_train_loader(batch_sampler, profile_view)
+        self.resilience.rank_states.register("shares", self.share_state)
+        self.share_state.on_train_loader(batch_sampler, profile_view)
         self._setup_micro_batching()
         # Resumed at the exact batch: Lightning's warning is wrong here.
-        if self.shares.position > 0 and map_style:
+        if self.share_state.position > 0 and map_style:
             silence_inexact_resume_warning()
         # Resumed at an epoch start: the epoch's iterator draws from the saved state.
-        if self.shares.position == 0:
+        if self.share_state.position == 0:
             self.resilience.rng.apply()
 
     def _build_batch_sampler(self, dataloader: object, loader_name: str) -> HeteroBatchSampler:
@@ -150,10 +153,11 @@ class LoaderSplit:
             # The largest batch is the nominal global batch (table, rebalancing); smaller ones are split alike.
             global_batch = max((len(b) for b in order.global_batches(0, False)), default=0)
             drop_last = False
-        # It refuses a global batch smaller than the world size, naming the argument.
+        # The plan's schedule refuses a global batch smaller than the world size, naming the argument.
+        schedule = self.plan.new_schedule(global_batch, epoch=order.epoch)
         return HeteroBatchSampler(
-            order, global_batch_size=global_batch, capacities=self.plan.capacities, rank=self.view.global_rank,
-            drop_last=drop_last,
+            order, global_batch_size=global_batch, capacities=schedule.capacities, rank=self.view.global_rank,
+            drop_last=drop_last, schedule=schedule,
         )
 
     def _attach_costs(self, sampler: HeteroBatchSampler, dataset: Any) -> None:

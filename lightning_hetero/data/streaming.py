@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_hetero.plan.split import split_batch
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.plan.shares import ShareSchedule
+from lightning_hetero.plan.split import split_batch
 
 StreamMode = Literal["exact", "shard"]
 STREAM_MODES = ("exact", "shard")
@@ -67,11 +68,13 @@ class _StreamOrder(GlobalOrder):
 
 
 class StreamSplitter(HeteroBatchSampler):
-    """The share schedule of a stream and the sizes of the batches drawn so far (what the gradient weight reads)."""
+    """The share schedule of a stream (the plan's) and the sizes of the batches drawn so far (what the gradient
+    weight reads)."""
 
-    def __init__(self, global_batch_size: int, capacities: Any, rank: int, mode: StreamMode, seed: int,
+    def __init__(self, schedule: ShareSchedule, rank: int, mode: StreamMode, seed: int,
                  read_samples: Callable[[], list[Any]], num_batches: Optional[int]) -> None:
-        super().__init__(_StreamOrder(seed, read_samples), global_batch_size, capacities, rank, drop_last=False)
+        super().__init__(_StreamOrder(seed, read_samples), schedule.global_batch_size, schedule.capacities, rank,
+                         drop_last=False, schedule=schedule)
         self.mode = mode
         self.num_batches = num_batches  # known when the stream has a length (exact mode)
         self._sizes: dict[int, tuple[int, int]] = {}
@@ -106,7 +109,7 @@ class HeteroStreamLoader(DataLoader):
     Example::
 
         splitter, loader, _ = build_stream_loader(DataLoader(stream, batch_size=32), {}, mode="exact",
-                                                  global_batch_size=64, capacities=[3, 1], rank=0,
+                                                  schedule=ShareSchedule(64, [3, 1]), rank=0,
                                                   device=torch.device("cpu"))
         for batch in loader: ...  # 48 of every 64 samples of the stream on rank 0
     """
@@ -283,23 +286,31 @@ class CapacityShards(IterableDataset):
             yield from _litdata_view(copy.copy(self.dataset), self.virtual_world, v, drop_last=True)
 
 
-def build_stream_loader(dataloader: DataLoader, settings: dict[str, Any], mode: StreamMode,
-                        global_batch_size: Optional[int],
-                        capacities: Any, rank: int, device: torch.device, seed: int = 0,
-                        loader_name: str = "dataloader", epoch_fn: Optional[Callable[[], int]] = None,
-                        training: bool = False) -> tuple[StreamSplitter, HeteroStreamLoader, Any]:
-    """(schedule, loader, a map-style view of the first samples for profiling) for a DataLoader over a stream.
+def stream_global_batch(dataloader: DataLoader, explicit: Optional[int], world_size: int,
+                        loader_name: str = "dataloader") -> int:
+    """The global batch of a stream: the strategy's ``global_batch_size``, else the loader's ``batch_size`` x ranks."""
+    if explicit is not None:
+        return explicit
+    if dataloader.batch_size is None:
+        raise ValueError(f"{loader_name}: a stream loader needs `batch_size=` (or the strategy's "
+                         "`global_batch_size`) to form global batches.")
+    return dataloader.batch_size * world_size
 
-    ``settings`` are the loader's own (workers, memory, ``collate_fn``), kept by the new loader.
+
+def build_stream_loader(dataloader: DataLoader, settings: dict[str, Any], mode: StreamMode, schedule: ShareSchedule,
+                        rank: int, device: torch.device, seed: int = 0,
+                        epoch_fn: Optional[Callable[[], int]] = None,
+                        training: bool = False) -> tuple[StreamSplitter, HeteroStreamLoader, Any]:
+    """(splitter, loader, a map-style view of the first samples for profiling) for a DataLoader over a stream.
+
+    ``schedule`` is the share plan's for this loader (:meth:`~lightning_hetero.plan.shares.SharePlan.new_schedule`,
+    of :func:`stream_global_batch` samples): the splitter reads it, it holds no capacities of its own. ``settings``
+    are the loader's own (workers, memory, ``collate_fn``), kept by the new loader.
     """
     if mode not in STREAM_MODES:
         raise ValueError(f"`stream_mode`={mode!r} must be one of {STREAM_MODES}.")
-    world = len(capacities)
-    if global_batch_size is None:
-        if dataloader.batch_size is None:
-            raise ValueError(f"{loader_name}: a stream loader needs `batch_size=` (or the strategy's "
-                             "`global_batch_size`) to form global batches.")
-        global_batch_size = dataloader.batch_size * world
+    world = schedule.world_size
+    global_batch_size = schedule.global_batch_size
     dataset = dataloader.dataset
     if _is_litdata(dataset):
         if mode == "exact":  # every rank streams all chunks in one order, as a single process would
@@ -316,8 +327,7 @@ def build_stream_loader(dataloader: DataLoader, settings: dict[str, Any], mode: 
     kwargs = dict(settings)
     collate = kwargs.pop("collate_fn", dataloader.collate_fn)
     holder: list[HeteroStreamLoader] = []
-    splitter = StreamSplitter(global_batch_size, capacities, rank, mode, seed,
-                              lambda: holder[0].read_first_samples(), num_batches)
+    splitter = StreamSplitter(schedule, rank, mode, seed, lambda: holder[0].read_first_samples(), num_batches)
     loader = HeteroStreamLoader(dataset, splitter, collate, device, dataloader.drop_last,
                                 epoch_fn=epoch_fn, training=training, **kwargs)
     holder.append(loader)

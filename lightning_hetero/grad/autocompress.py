@@ -24,14 +24,14 @@ Example::
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hetero.config import check
-from lightning_hetero.grad.compression import (
+from lightning_hetero.grad.compression_config import (
+    AutoCompression,
     CastCompression,
     NoCompression,
     PowerSGDCompression,
@@ -39,50 +39,10 @@ from lightning_hetero.grad.compression import (
     describe_compression,
 )
 
-NVLINK_BUS_GBPS = 40.0  # bus bandwidth (GB/s) from which a hop is NVLink class
-PCIE_BUS_GBPS = 5.0  # ... PCIe class; below: Ethernet class (25 GbE = 3.1 GB/s, 10 GbE = 1.25 GB/s)
-
-
-@dataclass(frozen=True)
-class AutoCompression:
-    """Measure the links at setup, then choose (see the module docstring).
-
-    Args:
-        step_seconds: compute time of one optimizer step, if known; ``None``: judge exposure by ``exposed_seconds``.
-        exposed_fraction: share of ``step_seconds`` the fp32 exchange may take before it counts as exposed.
-        exposed_seconds: the fp32 exchange time counted as exposed when ``step_seconds`` is not given.
-        strong: the method on Ethernet-class links when even a bf16 exchange would be exposed. ``"bf16"`` by
-            default: on a 98M GPT over 300 steps (2x H200, 2.6 GB/s) PowerSGD rank 4 and top-k 1 % with momentum
-            correction ended 1.46x and 1.66x above the uncompressed held-out loss, fp16 1.04x, so the lossy methods
-            are opt-in (``"powersgd"``, ``"topk"``) for users who have checked convergence on their model.
-        probe_mb: size of the timed all-reduce.
-    """
-
-    step_seconds: Optional[float] = None
-    exposed_fraction: float = 0.25
-    exposed_seconds: float = 0.02
-    strong: Literal["bf16", "powersgd", "topk"] = "bf16"
-    probe_mb: float = 16.0
-
-    def __post_init__(self) -> None:
-        c = "AutoCompression"
-        check(c, "step_seconds", self.step_seconds, self.step_seconds is None or (
-            isinstance(self.step_seconds, (int, float)) and self.step_seconds > 0), "None or > 0")
-        check(c, "exposed_fraction", self.exposed_fraction,
-               isinstance(self.exposed_fraction, (int, float)) and 0 < self.exposed_fraction <= 1, "in (0, 1]")
-        check(c, "exposed_seconds", self.exposed_seconds,
-               isinstance(self.exposed_seconds, (int, float)) and self.exposed_seconds >= 0, ">= 0")
-        check(c, "strong", self.strong, self.strong in ("bf16", "powersgd", "topk"),
-               '"bf16", "powersgd" or "topk"')
-        check(c, "probe_mb", self.probe_mb, isinstance(self.probe_mb, (int, float)) and 0 < self.probe_mb <= 1024,
-               "in (0, 1024]")
-
-    @property
-    def hierarchical(self) -> bool:  # for code that reads it off any config before the choice is made
-        return False
-
-    def describe(self) -> str:
-        return "auto"
+# Bus bandwidth (GB/s) from which a hop is NVLink class.
+NVLINK_BUS_GBPS = 40.0
+# Bus bandwidth (GB/s) from which a hop is PCIe class; below: Ethernet class (25 GbE = 3.1 GB/s, 10 GbE = 1.25 GB/s)
+PCIE_BUS_GBPS = 5.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +57,8 @@ class LinkMeasurement:
     intra_seconds: Optional[float]
     inter_seconds: Optional[float]
     hosts: int
-    ranks_per_host: int  # the largest host
+    # The largest host
+    ranks_per_host: int
 
     @staticmethod
     def _bus(seconds: Optional[float], nbytes: int, n: int) -> Optional[float]:
@@ -124,7 +85,8 @@ def _timed_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], r
             pacer.transfer(tensor.numel() * tensor.element_size())
             pacer.settle()
 
-    once()  # warm-up: the communicator's connections are set up lazily
+    # Warm-up: the communicator's connections are set up lazily
+    once()
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     start = time.perf_counter()
@@ -139,8 +101,8 @@ def measure_links(config: AutoCompression, lab: Any, groups: Any, device: torch.
                   repeats: int = 3) -> LinkMeasurement:
     """Time the hop inside each host and the one among the leaders (a collective on every rank).
 
-    ``pacer``: the emulated inter-host link (:class:`~lightning_hetero.lab.emulation.LinkPacer`), applied to the leaders'
-    probe exactly as to their gradient exchange.
+    ``pacer``: the emulated inter-host link (:class:`~lightning_hetero.lab.link_pacing.LinkPacer`), applied to the
+    leaders' probe exactly as to their gradient exchange.
     """
     numel = max(1, int(config.probe_mb * 2**20) // 4)
     probe = torch.ones(numel, dtype=torch.float32, device=device)

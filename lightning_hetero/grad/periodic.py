@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.grad.compression import CastCompression, NoCompression
+from lightning_hetero.grad.compression_config import CastCompression, NoCompression
 from lightning_hetero.grad.weighting import WeightingState
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 

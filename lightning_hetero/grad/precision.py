@@ -35,7 +35,8 @@ from typing_extensions import override
 
 from lightning_hetero.config import check, is_int, is_number
 from lightning_hetero.lab.devices import DeviceInfo, has_bf16_hardware
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
+from lightning_hetero.view import StrategyView
 
 PrecisionMode = Literal["32-true", "16-mixed", "bf16-mixed"]
 PrecisionRule = Literal["auto", "32-true", "16-mixed", "bf16-mixed"]
@@ -225,3 +226,50 @@ def check_no_conflict(policy: PrecisionPolicy, current: Precision) -> None:
         f"precision={getattr(current, 'precision', type(current).__name__)!r}. Leave `Trainer(precision=...)` at its "
         "default ('32-true') or drop `precision_policy`."
     )
+
+
+class RankPrecision:
+    """The precision policy of one job once its devices are known: every rank's mode, this rank's plugin installed.
+
+    Owned by :class:`~lightning_hetero.strategies.core.HeteroCore`; with no policy it installs nothing and the
+    compute dtype is the Trainer's precision.
+
+    Example::
+
+        precision = RankPrecision(view, parse_precision_policy("auto"))
+        precision.install(devices)  # after every rank's device is gathered: the same modes on every rank
+        precision.compute_dtype()  # the dtype the published-rate capacity table is read at
+    """
+
+    def __init__(self, view: StrategyView, policy: Optional[PrecisionPolicy]) -> None:
+        self.view = view
+        self.policy = policy
+        self.modes: Optional[tuple[str, ...]] = None
+
+    def install(self, devices: Sequence[DeviceInfo]) -> None:
+        """Every rank's mode, this rank's TF32 switches and precision plugin (no collective)."""
+        if self.policy is None:
+            return
+        view = self.view
+        check_no_conflict(self.policy, view.precision_plugin)
+        # Derived from the gathered devices, hence identical on every rank without another collective.
+        self.modes = resolve_precisions(self.policy, devices)
+        apply_tf32(self.policy, devices[view.global_rank])
+        view.precision_plugin = build_precision_plugin(self.policy, self.modes, view.global_rank,
+                                                       view.root_device.type)
+
+    def table_columns(self, devices: Sequence[DeviceInfo]) -> dict[str, list[str]]:
+        """The lab table's precision column (none without a policy)."""
+        if self.policy is None or self.modes is None:
+            return {}
+        return {"precision": precision_column(self.policy, devices, self.modes)}
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype this rank's matmuls run in, for the published-rate table."""
+        if self.modes is not None:
+            # One dtype for all ranks: capacities must agree.
+            return job_compute_dtype(self.modes)
+        precision = str(getattr(self.view.precision_plugin, "precision", "32-true"))
+        if "bf16" in precision:
+            return torch.bfloat16
+        return torch.float16 if precision.startswith("16") else torch.float32

@@ -1,9 +1,10 @@
 """How one rank's copy of the model is sharded: FSDP2 over a 1-D mesh (one host) or a 2-D HSDP mesh (several).
 
-The whole composition is :func:`shard_module`: per-rank activation checkpointing, then ``fully_shard`` on every
-block (inner first) and on the root, with the job's mixed-precision policy and, on ranks whose memory is short, CPU
-offload of the shard and its optimizer state. What a rank recomputes or offloads changes nothing in the math: the
-same sums are computed, only where the tensors live differs, so these choices may differ per rank. What must be the
+The whole composition is :func:`shard_module`: per-block activation checkpointing, then ``fully_shard`` on every
+block (inner first) and on the root, with the job's mixed-precision policy and, for as many blocks as the rank's
+memory plan says, CPU offload of their shard and optimizer state (an offload policy per ``fully_shard`` call). What a
+rank recomputes or offloads changes nothing in the math: the same sums are computed, only where the tensors live
+differs, so these choices may differ per rank and per block. What must be the
 same on every rank is what crosses the wire: the block boundaries (one collective per block) and the dtypes of the
 all-gather and the reduce-scatter (``MixedPrecisionPolicy``).
 
@@ -17,17 +18,20 @@ Example::
     >>> mesh = device_mesh(lab.hosts, "cuda")
     >>> shard_module(model, mesh, blocks=(TransformerBlock,), checkpoint=True, offload=False,
     ...              mp_policy=mixed_precision(["bf16-mixed", "bf16-mixed"]))
+    >>> shard_module(model, mesh, blocks=(TransformerBlock,), checkpoint=24, offload=6)  # the first 24 / 6 blocks
 """
 
-from collections.abc import Mapping, Sequence
-from typing import Optional
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_hetero._compat import checkpoint_module_in_place
+from lightning_hetero._compat import checkpoint_module_in_place, fsdp_flags
 
 
 def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -54,7 +58,9 @@ def device_mesh(hosts: Mapping[str, Sequence[int]], device_type: str) -> DeviceM
     if len(hosts) > 1 and len(sizes) == 1:
         # Rank r sits at (r // per_host, r % per_host): Lightning numbers ranks host by host.
         return init_device_mesh(device_type, (len(hosts), world // len(hosts)), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    # The world group itself, not a new one: ranks sharing one GPU over gloo cannot create groups (see
+    # lightning_hetero.lab.shared_gpu), and a 1-D mesh over every rank needs none.
+    return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
 
 
 def mixed_precision(modes: Sequence[str]) -> Optional[MixedPrecisionPolicy]:
@@ -66,36 +72,144 @@ def mixed_precision(modes: Sequence[str]) -> Optional[MixedPrecisionPolicy]:
     return None
 
 
+def _block_units(module: nn.Module, blocks: tuple[type[nn.Module], ...],
+                 ties: Sequence[tuple[str, ...]]) -> list[nn.Module]:
+    # A block holding only some users of a tied parameter would shard it apart from the others: such a block is left
+    # to the block (or root) that holds all of them, where FSDP2 keeps the parameter one.
+    return [m for name, m in module.named_modules() if m is not module and isinstance(m, blocks)
+            and not _splits_a_tie(name, ties)]
+
+
+def _outermost(units: Sequence[nn.Module]) -> list[nn.Module]:
+    nested = {id(inner) for block in units for inner in block.modules() if inner is not block}
+    return [m for m in units if id(m) not in nested]
+
+
+def top_level_blocks(module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The modules of ``blocks`` classes that :func:`shard_module` shards and that are not inside another one, in
+    module order (the forward order of a layer list): the units a memory plan counts ("the first k blocks")."""
+    return _outermost(_block_units(module, blocks, tied_parameters(module)))
+
+
+BlockCount = Union[bool, int]
+
+
+def _first(count: BlockCount, total: int) -> int:
+    if isinstance(count, bool):
+        return total if count else 0
+    if not 0 <= count <= total:
+        raise ValueError(f"a block count of {count} is outside [0, {total}] (the model has {total} blocks).")
+    return count
+
+
 def shard_module(
     module: nn.Module,
     mesh: DeviceMesh,
     blocks: tuple[type[nn.Module], ...],
-    checkpoint: bool,
-    offload: bool,
+    checkpoint: BlockCount,
+    offload: BlockCount,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
-    """Shard ``module`` in place: checkpoint each block's activations (``checkpoint``), ``fully_shard`` each block and
-    the root. A module the user already sharded keeps its blocks; only the root is added if missing."""
-    offload_policy: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    )
-    options = {"mesh": mesh, "offload_policy": offload_policy}
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
-    if not is_sharded(module):
-        targets = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
-        nested = {id(inner) for block in targets for inner in block.modules() if inner is not block}
+    """Shard ``module`` in place: ``fully_shard`` each block (inner first) and the root. ``checkpoint`` / ``offload``:
+    ``True`` for every block, ``False`` for none, or a count: the first that many top-level blocks
+    (:func:`top_level_blocks`) recompute their activations in the backward / keep their shard, gradients and optimizer
+    state in host memory (blocks inside one inherit its choice). The root's own parameters (embeddings, heads) are
+    offloaded only when every block is. A module the user already sharded keeps its blocks; only the root is added
+    if missing."""
+    ties = tied_parameters(module)
+    units = _block_units(module, blocks, ties) if not is_sharded(module) else []
+    top = _outermost(units)
+    checkpointed, offloaded = _first(checkpoint, len(top)), _first(offload, len(top))
+    inside = {id(m) for m in units}
+
+    def options(offload_this: bool) -> dict[str, object]:
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_this else OffloadPolicy()
+        chosen = {"mesh": mesh, "offload_policy": policy}
+        if mp_policy is not None:
+            chosen["mp_policy"] = mp_policy
+        return chosen
+
+    for index, block in reversed(list(enumerate(top))):
+        inner = [m for m in block.modules() if m is not block and id(m) in inside]
         # Reversed pre-order: inner blocks are sharded before the blocks that hold them, as FSDP2 requires.
-        for block in reversed(targets):
-            if checkpoint and id(block) not in nested:
-                checkpoint_module_in_place(block)  # keeps parameter names: checkpoints match across ranks
-            fully_shard(block, **options)
+        for unit in reversed(inner):
+            fully_shard(unit, **options(index < offloaded))
+        if index < checkpointed:
+            checkpoint_module_in_place(block)  # keeps parameter names: checkpoints match across ranks
+        fully_shard(block, **options(index < offloaded))
     if not isinstance(module, FSDPModule):
-        fully_shard(module, **options)
+        fully_shard(module, **options(offloaded == len(top) and (len(top) > 0 or bool(offload))))
+    check_ties(module, ties)
     return module
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter reachable under more than one name (tied weights, e.g. an output head sharing
+    the embedding's weight), one tuple per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
+    """Raise if sharding made two parameters of one that was tied (each would train apart from the other)."""
+    for names in ties:
+        found = {id(module.get_parameter(name)) for name in names}
+        if len(found) > 1:
+            raise ValueError(
+                f"the tied parameters {list(names)} were sharded apart and would train as {len(found)} different "
+                f"parameters: shard the modules that share a parameter in one `fully_shard` call (e.g. "
+                f"`fully_shard([embedding, head])` or only the module that holds both).")
+
+
+def _splits_a_tie(block_name: str, ties: Sequence[tuple[str, ...]]) -> bool:
+    prefix = block_name + "."
+    return any(0 < sum(name.startswith(prefix) for name in names) < len(names) for names in ties)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:
     """Skip the reduce-scatter on accumulation micro-steps (each rank sums its unsharded gradients locally)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync)
+
+
+@contextmanager
+def gathered_across_micro_batches(module: nn.Module) -> Iterator[None]:
+    """Around the forward and backward of every micro-batch but a rank's last in the step: the parameters stay
+    gathered (no reshard after forward or backward) and gradients accumulate unsharded (no reduce-scatter).
+
+    A rank that runs k micro-batches so joins exactly the collectives of a rank that runs one: each block's
+    all-gather at its first forward, then at the last micro-batch (with FSDP's own settings again) the all-gather of
+    backward and the reduce-scatter. The cost is memory: the whole model's parameters and an unsharded gradient are
+    held from the first forward to the last backward (:func:`~lightning_hetero.plan.memory.micro_batch_gathered_bytes`).
+
+    Example::
+
+        >>> for chunk in chunks[:-1]:
+        ...     with gathered_across_micro_batches(model):
+        ...         loss_fn(model(chunk)).backward()
+        >>> loss_fn(model(chunks[-1])).backward()  # reshards, reduce-scatters
+    """
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    flags = [fsdp_flags(m) for m in sharded]
+    if isinstance(module, FSDPModule):
+        # Not the step's last backward: FSDP would otherwise reshard every group when the backward ends.
+        module.set_is_last_backward(False)
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        # The root never reshards after forward (FSDP sets that at its first forward); only the blocks are changed.
+        if m is not module:
+            m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(True)
+        for m, (after_forward, after_backward, sync) in zip(sharded, flags):
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(after_backward, recurse=False)
+            if m is not module:
+                m.set_reshard_after_forward(after_forward, recurse=False)
+

@@ -23,6 +23,7 @@ from lightning_hetero.data.microbatch import PendingGrads, chunk_sizes, run_micr
 from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.plan.state import ShareState
 from lightning_hetero.resilience.hooks import ResilienceHooks
 from lightning_hetero.view import StrategyView
 
@@ -30,11 +31,12 @@ from lightning_hetero.view import StrategyView
 class StepShare:
     """This rank's share of the current step, its micro-batches, and the batch-size weighted mean of ``reduce``."""
 
-    def __init__(self, view: StrategyView, loaders: LoaderSplit, shares: ShareController, lab: LabSetup,
-                 resilience: ResilienceHooks) -> None:
+    def __init__(self, view: StrategyView, loaders: LoaderSplit, shares: ShareController, share_state: ShareState,
+                 lab: LabSetup, resilience: ResilienceHooks) -> None:
         self.view = view
         self.loaders = loaders
         self.shares = shares
+        self.share_state = share_state
         self.lab = lab
         self.resilience = resilience
         # The HeteroMonitor timing in-step collectives, while it watches.
@@ -66,7 +68,8 @@ class StepShare:
             self.step_weights = costs if sampler.weight_by_cost else [1.0] * len(costs)
         # Rebalancing measures the unit the split balances: tokens/s or samples/s.
         work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
-        # It may key a share change to a later batch.
+        # The position in the epoch first (checked after a resume); a share change may then be keyed to a later batch.
+        self.share_state.on_train_batch_start(batch_idx)
         self.shares.on_train_batch_start(batch_idx, work)
         return self.share
 

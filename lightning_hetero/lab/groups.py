@@ -2,20 +2,36 @@
 
 :class:`HeteroLab` is the public, read-only description the strategy exposes as ``strategy.lab``; rank 0 prints it
 once as a table together with the share plan (:class:`~lightning_hetero.plan.shares.SharePlan`, which owns
-capacities and splits). :class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one
-per device class and one per host, plus a "leaders" group (first rank of each) for two-level communication.
+capacities and splits; the table reads it as a :class:`PlanColumns`, so the lab imports nothing of the plan).
+:class:`LabGroups` holds the ``torch.distributed`` process groups built from it: one per device class and one per
+host, plus a "leaders" group (first rank of each) for two-level communication.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
 
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.plan.shares import SharePlan
 
 GroupKey = str  # "class" or "host"
+
+
+class PlanColumns(Protocol):
+    """What the lab table shows of the share plan: each rank's capacity, share and batch, and the global batch."""
+
+    capacities: tuple[float, ...]
+    source: str
+
+    @property
+    def shares(self) -> tuple[float, ...]: ...
+
+    @property
+    def split(self) -> tuple[int, ...]: ...
+
+    @property
+    def loader_batch_size(self) -> Optional[int]: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,7 @@ class HeteroLab:
             "columns": {n: list(v) for n, v in self.columns},
         }
 
-    def table(self, plan: SharePlan) -> str:
+    def table(self, plan: PlanColumns) -> str:
         """A compact text table, one line per rank: its device, and its share under ``plan``."""
         headers = ["rank", "host", "device", "cc", "mem GiB", "SMs", "capacity", "share", "batch"]
         headers += [name for name, _ in self.columns]

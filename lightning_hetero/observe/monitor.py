@@ -46,22 +46,18 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hetero.observe.analysis import STEP_FIELDS, accumulate, advice, analyse, print_summary
+from lightning_hetero.observe.nvml import NVML_FIELDS, nvml_handle, nvml_readings
 from lightning_hetero.plan.rebalance import when_backward_ends
 
 SIDECAR = "hetero_monitor.jsonl"
-# Per-step record columns (seconds, counts), exchanged on logging steps.
-_STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens")
-# Per-rank device readings (NaN when NVML is absent).
-_NVML_FIELDS = ("gpu_util", "mem_gib", "power_w", "temp_c", "sm_clock_mhz", "thermal_throttle")
-BUSY_THRESHOLD = 0.85
-COMM_RATIO_THRESHOLD = 0.3
 
 # The step's hooks only read the clock and append one tuple to the rank's event log; :class:`_StepRows` turns the log
 # into rows on logging steps. (In a 2-core VM's training loop every Python call or object a hook makes costs several
@@ -95,7 +91,7 @@ class _Step:
 
 
 class _StepRows:
-    """Replays the event log into one row (``_STEP_FIELDS``) per completed optimizer step. What spans two logging
+    """Replays the event log into one row (``STEP_FIELDS``) per completed optimizer step. What spans two logging
     windows stays here: the last release and batch end, intervals owed to the next step, a step still open."""
 
     def __init__(self, seconds: Callable[[Any, Any], float]) -> None:
@@ -251,7 +247,7 @@ class HeteroMonitor(Callback):
         if hasattr(trainer.strategy, "attach_monitor"):
             trainer.strategy.attach_monitor(self)
         if self.nvml and self._device.type == "cuda":
-            self._nvml_handle = _nvml_handle(self._device)
+            self._nvml_handle = nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
             os.makedirs(log_dir, exist_ok=True)
@@ -352,8 +348,8 @@ class HeteroMonitor(Callback):
     def _exchange(self, trainer: Trainer) -> None:
         begin = self._mark()
         flat = self._local_rows()
-        steps = len(flat) // len(_STEP_FIELDS)
-        flat += _nvml_readings(self._nvml_handle)
+        steps = len(flat) // len(STEP_FIELDS)
+        flat += nvml_readings(self._nvml_handle)
         world = trainer.world_size
         if world > 1 and dist.is_available() and dist.is_initialized():
             packed = torch.tensor(flat, dtype=torch.float32 if self._device.type == "cuda" else torch.float64,
@@ -366,7 +362,7 @@ class HeteroMonitor(Callback):
         # The exchange is a collective too: the next step counts it as sync, not as data loading.
         self._push((_EXCHANGE, begin, self._mark()))
         if trainer.global_rank == 0 and steps > 0:
-            width = len(_STEP_FIELDS)
+            width = len(STEP_FIELDS)
             table = [[values[i * width:(i + 1) * width] for i in range(steps)] for values in gathered]
             self._record_window(trainer, table, [values[steps * width:] for values in gathered])
 
@@ -374,12 +370,12 @@ class HeteroMonitor(Callback):
         n = len(steps[0])
         window = analyse(steps, first_step=trainer.global_step - n)
         window.update(step=int(trainer.global_step),
-                      nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(_NVML_FIELDS)})
+                      nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(NVML_FIELDS)})
         skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
         kept: Optional[dict[str, Any]] = None
         if skip < n:
             kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip) if skip else window
-            self.totals = _accumulate(self.totals, kept)
+            self.totals = accumulate(self.totals, kept)
             self._summary_steps = (self._summary_steps or (kept["first_step"] + 1,))[:1] + (int(trainer.global_step),)
         self.windows.append(window)
         self._log(trainer, window)
@@ -418,184 +414,6 @@ class HeteroMonitor(Callback):
                 if not math.isnan(v):
                     metrics[f"monitor/{name}_rank{r}"] = v
         trainer.logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0) -> dict[str, Any]:
-    """Per-rank means per step of a window of records (rank, step, field: ``_STEP_FIELDS``) and the job-level
-    figures.
-
-    The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
-    communication; everything any rank spent in sync beyond it is waiting for slower ranks. (Plain Python over the
-    table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
-    """
-    table = steps.tolist() if isinstance(steps, torch.Tensor) else steps  # [rank][step][field]
-    world, n = len(table), (len(table[0]) if table else 0)
-    comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
-    comm_total = sum(comm_steps)
-    cycle, data, wait, compute, samples, tokens = ([0.0] * world for _ in range(6))
-    for r, rows in enumerate(table):
-        for (c, d, sync, b, t), comm in zip(rows, comm_steps):
-            cycle[r] += c
-            data[r] += d
-            wait[r] += sync - comm
-            compute[r] += max(c - d - sync, 0.0)
-            samples[r] += b
-            tokens[r] += t
-    wall = sum(cycle) / world if world else 0.0  # the cycles agree across ranks up to clock skew: their mean
-    per_step = 1.0 / n if n else 0.0
-    solo = [s / c if c > 0 else 0.0 for s, c in zip(samples, compute)]
-    total_samples, total_tokens = sum(samples), sum(tokens)
-    rate = total_samples / wall if wall > 0 else 0.0
-    ideal = sum(solo)
-    slowest = max(compute, default=0.0)
-    return {
-        "first_step": int(first_step),
-        "steps": int(n),
-        "compute": [v * per_step for v in compute],
-        "wait": [v * per_step for v in wait],
-        "data": [v * per_step for v in data],
-        "comm": [comm_total * per_step] * world,
-        "cycle": [v * per_step for v in cycle],
-        "samples": samples,
-        "tokens": tokens,
-        "shares": [s / total_samples for s in samples] if total_samples > 0 else None,  # as trained
-        "busy": [c / t if t > 0 else 0.0 for c, t in zip(compute, cycle)],
-        "solo": solo,
-        "step_s": wall * per_step,
-        "samples_per_s": rate,
-        "tokens_per_s": total_tokens / wall if wall > 0 and total_tokens > 0 else None,
-        "ideal_fraction": rate / ideal if ideal > 0 else None,
-        "comm_compute_ratio": comm_total / slowest if slowest > 0 else None,
-    }
-
-
-def _accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:
-    """Running sums (seconds and samples per rank, steps) of the windows after warm-up."""
-    n = window["steps"]
-    add = {k: [v * n for v in window[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
-    add["samples"] = list(window["samples"])
-    add["tokens"] = list(window["tokens"])
-    add["steps"] = [float(n)]
-    if totals is None:
-        return add
-    return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
-
-
-# Capacity sources that already come from measuring the model (see SharePlan.source).
-_MEASURED_SOURCES = ("profile", "rebalanced", "restored")
-
-
-def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_source: Optional[str] = None,
-           rebalance: Optional[bool] = None) -> list[tuple[str, str]]:
-    """(kind, message) for each threshold a window crosses: each message names the window's steps (its numbers are
-    those steps' means) and says what to change, leaving out what the run already does (``capacity_source``: the
-    lab's, ``rebalance``: whether shares follow drifting speeds; ``None``: unknown)."""
-    out = []
-    world = len(window["busy"])
-    first = int(window.get("first_step", 0))
-    span = f"HeteroMonitor, steps {first + 1}-{first + int(window.get('steps', 0))}:"
-    for r in range(world):
-        cycle = window["cycle"][r] or 1e-12
-        wait, data = window["wait"][r] / cycle, window["data"][r] / cycle
-        util = nvml_util[r] if r < len(nvml_util) and not math.isnan(nvml_util[r]) else None
-        busy = window["busy"][r]
-        if busy >= BUSY_THRESHOLD and (util is None or util >= 100 * BUSY_THRESHOLD):
-            continue
-        if wait >= 0.1 and world > 1:
-            solo = window["solo"]
-            by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
-            now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
-            todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
-            todo += [] if rebalance else ["rebalance=True (speeds drift: throttling, co-tenants)"]
-            use = f"use {' and '.join(todo)}. " if todo else "capacities are measured and rebalanced already. "
-            out.append(("wait", (
-                f"{span} rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
-                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): {use}If the "
-                "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
-                "raise the batch size.")))
-        elif data >= 0.1:
-            out.append(("data", (
-                f"{span} rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
-                "raise the DataLoader's num_workers (and pin_memory=True on GPUs).")))
-        elif util is not None and util < 100 * BUSY_THRESHOLD:
-            out.append(("util", (
-                f"{span} GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
-                "small for the card (raise the global batch) or the host too slow to feed it.")))
-    ratio = window.get("comm_compute_ratio")
-    if ratio is not None and ratio > COMM_RATIO_THRESHOLD:
-        out.append(("comm", (
-            f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
-            f"{COMM_RATIO_THRESHOLD}): try compression='fp16'/'bf16' (or 'powersgd' on slow links), a larger "
-            "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
-            "the backward), or a larger global batch.")))
-    return out
-
-
-def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None) -> list[list[str]]:
-    """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates."""
-    steps = max(totals["steps"][0], 1.0)
-    rows = []
-    for r in range(len(totals["compute"])):
-        cycle = totals["cycle"][r] or 1e-12
-
-        def cell(key: str) -> str:
-            return f"{1000 * totals[key][r] / steps:.2f} ({totals[key][r] / cycle:.0%})"
-
-        solo = totals["samples"][r] / totals["compute"][r] if totals["compute"][r] > 0 else 0.0
-        share = f"{shares[r]:.1%}" if shares else "-"
-        rows.append([str(r), share, cell("compute"), cell("wait"), cell("data"), cell("comm"),
-                     f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
-    return rows
-
-
-SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
-
-
-def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
-    steps = max(totals["steps"][0], 1.0)
-    wall = sum(totals["cycle"]) / len(totals["cycle"])
-    rate = sum(totals["samples"]) / wall if wall > 0 else 0.0
-    ideal = sum(s / c for s, c in zip(totals["samples"], totals["compute"]) if c > 0)
-    slowest = max(totals["compute"])
-    comm = totals["comm"][0]
-    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
-            "samples per second of compute); "
-            f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
-    if sum(totals["tokens"]) > 0 and wall > 0:
-        foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
-    total = sum(totals["samples"])
-    shares = [s / total for s in totals["samples"]] if total > 0 else None
-    return summary_rows(totals, shares), foot
-
-
-def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> None:
-    """The end-of-fit table on stdout (``rich`` when installed). ``steps``: the first and last optimizer step the
-    totals cover, for the title (the warnings during the run give single windows' means, these are all steps')."""
-    rows, foot = summary_text(totals)
-    title = "HeteroMonitor: where each rank's step time went (after warm-up)"
-    if steps:
-        title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "
-                 "the means of all these steps, where a warning gives one window's)")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(SUMMARY_HEADERS)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [title, fmt.format(*SUMMARY_HEADERS)]
-        lines += [fmt.format(*row) for row in rows] + [foot]
-        print("\n".join(lines), flush=True)
-        return
-    table = Table(title=title, caption=foot)
-    for h in SUMMARY_HEADERS:
-        table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    console = Console()
-    if not console.is_terminal:  # a log file or a pipe: rich would cut the table to 80 columns ("sha…", "2.5e+…")
-        console = Console(width=max(console.width, console.measure(table, options=console.options.update(
-            max_width=1000)).maximum))
-    console.print(table)
 
 
 def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:
@@ -640,54 +458,6 @@ def _at(batch: Any, path: Optional[tuple[Any, ...]]) -> Optional[torch.Tensor]:
     except (KeyError, IndexError, TypeError):
         return None
     return batch if isinstance(batch, torch.Tensor) else None
-
-
-def _nvml_handle(device: torch.device) -> Any:
-    """An NVML handle for ``device`` (matched by UUID), or ``None`` without ``nvidia-ml-py`` or a driver."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            found = pynvml.nvmlDeviceGetUUID(handle)
-            found = found.decode() if isinstance(found, bytes) else found
-            if found.replace("GPU-", "") == uuid.replace("GPU-", ""):
-                return handle
-        return None
-    except Exception:
-        return None
-
-
-_THERMAL_BITS = ("nvmlClocksThrottleReasonSwThermalSlowdown", "nvmlClocksThrottleReasonHwThermalSlowdown",
-                 "nvmlClocksThrottleReasonHwSlowdown", "nvmlClocksThrottleReasonHwPowerBrakeSlowdown")
-
-
-def _nvml_readings(handle: Any) -> list[float]:
-    """GPU utilisation %, memory used GiB, power W, temperature °C, SM clock MHz, thermal throttle (0/1); NaN where
-    NVML is absent or a reading is not supported."""
-    values = [math.nan] * len(_NVML_FIELDS)
-    if handle is None:
-        return values
-    import pynvml
-
-    readers = [
-        lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
-        lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30,
-        lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-        lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
-        lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-        lambda: float(bool(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
-                           & sum(getattr(pynvml, b, 0) for b in _THERMAL_BITS))),
-    ]
-    for i, read in enumerate(readers):
-        try:
-            values[i] = float(read())
-        except Exception:
-            pass
-    return values
 
 
 def _jsonable(value: Any) -> Any:

@@ -4,7 +4,7 @@
 
 - a list of positive numbers, one per global rank: ``[3, 1]``;
 - a mapping from a device-name substring to a weight: ``{"A100": 3.0, "3090": 1.0}`` (``"*"`` matches any device;
-  the longest matching key wins; ``"rank:N"`` names one rank; see :class:`~lightning_hetero.lab.rules.RankRules`);
+  the longest matching key wins; ``"rank:N"`` names one rank; see :class:`~lightning_hetero.rules.RankRules`);
 - ``"equal"``; ``"peak"`` (the published-rate table in :mod:`lightning_hetero.lab.devices`);
 - ``"profile"`` (time the user's own model on every rank before training);
 - ``"auto"``: ``"profile"`` when fitting, else ``"peak"`` on GPUs whose cards are all known, else ``"equal"``.
@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from lightning_hetero.lab.devices import DeviceInfo, peak_tflops
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
 from lightning_hetero.plan.split import validate_weights
 
 CapacitiesArg = Union[str, Sequence[float], Mapping[str, float]]

@@ -2,40 +2,87 @@
 
 A rank's device holds its shard of the parameters, their gradients and the optimizer state (each 1/S of the model
 over a shard group of S ranks), the gathered parameters and gradients of the block being computed, and the
-activations of its b_r samples. Two per-rank choices trade time for memory without changing the math:
+activations of its b_r samples. Two choices per block trade time for memory without changing the math:
 
-- ``"checkpoint"``: recompute each block's activations in the backward pass (keeps about two blocks' worth);
-- ``"offload"``: the shard, its gradients and the optimizer state live in host memory (the optimizer steps there);
-- ``"checkpoint_offload"``: both; ``"keep"``: neither.
+- checkpoint: recompute the block's activations in the backward pass (one more forward of that block);
+- offload: the block's shard, its gradients and their optimizer state live in host memory (the optimizer steps there).
 
-The ``memory`` policy, in the style of ``precision_policy``: ``"auto"`` (the cheapest mode that fits, rank by rank),
-one mode for all, or a mapping from device-name substring or ``"rank:N"`` to a mode. A job that cannot fit fails
-before its first step, naming each rank's numbers.
+A rank's plan is how many blocks do each, counted from the first block in module order: ``"offload:4"``,
+``"checkpoint:10"``, ``"offload:4,checkpoint:all"``. The whole-rank spellings stay: ``"keep"`` (no block),
+``"checkpoint"`` / ``"offload"`` (every block; an offloaded rank's root parameters too) and ``"checkpoint_offload"``.
+Only placement and recomputation differ per rank: the block boundaries and the collectives' dtypes are the job's.
+
+The ``memory`` policy, in the style of ``precision_policy``: ``"auto"`` (per rank, the fewest offloaded blocks, then
+the fewest recomputed ones, that fit its budget: recomputing a block costs a fraction of its step, offloading one moves
+its optimizer step to the CPU), one rule for all, or a mapping from device-name substring or ``"rank:N"`` to a rule.
+A job that cannot fit fails before its first step, naming each rank's numbers; after the first steps the measured peak
+of each rank is set beside its estimate (:func:`peak_report`).
 
 Example::
 
     >>> HeteroFSDPStrategy(memory="auto")
-    >>> HeteroFSDPStrategy(memory={"3090": "checkpoint", "A100": "keep"})
+    >>> HeteroFSDPStrategy(memory={"3090": "offload:6,checkpoint:all", "A100": "keep"})
     >>> HeteroFSDPStrategy(memory=MemoryPolicy(rules={"rank:2": "offload", "*": "auto"}, headroom=0.15))
+    >>> HeteroFSDPStrategy(memory=MemoryPolicy(granularity="rank"))  # one whole-rank mode each, as before
 """
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from torch import nn
 
+from lightning_hetero.grad.sharding import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.lab.rules import RankRules
+from lightning_hetero.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]
-MemoryRule = Literal["auto", "keep", "checkpoint", "offload", "checkpoint_offload"]
-MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)  # in the order "auto" tries them: fastest first
-MEMORY_RULES: tuple[str, ...] = get_args(MemoryRule)
+MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)  # in the order whole-rank "auto" tries them: fastest first
+MEMORY_RULES: tuple[str, ...] = ("auto",) + MEMORY_MODES
+# A rule: "auto", a whole-rank mode, or per-block counts ("offload:N", "checkpoint:N", "offload:N,checkpoint:M";
+# N a number of blocks or "all").
+MemoryRule = str
+Granularity = Literal["block", "rank"]
 GIB = 2**30
+_BLOCK_RULE_HINT = "or per-block counts such as 'offload:4', 'checkpoint:all', 'offload:4,checkpoint:10'"
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """A rule's block counts; ``None``: every block (known once the model is)."""
+
+    offload: Optional[int]
+    checkpoint: Optional[int]
+
+
+def parse_rule(rule: str, where: str = "`memory`") -> BlockCounts:
+    """The block counts a whole-rank mode or a per-block rule names; ``ValueError`` naming ``where`` otherwise."""
+    whole = {"keep": (0, 0), "checkpoint": (0, None), "offload": (None, 0), "checkpoint_offload": (None, None)}
+    if isinstance(rule, str) and rule in whole:
+        return BlockCounts(*whole[rule])
+    counts: dict[str, Optional[int]] = {"offload": 0, "checkpoint": 0}
+    seen: set[str] = set()
+    for part in rule.split(",") if isinstance(rule, str) and rule else [""]:
+        name, _, value = part.strip().partition(":")
+        if name not in counts or name in seen or not (value == "all" or value.isdigit()):
+            raise ValueError(f"{where}={rule!r} is not one of {MEMORY_RULES}, {_BLOCK_RULE_HINT}.")
+        seen.add(name)
+        counts[name] = None if value == "all" else int(value)
+    return BlockCounts(counts["offload"], counts["checkpoint"])
+
+
+def rule_name(offload: int, checkpoint: int, blocks: int) -> str:
+    """The canonical rule for block counts: a whole-rank mode's name where one fits, else ``offload:N,checkpoint:M``
+    (parsed back by :func:`parse_rule`)."""
+    whole = {(0, 0): "keep", (0, blocks): "checkpoint", (blocks, 0): "offload", (blocks, blocks): "checkpoint_offload"}
+    if (offload, checkpoint) in whole:
+        return whole[(offload, checkpoint)]
+    parts = [f"{name}:{'all' if n == blocks else n}" for name, n in (("offload", offload), ("checkpoint", checkpoint))
+             if n]
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -44,7 +91,8 @@ class MemoryPolicy:
 
     Args:
         rules: device-name substring (case-insensitive, longest match wins, ``"*"`` any device) or ``"rank:N"``
-            (wins over names) -> ``"auto"`` or a mode. ``None``: ``{"*": "auto"}``.
+            (wins over names) -> ``"auto"``, a whole-rank mode or per-block counts (``"offload:4,checkpoint:all"``).
+            ``None``: ``{"*": "auto"}``.
         headroom: fraction of each device's memory left free (allocator fragmentation, the CUDA context).
         activation_bytes_per_sample: activation memory one sample needs in a forward/backward without
             checkpointing. ``None``: not counted (the fit check then covers parameters, gradients and optimizer
@@ -52,12 +100,15 @@ class MemoryPolicy:
         checkpointed_fraction: the share of a sample's activations that checkpointing leaves in memory: the blocks'
             inputs, one block recomputed at a time, and everything outside the blocks (embeddings, logits, the loss),
             which no block checkpoint frees. It depends on the model (a large vocabulary keeps much outside).
+        granularity: what ``"auto"`` chooses: ``"block"`` (how many blocks offload and recompute, filling each card
+            to its budget) or ``"rank"`` (the first whole-rank mode that fits: keep, checkpoint, offload, both).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
     headroom: float = 0.1
     activation_bytes_per_sample: Optional[int] = None
     checkpointed_fraction: float = 0.5
+    granularity: Granularity = "block"
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -68,6 +119,8 @@ class MemoryPolicy:
         object.__setattr__(self, "rules", dict(self.rank_rules.rules))
         check("memory", "headroom", self.headroom, is_number(self.headroom) and 0 <= self.headroom < 1,
               "a number in [0, 1)")
+        check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
+              f"one of {get_args(Granularity)}")
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")
@@ -77,8 +130,8 @@ class MemoryPolicy:
 
 
 def _check_memory_rule(key: str, mode: Any) -> str:
-    if mode not in MEMORY_RULES:
-        raise ValueError(f"`memory`[{key!r}]={mode!r} is not one of {MEMORY_RULES}.")
+    if mode != "auto":
+        parse_rule(mode, f"`memory`[{key!r}]")
     return str(mode)
 
 
@@ -90,9 +143,13 @@ def parse_memory_policy(value: MemoryPolicyArg) -> MemoryPolicy:
     if isinstance(value, MemoryPolicy):
         return value
     if isinstance(value, str):
-        if value not in MEMORY_RULES:
-            raise ValueError(f"`memory`={value!r} is not one of {MEMORY_RULES}, a mapping or a MemoryPolicy.")
-        return MemoryPolicy(rules={"*": value})  # type: ignore[dict-item]
+        if value != "auto":
+            try:
+                parse_rule(value)
+            except ValueError:
+                raise ValueError(f"`memory`={value!r} is not one of {MEMORY_RULES}, {_BLOCK_RULE_HINT}, a mapping or "
+                                 "a MemoryPolicy.") from None
+        return MemoryPolicy(rules={"*": value})
     if isinstance(value, Mapping):
         return MemoryPolicy(rules=dict(value))
     raise ValueError(f"`memory`={value!r} must be a string, a mapping or a MemoryPolicy.")
@@ -115,34 +172,44 @@ class ModelFootprint:
 
     parameter_bytes: int  # the whole model's fp32 parameters
     largest_block_bytes: int  # the largest block's parameters, gathered while it computes
-    blocks: int
+    blocks: int  # top-level blocks: the units a plan counts
     optimizer_slots: int
+    outside_bytes: int = 0  # parameters outside every block (embeddings, heads): sharded with the root
 
     @classmethod
     def of(cls, module: nn.Module, blocks: tuple[type[nn.Module], ...], slots: int) -> "ModelFootprint":
         def nbytes(m: nn.Module) -> int:
             return sum(p.numel() * p.element_size() for p in m.parameters())
 
-        units = [m for m in module.modules() if m is not module and isinstance(m, blocks)]
+        units = top_level_blocks(module, blocks)
         total = nbytes(module)
         block_bytes = [nbytes(m) for m in units] or [total]
-        rest = total - sum(block_bytes) if units else 0  # parameters outside every block gather with the root
-        return cls(total, max(max(block_bytes), rest), max(1, len(units)), slots)
+        rest = total - sum(block_bytes) if units else 0
+        return cls(total, max(max(block_bytes), rest), max(1, len(units)), slots, rest)
+
+    def block_state_bytes(self, offloaded: int) -> int:
+        """Parameters of the first ``offloaded`` blocks (the mean block's size each; the root's too with all)."""
+        if offloaded >= self.blocks:
+            return self.parameter_bytes
+        return (self.parameter_bytes - self.outside_bytes) * offloaded // self.blocks
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's device-memory estimate under one mode (bytes)."""
+    """One rank's device-memory estimate under one plan (bytes)."""
 
     rank: int
     device: str
-    mode: str
-    shard: int  # parameters + gradients of its shard
+    mode: str  # the plan as a rule (:func:`rule_name`): "keep", "offload", "offload:4,checkpoint:all" ...
+    shard: int  # parameters + gradients of its shard kept on the device
     optimizer_state: int
     gathered: int  # parameters and gradients of the computing block, and the next one prefetched
     activations_per_sample: int
     samples: int
     budget: int  # device memory minus headroom
+    offload_blocks: int = 0
+    checkpoint_blocks: int = 0
+    blocks: int = 1
 
     @property
     def activations(self) -> int:
@@ -167,17 +234,30 @@ class RankMemory:
 
 def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ranks: int, samples: int,
              activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5) -> RankMemory:
-    """A rank's device memory under ``mode``: offload moves shard, gradients and optimizer state to the host;
-    checkpointing keeps ``checkpointed_fraction`` of the activations (at least two blocks' worth)."""
-    shard = 2 * math.ceil(footprint.parameter_bytes / shard_ranks)
-    state = footprint.optimizer_slots * math.ceil(footprint.parameter_bytes / shard_ranks)
-    if "offload" in mode:
-        shard, state = 0, 0
-    per_sample = activation_bytes_per_sample
-    if "checkpoint" in mode:
-        per_sample = math.ceil(per_sample * max(checkpointed_fraction, min(1.0, 2 / footprint.blocks)))
+    """A rank's device memory under ``mode`` (a whole-rank mode or per-block counts, see :func:`parse_rule`):
+    offloaded blocks keep their shard, gradients and optimizer state on the host; each checkpointed block frees its
+    share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all."""
+    counts = parse_rule(mode)
+    n = footprint.blocks
+    offload = n if counts.offload is None else counts.offload
+    checkpoint = n if counts.checkpoint is None else counts.checkpoint
+    if offload > n or checkpoint > n:
+        raise ValueError(f"`memory` rule {mode!r} for rank {device.rank} names more blocks than the model's {n}.")
+    on_device = footprint.parameter_bytes - footprint.block_state_bytes(offload)
+    shard = 2 * math.ceil(on_device / shard_ranks)
+    state = footprint.optimizer_slots * math.ceil(on_device / shard_ranks)
+    kept_fraction = max(checkpointed_fraction, min(1.0, 2 / n))
+    per_sample = math.ceil(activation_bytes_per_sample * (1 - (1 - kept_fraction) * checkpoint / n))
     gathered = 2 * 2 * footprint.largest_block_bytes  # parameters + gradients, current block + prefetched one
-    return RankMemory(device.rank, device.name, mode, shard, state, gathered, per_sample, samples, budget)
+    return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
+                      samples, budget, offload, checkpoint, n)
+
+
+def micro_batch_gathered_bytes(footprint: ModelFootprint, micro_batches: int) -> int:
+    """What a rank that runs its share in ``micro_batches`` > 1 pieces holds on its device beyond one-piece FSDP: the
+    whole model's parameters, gathered at its first forward and kept until its last backward, and their unsharded
+    gradient accumulated across the pieces (fp32 sizes). 0 for one piece: FSDP gathers block by block as usual."""
+    return 0 if micro_batches <= 1 else 2 * footprint.parameter_bytes
 
 
 def device_budget(device: DeviceInfo, headroom: float, free_bytes: Optional[int] = None) -> int:
@@ -187,25 +267,48 @@ def device_budget(device: DeviceInfo, headroom: float, free_bytes: Optional[int]
 
 
 class MemoryFitError(RuntimeError):
-    """The job cannot fit on some rank under any mode the policy allows; the message has every rank's numbers."""
+    """The job cannot fit on some rank under any plan the policy allows; the message has every rank's numbers."""
+
+
+def _auto_plan(footprint: ModelFootprint, granularity: str, estimate_for: Callable[[str], RankMemory]) -> RankMemory:
+    """The fastest plan that fits: whole-rank modes in :data:`MEMORY_MODES` order, or per block the fewest offloaded
+    blocks and, with those, the fewest checkpointed ones. ``estimate_for(rule)`` estimates one rule."""
+    if granularity == "rank":
+        options = [estimate_for(m) for m in MEMORY_MODES]
+        return next((o for o in options if o.fits), options[-1])
+    n = footprint.blocks
+    for offload in range(n + 1):
+        everything = estimate_for(rule_name(offload, n, n))
+        if not everything.fits:
+            continue
+        # Activations shrink with each checkpointed block: bisect the fewest that fit.
+        low, high = -1, n
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if estimate_for(rule_name(offload, middle, n)).fits else (middle, high)
+        return estimate_for(rule_name(offload, high, n))
+    return estimate_for(rule_name(n, n, n))
 
 
 def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Sequence[DeviceInfo],
                    samples: Sequence[int], budgets: Sequence[int], shard_ranks: int,
                    activation_bytes_per_sample: Optional[int] = None) -> list[RankMemory]:
-    """Every rank's mode and estimate: the rule's mode, or under ``"auto"`` the first of :data:`MEMORY_MODES` that
-    fits. Deterministic in its inputs, so every rank derives the same list. Raises :class:`MemoryFitError` naming
-    every rank's numbers when some rank does not fit."""
+    """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fits (see
+    :func:`_auto_plan`). Deterministic in its inputs, so every rank derives the same list. Raises
+    :class:`MemoryFitError` naming every rank's numbers when some rank does not fit."""
     per_sample = policy.activation_bytes_per_sample
     if per_sample is None:
         per_sample = activation_bytes_per_sample or 0
     plans = []
     for device, count, budget in zip(devices, samples, budgets):
         rule = policy.rank_rules.for_device(device)
-        modes = MEMORY_MODES if rule == "auto" else (rule,)
-        options = [estimate(footprint, m, device, shard_ranks, count, per_sample, budget, policy.checkpointed_fraction)
-                   for m in modes]
-        plans.append(next((o for o in options if o.fits), options[-1]))
+
+        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count,
+                         budget: int = budget) -> RankMemory:
+            return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
+                            policy.checkpointed_fraction)
+
+        plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
     short = [p for p in plans if not p.fits]
     if short:
         raise MemoryFitError(
@@ -218,10 +321,64 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
 
 
 def memory_column(plans: Sequence[RankMemory], policy: MemoryPolicy) -> list[str]:
-    """Lab-table column: each rank's mode (``auto: ...`` when the policy chose it) and its estimate."""
+    """Lab-table column: each rank's plan (``auto: ...`` when the policy chose it) and its estimate."""
     rules = policy.rank_rules
     column = []
     for p in plans:
         chosen = "auto: " if rules.lookup(p.rank, p.device) == "auto" else ""
         column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB")
     return column
+
+
+def measured_peak(device: torch.device) -> Optional[int]:
+    """This rank's peak allocated device memory so far (CUDA's caching allocator); ``None`` elsewhere."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def peak_report(plans: Sequence[RankMemory], peaks: Sequence[Optional[int]], headroom_bytes: Sequence[int],
+                steps: int) -> tuple[str, list[int]]:
+    """A table of each rank's plan, estimate and measured peak after ``steps`` steps, and the ranks whose estimate
+    was low by more than their headroom (the bytes the plan left free for what it does not count).
+
+    Example::
+
+        >>> text, low = peak_report(strategy.memory_plan, [26 * GIB, None], [8 * GIB, 2 * GIB], steps=2)
+    """
+    rows = [("rank", "device", "plan", "estimate", "peak", "peak - estimate")]
+    low = []
+    for p, peak, spare in zip(plans, peaks, headroom_bytes):
+        gap = "n/a" if peak is None else f"{(peak - p.needed) / GIB:+.2f} GiB"
+        rows.append((str(p.rank), p.device, p.mode, f"{p.needed / GIB:.2f} GiB",
+                     "n/a" if peak is None else f"{peak / GIB:.2f} GiB", gap))
+        if peak is not None and peak - p.needed > spare:
+            low.append(p.rank)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return f"memory plan against the measured peak after {steps} steps (peak: torch.cuda.max_memory_allocated):\n" \
+        + "\n".join(lines), low
+
+
+def report_peaks(plans: Sequence[RankMemory], devices: Sequence[DeviceInfo], headroom: float, device: torch.device,
+                 steps: int, rank: int) -> list[Optional[int]]:
+    """Gather every rank's measured peak (a collective), log the :func:`peak_report` table on rank 0 and warn about
+    estimates that were low by more than their headroom. Returns the peaks by rank."""
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    peaks: list[Optional[int]] = [measured_peak(device)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, measured_peak(device))
+    spare = [int(d.memory_bytes * headroom) for d in devices]
+    text, low = peak_report(plans, peaks, spare, steps)
+    if rank == 0:
+        rank_zero_info(text)
+        if low:
+            rank_zero_warn(
+                "the memory plan's estimate was low by more than its headroom on "
+                + ", ".join(f"rank {r} ({plans[r].needed / GIB:.2f} GiB planned, peak {(peaks[r] or 0) / GIB:.2f} "
+                            f"GiB, headroom {spare[r] / GIB:.2f} GiB)" for r in low)
+                + ": raise `memory.headroom` or give `memory.activation_bytes_per_sample`, or the rank may run out "
+                "of memory on a longer or larger step."
+            )
+    return peaks

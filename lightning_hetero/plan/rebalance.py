@@ -1,63 +1,41 @@
-"""Shares that follow the measured speed of every rank: profiling at start, live rebalancing, exact resume.
+"""Shares that follow the measured speed of every rank: live rebalancing.
 
-:class:`ShareController` is what :class:`~lightning_hetero.strategies.ddp.HeteroDDPStrategy` calls into:
+:class:`ShareController` is the rebalancing decision of :class:`~lightning_hetero.strategies.core.HeteroCore`
+(``strategy.share_controller``). With ``rebalance=True`` a :class:`StepTimer` measures each step's compute time (from
+``training_step`` start to the end of its local backward, minus time blocked in collectives the strategy issues inside
+the step; data loading and the gradient all-reduce wait are outside that window), and every ``rebalance_every``
+batches all ranks exchange their measurements in one ``all_gather``. Every rank then updates the same exponential
+moving average of per-rank throughput and takes the same decision (:func:`propose`): new shares only when the
+measured rates predict them to shorten the step by more than ``rebalance_threshold``, keyed to a global-batch index
+past every rank's prefetched batches.
 
-- when the training loader is built (before its first batch is drawn) it restores the shares of a resumed run and
-  where in the epoch it stopped, or profiles the model (:mod:`lightning_hetero.plan.profiling`) and applies the measured
-  shares from batch 0;
-- with ``rebalance=True`` a :class:`StepTimer` measures each step's compute time (from ``training_step`` start to the
-  end of its local backward, minus time blocked in collectives the strategy issues inside the step; data loading and
-  the gradient all-reduce wait are outside that window), and every ``rebalance_every`` batches all ranks exchange their
-  measurements in one ``all_gather``. Every rank then updates the same exponential moving average of per-rank
-  throughput and takes the same decision (:func:`propose`): new shares only when the measured rates predict them to
-  shorten the step by more than ``rebalance_threshold``, keyed to a global-batch index past every rank's prefetched
-  batches.
-
-It reads the strategy through a :class:`~lightning_hetero.view.StrategyView` and writes capacities, caps and share
-changes into the :class:`~lightning_hetero.plan.shares.SharePlan` (their one owner).
+The shares it starts from are restored or profiled before the training loader's first batch
+(:class:`~lightning_hetero.plan.state.ShareState`, :class:`~lightning_hetero.plan.profile_run.ShareProfiler`). It
+reads the strategy through a :class:`~lightning_hetero.view.StrategyView` and writes share changes into the
+:class:`~lightning_hetero.plan.shares.SharePlan` (their one owner).
 
 Example::
 
-    controller = ShareController(view, plan, lab, rebalance=True, every=20, threshold=0.05, smoothing=0.5)
-    rank_states.register("shares", controller)
+    controller = ShareController(view, plan, lab, profiler, rebalance=True, every=20, threshold=0.05, smoothing=0.5)
+    controller.start(train_sampler)  # then on_train_batch_start(batch_idx, samples) at every batch
 """
 
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.lab.setup import LabSetup
-from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
-from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.profile_run import ShareProfiler
+from lightning_hetero.plan.profiling import ProfileResult
+from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.view import StrategyView
-
-
-class PlannedSampler(Protocol):
-    """What the controller reads of the training batch sampler (``data/sampler.py``), which reads the plan."""
-
-    sampler: Any
-    rank: int
-    world_size: int
-    global_batch_size: int
-    batches_yielded: int
-    start_batch: int
-
-    @property
-    def capacities(self) -> tuple[float, ...]: ...
-
-    def __len__(self) -> int: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None: ...
 
 
 def when_backward_ends(loss: torch.Tensor, callback: Callable[[], None]) -> None:
@@ -212,21 +190,19 @@ def gather_measurements(values: Sequence[float], device: torch.device) -> list[l
 
 
 class ShareController:
-    """Profiling, live rebalancing and the checkpointed share state of one training run.
+    """Live rebalancing of one training run: step timing, the measurement exchange and the share decision.
 
-    ``state_dict`` holds the profile, the rebalancer's moving average and counters, and the train sampler's share
-    schedule; the sampler's position is Lightning's restored batch progress (checked against the saved one).
+    Profiling at start is :class:`~lightning_hetero.plan.profile_run.ShareProfiler`'s, the checkpointed share state
+    and the resume :class:`~lightning_hetero.plan.state.ShareState`'s; this class saves only its moving average and
+    counters into that state.
     """
 
     def __init__(
         self,
         view: StrategyView,
         plan: SharePlan,
-        lab: LabSetup,
-        profile: bool = False,
-        profile_steps: int = 4,
-        memory_headroom: float = 0.1,
-        max_batch_per_rank: Optional[int] = None,
+        lab: LabView,
+        profiler: ShareProfiler,
         rebalance: bool = False,
         every: int = 20,
         threshold: float = 0.05,
@@ -235,96 +211,42 @@ class ShareController:
         self.view = view
         self.plan = plan
         self.lab = lab
-        self.profile_enabled = profile
-        self.profile_steps = profile_steps
-        self.memory_headroom = memory_headroom
-        self.max_batch_per_rank = max_batch_per_rank
+        self.profiler = profiler
         self.rebalance = rebalance
         self.every = every
         self.threshold = threshold
         self.smoothing = smoothing
-        self.profile: Optional[ProfileResult] = None
         self._slept_mark = 0.0  # the emulator's cumulative sleep at the last step boundary
         self.sampler: Optional[PlannedSampler] = None
         self.timer: Optional[StepTimer] = None
         self.ema: Optional[list[float]] = None
         self.batches_seen = 0
-        self.position = 0  # batches of the current epoch whose step has run
         self.decisions: list[Decision] = []
         self._window = [0.0, 0.0]  # samples, compute seconds since the last exchange
         self._last_samples = 0  # real samples of the step being timed
         self._skip_next = True  # the first step after (re)start warms up allocators and caches
-        self._restored: Optional[dict[str, Any]] = None
-        self._expect_batch: Optional[int] = None
-        self._devices: Optional[list[str]] = None  # the lab's device classes, saved to detect changed cards
+
+    @property
+    def profile(self) -> Optional[ProfileResult]:
+        """The profiling record (rates and caps measured at start); the capacities in force are the plan's."""
+        return self.profiler.profile
 
     @property
     def caps(self) -> Optional[tuple[int, ...]]:
         """Per-rank memory caps (the plan's)."""
         return self.plan.caps
 
-    # -- checkpoint ------------------------------------------------------------------------------------------------
+    # -- checkpoint (part of the share state, plan/state.py) ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "profile": None if self.profile is None else self.profile.state_dict(),
-            "caps": None if self.caps is None else list(self.caps),
-            "sampler": None if self.sampler is None else self.sampler.state_dict(),
-            "ema": self.ema,
-            "batches_seen": self.batches_seen,
-            "position": self.position,
-            "devices": self._devices,
-        }
+        return {"ema": self.ema, "batches_seen": self.batches_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Applied when the training loader is built (Lightning restores callbacks before that).
-        self._restored = dict(state)
+        self.ema = state.get("ema")
+        self.batches_seen = int(state.get("batches_seen", 0))
 
-    def reshard(self, states: list[Optional[dict[str, Any]]], rank: int, world_size: int) -> Optional[dict[str, Any]]:
-        """A checkpoint of another world size: keep the global position (epoch, global batch index, global batch
-        size) and plan shares anew for the ranks that are here. Every rank's saved copy is the same."""
-        state = next((s for s in states if s is not None), None)
-        if state is None:
-            return None
-        sampler = state.get("sampler")
-        return {
-            "position": state.get("position", 0),
-            "sampler": None if sampler is None else {**sampler, "changes": None},
-            "replan": f"the checkpoint was written by {len(states)} ranks, this job has {world_size}",
-        }
-
-    # -- start of training -----------------------------------------------------------------------------------------
-    def on_train_loader(self, sampler: PlannedSampler, dataloader: Any) -> None:
-        """Before the loader's first batch is drawn: restore a resumed run's shares, or profile (a collective)."""
+    def start(self, sampler: PlannedSampler) -> None:
+        """The training loader is built (its shares restored or planned): time its steps from the next one on."""
         self.sampler = sampler
-        plan = self.plan
-        trainer = self._trainer()
-        restored, self._restored = self._restored, None
-        if restored is None and trainer.fit_loop.restarting:  # e.g. a checkpoint of Lightning's `DDPStrategy`
-            restored = {"replan": "the checkpoint holds no share state (another strategy wrote it)"}
-        self._devices = [d.device_class for d in self.lab.lab.devices]
-        replan = None if restored is None else _replan_reason(restored, self._devices)
-        if restored is not None:
-            self._restore(restored, sampler, trainer, replan is not None)
-            if replan is not None:
-                rank_zero_info(f"HeteroDDPStrategy resume: {replan}; shares are planned for this lab "
-                               f"(capacities '{plan.source}').")
-        if restored is None or replan is not None:
-            # One rank has nobody to share with: profiling it would only delay the first step.
-            if self.profile_enabled and self.profile is None and sampler.world_size > 1:
-                self.profile = self._run_profile(sampler, dataloader)
-                if self.profile is not None:
-                    plan.set_caps(self.profile.caps)
-                    plan.update(self.profile.capacities, "profile")
-            if plan.caps is None and self.max_batch_per_rank is not None:
-                plan.set_caps((self.max_batch_per_rank,) * sampler.world_size)
-            # The latest shares (profiled, or rebalanced before a loader reload) from the loader's first batch.
-            plan.change(plan.capacities, first_batch=0, epoch=sampler.sampler.epoch)
-        kept = restored is not None and replan is None
-        plan.update(sampler.capacities, "restored" if kept else plan.source)
-        if self.profile is not None:
-            self.lab.add_columns(table_columns(self.profile))
-        elif plan.caps is not None:
-            self.lab.add_columns({"mem cap": [str(c) for c in plan.caps]})
         if self.rebalance and self.timer is None:
             self.timer = StepTimer(self.view.root_device)
         self._skip_next = True
@@ -333,93 +255,6 @@ class ShareController:
         module = self.view.lightning_module
         assert module is not None
         return module.trainer
-
-    def _run_profile(self, sampler: PlannedSampler, dataloader: Any) -> Optional[ProfileResult]:
-        view = self.view
-        module = view.lightning_module
-        assert module is not None
-        if not module.automatic_optimization:
-            rank_zero_warn("HeteroDDPStrategy: manual optimization cannot be profiled; keeping "
-                           f"'{self.plan.source}' capacities.")
-            return None
-        order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
-        # Up to a whole global batch: a refinement pass may time this rank at its (possibly large) share.
-        need = sampler.global_batch_size
-        offset = sampler.rank * max(1, need // sampler.world_size)
-        indices = [order[(offset + i) % len(order)] for i in range(need)]
-        emulator = self.lab.emulation
-        result = profile_lightning_module(
-            module,
-            dataloader.dataset,
-            dataloader.collate_fn,
-            indices,
-            sampler.global_batch_size,
-            view.root_device,
-            forward_context=view.precision_plugin.forward_context,
-            steps=self.profile_steps,
-            headroom=self.memory_headroom,
-            max_batch_per_rank=self.max_batch_per_rank,
-            optimizers=view.optimizers,
-            step_context=emulator.work if emulator is not None else _nothing,
-            classes=[d.device_class for d in self.lab.lab.devices],
-        )
-        if result is None:
-            rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "
-                           f"'{self.plan.source}' capacities.")
-            return None
-        rates = ", ".join(f"{c:.4g}" for c in result.capacities)
-        rank_zero_info(f"HeteroDDPStrategy profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
-                       + (f", memory caps {list(result.caps)}" if result.caps else ""))
-        return result
-
-    def _restore(self, state: dict[str, Any], sampler: PlannedSampler, trainer: Any, replan: bool) -> None:
-        if not replan:  # measurements of other devices (or another world size) say nothing about these
-            self.profile = None if state.get("profile") is None else ProfileResult.from_state_dict(state["profile"])
-            self.plan.set_caps(state["caps"] if state.get("caps") else None)
-            self.ema = state.get("ema")
-            self.batches_seen = int(state.get("batches_seen", 0))
-        saved_g = (state.get("sampler") or {}).get("global_batch_size")
-        explicit_g = self.plan.global_batch_size
-        if saved_g is not None and explicit_g is not None and saved_g != explicit_g:
-            raise ValueError(
-                f"`global_batch_size`={explicit_g} but the checkpoint was trained with a global batch of {saved_g}: "
-                "the position in the epoch and the optimizer's hyper-parameters refer to it. Leave "
-                "`global_batch_size` unset (the checkpoint's is kept) or start a new run."
-            )
-        if saved_g is not None and saved_g != sampler.global_batch_size:
-            rank_zero_info(f"HeteroDDPStrategy resume: keeping the checkpoint's global batch of {saved_g} samples "
-                           f"(the loader's batch_size x {sampler.world_size} ranks would give "
-                           f"{sampler.global_batch_size}).")
-            sampler.global_batch_size = int(saved_g)  # before counting the epoch's batches below
-        fit_loop = trainer.fit_loop
-        # Lightning restarts a map-style loader from its first batch but continues batch_idx from its restored
-        # progress (`ready`); the sampler skips exactly those batches so index k is still global batch k.
-        start = fit_loop.epoch_loop.batch_progress.current.ready if fit_loop.restarting else 0
-        epoch = fit_loop.epoch_progress.current.processed
-        limit = trainer.limit_train_batches
-        batches = len(sampler) if isinstance(limit, float) and limit == 1.0 else (
-            min(len(sampler), limit) if isinstance(limit, int) else int(len(sampler) * limit))
-        # A stream without a length knows its last batch only from Lightning's saved `is_last_batch`.
-        if start >= batches or (start and fit_loop.epoch_loop.batch_progress.is_last_batch):
-            # Saved after the epoch's last batch: Lightning closes that epoch and draws the next one from the
-            # iterator it creates now, so that iterator must already be the next epoch's, from its first batch.
-            start, epoch = 0, epoch + 1
-        if state.get("sampler") is not None:
-            # On a changed lab the saved shares are dropped: this lab's are planned after this.
-            sampler.load_state_dict({**state["sampler"], "changes": None} if replan else state["sampler"],
-                                    start_batch=start)
-        else:
-            sampler.start_batch = start
-            if start:
-                rank_zero_warn(
-                    f"HeteroDDPStrategy resume: the checkpoint stopped at batch {start} of epoch {epoch} but holds no "
-                    "sampler state of this strategy, so which samples that epoch had drawn is unknown. The epoch goes "
-                    f"on from global batch {start} of this strategy's order: some of its samples may repeat or be "
-                    "missed. From the next epoch on every sample is seen once."
-                )
-        sampler.sampler.set_epoch(epoch)
-        self.position = start
-        self._expect_batch = start if start else None
 
     # -- every training batch --------------------------------------------------------------------------------------
     def step_started(self) -> None:
@@ -435,14 +270,6 @@ class ShareController:
 
     def on_train_batch_start(self, batch_idx: int, local_samples: int) -> None:
         """Account the previous step; every ``every`` batches exchange measurements and maybe rebalance."""
-        if self._expect_batch is not None:
-            expected, self._expect_batch = self._expect_batch, None
-            if batch_idx != expected:
-                raise RuntimeError(
-                    f"HeteroDDPStrategy resumed its sampler at global batch {expected} but Lightning resumed at "
-                    f"batch_idx {batch_idx}; samples would be lost or repeated."
-                )
-        self.position = batch_idx + 1
         if self.timer is None or self.sampler is None:
             return
         seconds = self.timer.stop()
@@ -508,16 +335,6 @@ class ShareController:
 
     def teardown(self) -> None:
         self.timer = None
-
-
-def _replan_reason(state: dict[str, Any], devices: list[str]) -> Optional[str]:
-    """Why a restored share state cannot be kept on this lab (``None``: same world size and cards)."""
-    if state.get("replan"):
-        return str(state["replan"])
-    saved = state.get("devices")
-    if saved is not None and list(saved) != devices:
-        return f"the devices changed ({', '.join(saved)} -> {', '.join(devices)})"
-    return None
 
 
 @contextmanager

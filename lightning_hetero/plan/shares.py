@@ -6,26 +6,32 @@ torchtitan's ``ParallelDims`` is the model: one object holds the facts, readers 
   from each batch index of the epoch on. The training loader's schedule is the plan's; evaluation loaders follow the
   plan's latest capacities from their next share change on.
 - :class:`SharePlan` holds the validated ``capacities`` argument, the capacities in force and where they came from
-  (explicit, peak, profiled, rebalanced, restored), the memory caps and the training schedule. The sampler reads it;
-  profiling and rebalancing (:class:`~lightning_hetero.plan.rebalance.ShareController`) write it; the lab table shows
-  it.
+  (explicit, peak, profiled, rebalanced, restored), the memory caps and the training schedule. It makes every
+  loader's schedule (:meth:`SharePlan.new_schedule`), which the samplers read; profiling
+  (:class:`~lightning_hetero.plan.profile_run.ShareProfiler`), rebalancing
+  (:class:`~lightning_hetero.plan.rebalance.ShareController`) and resume
+  (:class:`~lightning_hetero.plan.state.ShareState`) write it; the lab table shows it.
+- :class:`PlannedSampler` and :class:`LabView` are what those writers read of the training sampler and of the lab
+  set-up.
 
 Example::
 
     plan = SharePlan(parse_capacities([3, 1]), global_batch_size=8)
     plan.resolve(devices, torch.float32)
-    plan.adopt_train_schedule(ShareSchedule(8, plan.capacities))
+    plan.adopt_train_schedule(plan.new_schedule(8))
     plan.schedule.split_at(0)  # [6, 2]
 """
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.lab.emulation import Emulator
+from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
 from lightning_hetero.plan.split import split_batch
 
@@ -160,6 +166,10 @@ class SharePlan:
         self.schedule.roll_to_epoch(epoch)
         self.schedule.change(capacities, first_batch, self.caps)
 
+    def new_schedule(self, global_batch_size: int, epoch: int = 0) -> ShareSchedule:
+        """A loader's schedule, starting from the capacities in force (it refuses a global batch below world size)."""
+        return ShareSchedule(global_batch_size, self.capacities, epoch=epoch)
+
     def adopt_train_schedule(self, schedule: ShareSchedule) -> None:
         """The training loader's schedule becomes the plan's (replacing an earlier loader's)."""
         self.schedule = schedule
@@ -197,3 +207,35 @@ class SharePlan:
             "split": list(self.split),
             "caps": None if self.caps is None else list(self.caps),
         }
+
+
+# -- what the plan's writers read -------------------------------------------------------------------------------------
+class PlannedSampler(Protocol):
+    """The training batch sampler (``data/sampler.py``) as profiling, rebalancing and resume read it."""
+
+    sampler: Any
+    rank: int
+    world_size: int
+    global_batch_size: int
+    batches_yielded: int
+    start_batch: int
+
+    @property
+    def capacities(self) -> tuple[float, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None: ...
+
+
+class LabView(Protocol):
+    """The lab set-up (``lab/setup.py``) as the plan's writers read it: devices, this rank's emulator, table columns."""
+
+    emulation: Optional[Emulator]
+
+    @property
+    def lab(self) -> HeteroLab: ...
+
+    def add_columns(self, columns: Mapping[str, Sequence[Any]]) -> None: ...

@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Resilience
-from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
 from lightning_hetero.resilience.faults import FaultMonitor
 from lightning_hetero.resilience.preemption import PreemptionHandler
@@ -40,11 +39,11 @@ class ResilienceHooks:
         # callback: the batch end (where ModelCheckpoint saves, resumed exactly) has no strategy hook.
         self.preemption = PreemptionHandler(resume=options.resume, before_stop=self.stop_watchdog)
 
-    def start_watchdog(self, local: DeviceInfo) -> None:
-        """The fault watchdog of a multi-rank job (it names a rank that stops making progress)."""
+    def start_watchdog(self, host: str, device_name: str) -> None:
+        """The fault watchdog of a multi-rank job (it names a rank that stops making progress, its host and device)."""
         view = self.view
         if view.world_size > 1:
-            self.faults = FaultMonitor(view.global_rank, view.world_size, local.host, local.name, self.options.timeout)
+            self.faults = FaultMonitor(view.global_rank, view.world_size, host, device_name, self.options.timeout)
             self.faults.start()
         self.rank_states.register("rng", self.rng)
 

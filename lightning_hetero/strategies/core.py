@@ -4,8 +4,11 @@
 one job and read the Lightning strategy through one typed :class:`~lightning_hetero.view.StrategyView`:
 
 - ``plan`` (:class:`~lightning_hetero.plan.shares.SharePlan`): capacities, memory caps, the schedule of share changes;
-- ``lab`` (:class:`~lightning_hetero.lab.setup.LabSetup`): emulation, the process group, devices, groups, precision;
-- ``shares`` (:class:`~lightning_hetero.plan.rebalance.ShareController`): profiling, rebalancing, share state;
+- ``lab`` (:class:`~lightning_hetero.lab.setup.LabSetup`): emulation, the process group, devices, groups;
+- ``precision`` (:class:`~lightning_hetero.grad.precision.RankPrecision`): every rank's precision, this rank's plugin;
+- ``profiler`` (:class:`~lightning_hetero.plan.profile_run.ShareProfiler`): profiling at start, its record;
+- ``shares`` (:class:`~lightning_hetero.plan.rebalance.ShareController`): live rebalancing;
+- ``share_state`` (:class:`~lightning_hetero.plan.state.ShareState`): the checkpointed share state, the resume;
 - ``loaders`` (:class:`~lightning_hetero.data.split.LoaderSplit`): every loader split by the plan, micro-batching;
 - ``step`` (:class:`~lightning_hetero.grad.step.StepShare`): this step's (b_r, G), micro-batches, the weighted mean;
 - ``resilience`` (:class:`~lightning_hetero.resilience.hooks.ResilienceHooks`): watchdog, checkpoint state, teardown;
@@ -25,15 +28,17 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, check, is_int
 from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
-from lightning_hetero.grad.precision import PrecisionPolicy, parse_precision_policy
+from lightning_hetero.grad.precision import PrecisionPolicy, RankPrecision, parse_precision_policy
 from lightning_hetero.grad.step import StepShare
 from lightning_hetero.lab.emulation import EmulationSpec, parse_emulate
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.observe.notices import restore_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities
+from lightning_hetero.plan.profile_run import ShareProfiler
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.state import ShareState
 from lightning_hetero.resilience.hooks import ResilienceHooks
 from lightning_hetero.view import StrategyView
 
@@ -47,31 +52,37 @@ class HeteroCore:
         self.view = view
         self.options = options
         self.plan = SharePlan(capacity_spec, global_batch_size)
-        self.lab = LabSetup(view, options, emulate, precision_policy)
+        self.lab = LabSetup(view, options, emulate)
+        self.precision = RankPrecision(view, precision_policy)
         self.resilience = ResilienceHooks(view, options.resilience)
         profiling, rebalancing = options.profiling, options.rebalance
-        self.shares = ShareController(
+        self.profiler = ShareProfiler(
             view, self.plan, self.lab,
-            profile=capacity_spec.source in ("profile", "auto"),
-            profile_steps=profiling.steps,
+            enabled=capacity_spec.source in ("profile", "auto"),
+            steps=profiling.steps,
             memory_headroom=float(profiling.memory_headroom),
             max_batch_per_rank=profiling.max_batch_per_rank,
+        )
+        self.shares = ShareController(
+            view, self.plan, self.lab, self.profiler,
             rebalance=rebalancing is not None,
             every=rebalancing.every if rebalancing else 20,
             threshold=float(rebalancing.threshold) if rebalancing else 0.05,
             smoothing=float(rebalancing.smoothing) if rebalancing else 0.5,
         )
-        self.loaders = LoaderSplit(view, self.plan, self.lab, self.shares, self.resilience, options)
-        self.step = StepShare(view, self.loaders, self.shares, self.lab, self.resilience)
+        self.share_state = ShareState(view, self.plan, self.lab, self.profiler, self.shares)
+        self.loaders = LoaderSplit(view, self.plan, self.lab, self.share_state, self.resilience, options)
+        self.step = StepShare(view, self.loaders, self.shares, self.share_state, self.lab, self.resilience)
 
     # -- the lifecycle points that involve several collaborators ----------------------------------------------------
     def after_process_group(self) -> None:
         """Every rank's device, the precision plugin, capacities, the lab and its groups (collectives)."""
         local = self.lab.describe_local()
-        self.resilience.start_watchdog(local)
+        self.resilience.start_watchdog(local.host, local.name)
         devices = self.lab.gather(local)
-        self.plan.resolve(devices, self.lab.compute_dtype())
-        self.lab.build(devices)
+        self.precision.install(devices)
+        self.plan.resolve(devices, self.precision.compute_dtype())
+        self.lab.build(devices, self.precision.table_columns(devices))
         self._add_callbacks()
 
     def _add_callbacks(self) -> None:
@@ -94,7 +105,7 @@ class HeteroCore:
     def on_save(self, checkpoint: dict[str, Any]) -> None:
         sampler = self.loaders.train_sampler
         epoch = sampler.sampler.epoch if sampler is not None else None
-        self.resilience.on_save(checkpoint, epoch, self.shares.position)
+        self.resilience.on_save(checkpoint, epoch, self.share_state.position)
 
     def after_teardown(self) -> None:
         restore_inexact_resume_warning()

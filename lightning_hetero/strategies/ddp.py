@@ -34,11 +34,12 @@ from lightning_hetero.config import (
     from_flat_arguments,
 )
 from lightning_hetero.grad.autocompress import resolve_compression
-from lightning_hetero.grad.compression import CompressionArg, GradientCompression, parse_compression
+from lightning_hetero.grad.compression import GradientCompression
+from lightning_hetero.grad.compression_config import CompressionArg, parse_compression
 from lightning_hetero.grad.periodic import PeriodicSyncArg, periodic_runtime
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.weighting import WeightingState, loss_weight, weighted_allreduce_hook
-from lightning_hetero.lab.emulation import PacedState, paced_hook
+from lightning_hetero.lab.link_pacing import PacedState, paced_hook
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments

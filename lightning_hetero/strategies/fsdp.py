@@ -5,14 +5,20 @@ fit meets it:
 
 1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
    sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
-2. the memory plan (:mod:`lightning_hetero.plan.memory`): each rank's mode (keep / activation checkpointing / CPU
-   offload) from the ``memory`` policy and the lab's memory; a job that cannot fit fails here with every rank's
-   numbers, and again before the first step once the real shares and optimizer are known;
+2. the memory plan (:mod:`lightning_hetero.plan.memory`): how many blocks each rank offloads to host memory and how
+   many recompute their activations, from the ``memory`` policy and the lab's memory; a job that cannot fit fails
+   here with every rank's numbers, and again before the first step once the real shares and optimizer are known;
+   after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
-   (one host) or a 2-D HSDP mesh (equal hosts); the optimizers are built on the shards;
-4. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
+   (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
+   shards;
+4. the steps (:meth:`FSDP2Strategy.training_step` ...): each runs through the sharded root's ``__call__`` with its
+   ``forward`` redirected to the step, as Lightning runs DDP's wrapper, so the root's parameters are gathered whatever
+   the step calls;
+5. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
    reduce-scatter gives Σ_r (b_r/G) g_r; accumulation steps skip the reduce-scatter (:meth:`block_backward_sync`);
-5. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
+   a rank's micro-batches keep its parameters gathered, so every rank joins the same collectives (:meth:`no_sync`);
+6. checkpoints (:mod:`lightning_hetero.resilience.sharded`): sharded directories written atomically with torch's
    distributed checkpoint, resumable on another world size, exportable to one file.
 
 Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
@@ -52,16 +58,20 @@ from lightning_hetero.config import (
 )
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
+    check_ties,
     default_blocks,
     device_mesh,
+    gathered_across_micro_batches,
     is_sharded,
     mixed_precision,
     set_gradient_sync,
     shard_module,
+    tied_parameters,
 )
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
+    MemoryFitError,
     MemoryPolicy,
     MemoryPolicyArg,
     ModelFootprint,
@@ -70,12 +80,20 @@ from lightning_hetero.plan.memory import (
     memory_column,
     optimizer_slots,
     parse_memory_policy,
+    report_peaks,
     resolve_memory,
 )
+from lightning_hetero.lab.shared_gpu import shared_device_backend
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, verify_manifest, write_manifest
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+
+
+_ROOT_REDIRECTION = _compat.ForwardRedirection()
+
+# The measured peaks are compared with the plan after this many optimizer steps (the optimizer state exists by then).
+PEAK_AFTER_STEPS = 2
 
 
 class FSDP2Strategy(DDPStrategy):
@@ -84,6 +102,39 @@ class FSDP2Strategy(DDPStrategy):
 
     def shard(self, module: nn.Module) -> None:
         raise NotImplementedError
+
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before `configure_model`: a module that shards itself there must keep these ties.
+        self._ties_before_sharding = tied_parameters(model)
+
+    # -- steps: through the sharded root's `__call__`, so FSDP2's root pre-forward gathers the root's parameters ----
+    def _through_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        # The root is the LightningModule itself, so Lightning's own steps call it unwrapped: a step that uses
+        # `self.model(...)` would meet the root's parameters (embeddings, heads) still sharded.
+        module = self.lightning_module
+        return _ROOT_REDIRECTION(module, module, step, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -104,9 +155,6 @@ class FSDP2Strategy(DDPStrategy):
             yield
         finally:
             set_gradient_sync(self.lightning_module, True)
-
-    def no_sync(self) -> Any:
-        return self.block_backward_sync()
 
     # -- checkpoints: a directory of shards, written by every rank ------------------------------------------------
     @property
@@ -173,11 +221,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
 
     Args:
-        memory: what each rank keeps in device memory: ``"auto"`` (the fastest mode that fits, rank by rank),
-            ``"keep"``, ``"checkpoint"`` (activation checkpointing), ``"offload"`` (shard, gradients and optimizer
-            state in host memory), ``"checkpoint_offload"``, a mapping from device-name substring or ``"rank:N"`` to
-            one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that cannot fit fails before its first
-            step with every rank's numbers.
+        memory: what each rank keeps in device memory: ``"auto"`` (per rank, the fewest offloaded blocks, then the
+            fewest recomputed blocks, that fit), per-block counts (``"offload:4,checkpoint:all"``), whole-rank modes
+            (``"keep"``, ``"checkpoint"``, ``"offload"``, ``"checkpoint_offload"``), a mapping from device-name
+            substring or ``"rank:N"`` to one of those, or a :class:`~lightning_hetero.MemoryPolicy`. A job that
+            cannot fit fails before its first step with every rank's numbers.
         blocks: dotted class paths (``"mypkg.model.Block"``) of the modules to shard one by one (one all-gather
             each). Default: the entries of the model's ``nn.ModuleList`` s, else every module with parameters of its
             own. A model that shards itself in ``configure_model`` keeps its sharding.
@@ -187,8 +235,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
         profiling: how measured capacities are profiled (:class:`~lightning_hetero.config.Profiling`).
         rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
-        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); ``micro_batch`` must stay
-            ``None`` (every rank's forward joins the same all-gathers: hold large shares with ``memory``).
+        data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); with ``micro_batch`` a rank runs
+            its share in several pieces, its parameters gathered once for all of them (see ``docs/fsdp.md``).
         precision_policy: per-rank mixed precision, as for ``HeteroDDPStrategy`` (bf16 all-gather and
             reduce-scatter when every rank trains in bf16; fp32 master weights always).
         emulate: emulate a mixed lab on identical devices, as for ``HeteroDDPStrategy``.
@@ -197,7 +245,9 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         start_method: ``"popen"`` (Lightning's script launcher; also torchrun / SLURM), ``"spawn"`` or ``"fork"``.
         process_group_backend: ``"nccl"``, ``"gloo"`` ... (default: by device).
         accelerator: as for Lightning's ``DDPStrategy``.
-        parallel_devices: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``; one CUDA index repeated (``one_gpu(2)`` from
+            :mod:`lightning_hetero.lab.shared_gpu`) puts several ranks on one GPU (gloo; memory and correctness, not
+            speed).
         cluster_environment: as for ``DDPStrategy``.
         checkpoint_io: as for ``DDPStrategy``; default: atomic writes, verified by their checksums.
         precision_plugin: as for ``DDPStrategy`` (``precision_policy`` or this, not both).
@@ -232,10 +282,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check("", "hybrid", hybrid, isinstance(hybrid, bool), "True or False")
         self.hybrid = hybrid
         options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
-        # Every forward joins the same all-gathers, so ranks cannot run different numbers of micro-batches.
-        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
-              "None with HeteroFSDPStrategy (every rank's forward joins the same all-gathers; hold large shares with "
-              "`memory`: 'checkpoint' or 'offload')")
+        # Several ranks on one GPU (an emulation mode): gloo, and no device binding (lightning_hetero.lab.shared_gpu).
+        process_group_backend = shared_device_backend(parallel_devices, process_group_backend)
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -246,7 +294,10 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
+        self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
+        # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
+        self.memory_peaks: Optional[list[Optional[int]]] = None
         self._footprint: Optional[ModelFootprint] = None
 
     @property
@@ -260,11 +311,12 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         weights, total = self.plan.capacities, self.plan.global_batch_size or 0  # 0: shares known at the loader
         self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
-        mode = self.memory_plan[self.global_rank].mode
+        plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
-        modes = self.core.lab.precision_modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
-        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint="checkpoint" in mode,
-                     offload="offload" in mode, mp_policy=mixed_precision(modes))
+        modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
+        shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
+                     offload=plan.offload_blocks, mp_policy=mixed_precision(modes))
+        check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
@@ -285,7 +337,37 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
-        self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+        try:
+            self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+        except MemoryFitError as err:
+            if self.plan.global_batch_size is not None:
+                raise
+            # The model was sharded before the loader existed: its plan could not count the shares' activations.
+            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares were known: give "
+                                 "`global_batch_size` so that it counts each rank's activations.") from None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.lightning_module.trainer.global_step == PEAK_AFTER_STEPS:
+            self._report_peaks()
+
+    @override
+    def on_train_end(self) -> None:
+        self._report_peaks()  # a run shorter than PEAK_AFTER_STEPS steps
+        super().on_train_end()
+
+    def _report_peaks(self) -> None:
+        """Every rank's measured peak beside its estimate, once (a collective: every rank calls it)."""
+        if self.memory_plan is None or self.memory_peaks is not None:
+            return
+        self.memory_peaks = report_peaks(self.memory_plan, self.lab.devices, self.memory_policy.headroom,
+                                         self.root_device, self.lightning_module.trainer.global_step, self.global_rank)
+
+    def no_sync(self) -> Any:
+        """Around each micro-batch but a rank's last: the parameters stay gathered and gradients accumulate
+        unsharded, so every rank joins the same collectives whatever number of micro-batches it runs."""
+        return gathered_across_micro_batches(self.lightning_module)
 
     # -- exact weighting --------------------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:

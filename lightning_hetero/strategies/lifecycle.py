@@ -7,8 +7,8 @@ first, and each hands on to the parallelism's own (``super()``).
 """
 
 import os
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -23,6 +23,7 @@ from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
+from lightning_hetero.observe.metrics import discard_padding_step, evaluation_padding, reduce_logged, step_indices
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
@@ -82,7 +83,7 @@ class HeteroLifecycle:
 
     @property
     def share_controller(self) -> ShareController:
-        """Profiling results, rebalancing decisions and the share state saved in checkpoints."""
+        """Rebalancing decisions and the profiling record (the checkpointed share state is ``core.share_state``)."""
         return self.core.shares
 
     @property
@@ -160,12 +161,13 @@ class HeteroLifecycle:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         step = self.core.step
         self.core.shares.step_started()
-        with step.step(step.train_step_size()):
+        trainer = _compat.trainer_of(self.lightning_module)
+        with step.step(step.train_step_size()), discard_padding_step(trainer, self.lightning_module,
+                                                                     padding=step.train_step_size() == 0):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:
                 return super().training_step(*args, **kwargs)  # type: ignore[misc]
-            trainer = self.lightning_module.trainer
             optimizer = self.optimizers[0] if self.optimizers else None
             return step.run_micro_batches(
                 sizes, args[0] if args else kwargs["batch"],
@@ -194,34 +196,49 @@ class HeteroLifecycle:
         self.core.step.after_optimizer_step()
         return out
 
+    @contextmanager
+    def _evaluation_step(self, phase: str, loaders: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+                         ) -> Iterator[bool]:
+        """Around a validation / test / predict step; yields whether it is a padding step (weight 0, counts nowhere)."""
+        self.core.resilience.enter(phase)
+        trainer = _compat.trainer_of(self.lightning_module)
+        padding = evaluation_padding(getattr(trainer, loaders, None), *step_indices(args, kwargs))
+        with self.core.step.step(0 if padding else _batch_size_of(args, kwargs)), discard_padding_step(
+                trainer, self.lightning_module, padding):
+            yield padding
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.resilience.enter("validation")
-        with self.core.step.step(_batch_size_of(args, kwargs)):
+        with self._evaluation_step("validation", "val_dataloaders", args, kwargs):
             return super().validation_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.resilience.enter("test")
-        with self.core.step.step(_batch_size_of(args, kwargs)):
+        with self._evaluation_step("test", "test_dataloaders", args, kwargs):
             return super().test_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.core.resilience.enter("predict")
-        with self.core.lab.emulated_work():
-            return super().predict_step(*args, **kwargs)  # type: ignore[misc]
+        with self._evaluation_step("predict", "predict_dataloaders", args, kwargs) as padding:
+            output = super().predict_step(*args, **kwargs)  # type: ignore[misc]
+        # A padding step runs for the collectives only: its sample is another rank's prediction.
+        return None if padding else output
 
     @override
     def reduce(self, tensor: Tensor, group: Optional[Any] = None,
                reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Tensor:
-        """Inside a step, a mean over ranks is weighted by each rank's batch size (ranks see unequal batches)."""
+        """What one process would compute: inside a step a mean over ranks is weighted by each rank's batch size;
+        an epoch's sample count is averaged without truncation; a padding step counts nowhere
+        (:func:`~lightning_hetero.observe.metrics.reduce_logged`)."""
         if self.world_size == 1:  # any reduction over one rank is its own value: no collective, as on a single device
             return tensor
-        is_mean = reduce_op is None or reduce_op == dist.ReduceOp.AVG or str(reduce_op).lower() in ("mean", "avg")
-        if is_mean and isinstance(tensor, Tensor) and self.core.step.logging_batch_size is not None and dist.is_initialized():
-            return self.core.step.reduce_weighted_mean(tensor, group)
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        parallel_reduce = super().reduce  # type: ignore[misc]
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return parallel_reduce(tensor, group=group, reduce_op=reduce_op)
+        step = self.core.step
+        return reduce_logged(tensor, reduce_op, step.logging_batch_size,
+                             weighted_mean=lambda t: step.reduce_weighted_mean(t, group),
+                             reduce=lambda t, op: parallel_reduce(t, group=group, reduce_op=op))
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

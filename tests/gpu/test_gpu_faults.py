@@ -6,19 +6,18 @@ NCCL timeout), so the surviving rank is ended by its watchdog after the 5 s grac
     python -m pytest -q -s tests/gpu/test_gpu_faults.py     # prints the time to fail of each case
 
 Each rank is its own process with one card (``CUDA_VISIBLE_DEVICES``), started as a node of a 2-node job, as in
-``tests/test_faults.py``.
+``tests/resilience/test_faults.py``.
 """
 
 import os
 import signal
 
 import pytest
-from lightning.fabric.accelerators.cuda import num_cuda_devices
 
-from tests.test_faults import FAULT_BATCH, _assert_failed_fast, _run_job
+from tests.resilience.test_faults import FAULT_BATCH, _assert_failed_fast, _run_job
 
 # Counted without initialising CUDA here; the ranks are spawned anyway (another test may have initialised it).
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(num_cuda_devices() < 2, reason="needs 2 CUDA devices")]
+pytestmark = pytest.mark.gpu(2)
 
 TIMEOUT = 20.0  # NCCL communicators take seconds to set up
 

@@ -5,13 +5,9 @@ the SMs, a paced 25 Gbit/s link; the strategy's two-level sync runs on a side st
 """
 
 import pytest
-import torch
 from gpu_common import run_worker
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = pytest.mark.gpu(2)
 
 
 

@@ -1,13 +1,9 @@
 """HeteroMonitor on 2 GPUs: ``python -m pytest -q tests/gpu/test_gpu_monitor.py -m gpu`` (skipped without them)."""
 
 import pytest
-import torch
 from gpu_common import run_worker
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = pytest.mark.gpu(2)
 
 def test_monitor_sees_the_wait_of_a_quarter_sm_rank_and_its_removal(tmp_path):
     result = run_worker("monitor_worker.py", tmp_path, timeout=500)

@@ -41,10 +41,7 @@ import torch  # noqa: E402
 try:  # the standalone run does not need pytest
     import pytest
 
-    pytestmark = [
-        pytest.mark.gpu,
-        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-    ]
+    pytestmark = pytest.mark.gpu(2)
 except ImportError:
     pass
 

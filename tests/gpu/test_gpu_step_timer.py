@@ -9,7 +9,7 @@ import torch
 
 from lightning_hetero.plan.rebalance import StepTimer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu(1)
 
 
 def test_cuda_end_mark_closes_the_backward_on_the_stream_it_ran_on() -> None:

@@ -1,0 +1,203 @@
+"""Offline analysis of :class:`~lightning_hetero.observe.monitor.HeteroMonitor`'s per-step records: per-rank time
+split, exposed communication vs waiting, advice when a threshold is crossed, and the end-of-fit summary table.
+
+Plain functions of plain numbers (no process group, no Trainer), so ``python -m lightning_hetero report`` and tests
+can call them on saved windows.
+
+Example::
+    >>> window = analyse([[[0.10, 0.01, 0.02, 32, 0]], [[0.10, 0.01, 0.05, 16, 0]]])
+    >>> advice(window)
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+# Per-step record columns (seconds, counts), exchanged on logging steps.
+STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens")
+BUSY_THRESHOLD = 0.85
+COMM_RATIO_THRESHOLD = 0.3
+
+
+def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0) -> dict[str, Any]:
+    """Per-rank means per step of a window of records (rank, step, field: ``STEP_FIELDS``) and the job-level
+    figures.
+
+    The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
+    communication; everything any rank spent in sync beyond it is waiting for slower ranks. (Plain Python over the
+    table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
+    """
+    # [rank][step][field]
+    table = steps.tolist() if isinstance(steps, torch.Tensor) else steps
+    world, n = len(table), (len(table[0]) if table else 0)
+    comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
+    comm_total = sum(comm_steps)
+    cycle, data, wait, compute, samples, tokens = ([0.0] * world for _ in range(6))
+    for r, rows in enumerate(table):
+        for (c, d, sync, b, t), comm in zip(rows, comm_steps):
+            cycle[r] += c
+            data[r] += d
+            wait[r] += sync - comm
+            compute[r] += max(c - d - sync, 0.0)
+            samples[r] += b
+            tokens[r] += t
+    # The cycles agree across ranks up to clock skew: their mean
+    wall = sum(cycle) / world if world else 0.0
+    per_step = 1.0 / n if n else 0.0
+    solo = [s / c if c > 0 else 0.0 for s, c in zip(samples, compute)]
+    total_samples, total_tokens = sum(samples), sum(tokens)
+    rate = total_samples / wall if wall > 0 else 0.0
+    ideal = sum(solo)
+    slowest = max(compute, default=0.0)
+    return {
+        "first_step": int(first_step),
+        "steps": int(n),
+        "compute": [v * per_step for v in compute],
+        "wait": [v * per_step for v in wait],
+        "data": [v * per_step for v in data],
+        "comm": [comm_total * per_step] * world,
+        "cycle": [v * per_step for v in cycle],
+        "samples": samples,
+        "tokens": tokens,
+        # As trained
+        "shares": [s / total_samples for s in samples] if total_samples > 0 else None,
+        "busy": [c / t if t > 0 else 0.0 for c, t in zip(compute, cycle)],
+        "solo": solo,
+        "step_s": wall * per_step,
+        "samples_per_s": rate,
+        "tokens_per_s": total_tokens / wall if wall > 0 and total_tokens > 0 else None,
+        "ideal_fraction": rate / ideal if ideal > 0 else None,
+        "comm_compute_ratio": comm_total / slowest if slowest > 0 else None,
+    }
+
+
+def accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:
+    """Running sums (seconds and samples per rank, steps) of the windows after warm-up."""
+    n = window["steps"]
+    add = {k: [v * n for v in window[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
+    add["samples"] = list(window["samples"])
+    add["tokens"] = list(window["tokens"])
+    add["steps"] = [float(n)]
+    if totals is None:
+        return add
+    return {k: [a + b for a, b in zip(totals.get(k, [0.0] * len(v)), v)] for k, v in add.items()}
+
+
+# Capacity sources that already come from measuring the model (see SharePlan.source).
+_MEASURED_SOURCES = ("profile", "rebalanced", "restored")
+
+
+def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_source: Optional[str] = None,
+           rebalance: Optional[bool] = None) -> list[tuple[str, str]]:
+    """(kind, message) for each threshold a window crosses: each message names the window's steps (its numbers are
+    those steps' means) and says what to change, leaving out what the run already does (``capacity_source``: the
+    lab's, ``rebalance``: whether shares follow drifting speeds; ``None``: unknown)."""
+    out = []
+    world = len(window["busy"])
+    first = int(window.get("first_step", 0))
+    span = f"HeteroMonitor, steps {first + 1}-{first + int(window.get('steps', 0))}:"
+    for r in range(world):
+        cycle = window["cycle"][r] or 1e-12
+        wait, data = window["wait"][r] / cycle, window["data"][r] / cycle
+        util = nvml_util[r] if r < len(nvml_util) and not math.isnan(nvml_util[r]) else None
+        busy = window["busy"][r]
+        if busy >= BUSY_THRESHOLD and (util is None or util >= 100 * BUSY_THRESHOLD):
+            continue
+        if wait >= 0.1 and world > 1:
+            solo = window["solo"]
+            by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
+            now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
+            todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
+            todo += [] if rebalance else ["rebalance=True (speeds drift: throttling, co-tenants)"]
+            use = f"use {' and '.join(todo)}. " if todo else "capacities are measured and rebalanced already. "
+            out.append(("wait", (
+                f"{span} rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "
+                f"(goal: busy >= 85%). Shares by measured speed would be [{by_speed}] (now [{now}]): {use}If the "
+                "wait stays, the slower ranks' steps are dominated by fixed per-step costs that no split moves: "
+                "raise the batch size.")))
+        elif data >= 0.1:
+            out.append(("data", (
+                f"{span} rank {r} spends {data:.0%} of each step loading data (busy {busy:.0%}, goal >= 85%): "
+                "raise the DataLoader's num_workers (and pin_memory=True on GPUs).")))
+        elif util is not None and util < 100 * BUSY_THRESHOLD:
+            out.append(("util", (
+                f"{span} GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
+                "small for the card (raise the global batch) or the host too slow to feed it.")))
+    ratio = window.get("comm_compute_ratio")
+    if ratio is not None and ratio > COMM_RATIO_THRESHOLD:
+        out.append(("comm", (
+            f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
+            f"{COMM_RATIO_THRESHOLD}): try compression='fp16'/'bf16' (or 'powersgd' on slow links), a larger "
+            "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
+            "the backward), or a larger global batch.")))
+    return out
+
+
+def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None) -> list[list[str]]:
+    """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates."""
+    steps = max(totals["steps"][0], 1.0)
+    rows = []
+    for r in range(len(totals["compute"])):
+        cycle = totals["cycle"][r] or 1e-12
+
+        def cell(key: str) -> str:
+            return f"{1000 * totals[key][r] / steps:.2f} ({totals[key][r] / cycle:.0%})"
+
+        solo = totals["samples"][r] / totals["compute"][r] if totals["compute"][r] > 0 else 0.0
+        share = f"{shares[r]:.1%}" if shares else "-"
+        rows.append([str(r), share, cell("compute"), cell("wait"), cell("data"), cell("comm"),
+                     f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
+    return rows
+
+
+SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
+
+
+def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
+    steps = max(totals["steps"][0], 1.0)
+    wall = sum(totals["cycle"]) / len(totals["cycle"])
+    rate = sum(totals["samples"]) / wall if wall > 0 else 0.0
+    ideal = sum(s / c for s, c in zip(totals["samples"], totals["compute"]) if c > 0)
+    slowest = max(totals["compute"])
+    comm = totals["comm"][0]
+    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
+            "samples per second of compute); "
+            f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
+    if sum(totals["tokens"]) > 0 and wall > 0:
+        foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
+    total = sum(totals["samples"])
+    shares = [s / total for s in totals["samples"]] if total > 0 else None
+    return summary_rows(totals, shares), foot
+
+
+def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> None:
+    """The end-of-fit table on stdout (``rich`` when installed). ``steps``: the first and last optimizer step the
+    totals cover, for the title (the warnings during the run give single windows' means, these are all steps')."""
+    rows, foot = summary_text(totals)
+    title = "HeteroMonitor: where each rank's step time went (after warm-up)"
+    if steps:
+        title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "
+                 "the means of all these steps, where a warning gives one window's)")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(SUMMARY_HEADERS)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [title, fmt.format(*SUMMARY_HEADERS)]
+        lines += [fmt.format(*row) for row in rows] + [foot]
+        print("\n".join(lines), flush=True)
+        return
+    table = Table(title=title, caption=foot)
+    for h in SUMMARY_HEADERS:
+        table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        # A log file or a pipe: rich would cut the table to 80 columns ("sha…", "2.5e+…")
+        console = Console(width=max(console.width, console.measure(table, options=console.options.update(
+            max_width=1000)).maximum))
+    console.print(table)

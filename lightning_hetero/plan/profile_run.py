@@ -1,0 +1,108 @@
+"""Profiling at the start of training: time the user's model on every rank and write the measured shares into the plan.
+
+:class:`ShareProfiler` runs :func:`~lightning_hetero.plan.profiling.profile_lightning_module` once, before the training
+loader's first batch, on samples of that loader's own epoch order, and writes the measured capacities and memory caps
+into the :class:`~lightning_hetero.plan.shares.SharePlan` (their one owner). It keeps the measurement as ``profile``:
+a record of what was measured (shown in the lab table, saved in checkpoints), never read back as the capacities in
+force.
+
+Example::
+
+    profiler = ShareProfiler(view, plan, lab, enabled=True, steps=4, memory_headroom=0.1, max_batch_per_rank=None)
+    profiler.plan_shares(train_sampler, train_loader)  # a collective: every rank measures, all adopt the result
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
+from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
+from lightning_hetero.view import StrategyView
+
+
+class ShareProfiler:
+    """The profiling run of one training job and its record (``profile``: measured, not the capacities in force)."""
+
+    def __init__(self, view: StrategyView, plan: SharePlan, lab: LabView, enabled: bool, steps: int,
+                 memory_headroom: float, max_batch_per_rank: Optional[int]) -> None:
+        self.view = view
+        self.plan = plan
+        self.lab = lab
+        self.enabled = enabled
+        self.steps = steps
+        self.memory_headroom = memory_headroom
+        self.max_batch_per_rank = max_batch_per_rank
+        self.profile: Optional[ProfileResult] = None
+
+    def plan_shares(self, sampler: PlannedSampler, dataloader: Any) -> None:
+        """Profile once if asked (a collective) and adopt the measured capacities and caps; else the fixed caps."""
+        plan = self.plan
+        # One rank has nobody to share with: profiling it would only delay the first step.
+        if self.enabled and self.profile is None and sampler.world_size > 1:
+            self.profile = self._run(sampler, dataloader)
+            if self.profile is not None:
+                plan.set_caps(self.profile.caps)
+                plan.update(self.profile.capacities, "profile")
+        if plan.caps is None and self.max_batch_per_rank is not None:
+            plan.set_caps((self.max_batch_per_rank,) * sampler.world_size)
+
+    def table_columns(self) -> dict[str, list[str]]:
+        """The lab table's columns of the measurement (or of the memory caps in force without one)."""
+        if self.profile is not None:
+            return table_columns(self.profile)
+        if self.plan.caps is not None:
+            return {"mem cap": [str(c) for c in self.plan.caps]}
+        return {}
+
+    # -- checkpoint (part of the share state, plan/state.py) ---------------------------------------------------------
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return None if self.profile is None else self.profile.state_dict()
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        self.profile = None if state is None else ProfileResult.from_state_dict(state)
+
+    def _run(self, sampler: PlannedSampler, dataloader: Any) -> Optional[ProfileResult]:
+        view = self.view
+        module = view.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            rank_zero_warn("HeteroDDPStrategy: manual optimization cannot be profiled; keeping "
+                           f"'{self.plan.source}' capacities.")
+            return None
+        order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
+        # Up to a whole global batch: a refinement pass may time this rank at its (possibly large) share.
+        need = sampler.global_batch_size
+        offset = sampler.rank * max(1, need // sampler.world_size)
+        indices = [order[(offset + i) % len(order)] for i in range(need)]
+        emulator = self.lab.emulation
+        result = profile_lightning_module(
+            module,
+            dataloader.dataset,
+            dataloader.collate_fn,
+            indices,
+            sampler.global_batch_size,
+            view.root_device,
+            forward_context=view.precision_plugin.forward_context,
+            steps=self.steps,
+            headroom=self.memory_headroom,
+            max_batch_per_rank=self.max_batch_per_rank,
+            optimizers=view.optimizers,
+            step_context=emulator.work if emulator is not None else _nothing,
+            classes=[d.device_class for d in self.lab.lab.devices],
+        )
+        if result is None:
+            rank_zero_warn("HeteroDDPStrategy: `training_step` returned no loss to time; keeping "
+                           f"'{self.plan.source}' capacities.")
+            return None
+        rates = ", ".join(f"{c:.4g}" for c in result.capacities)
+        rank_zero_info(f"HeteroDDPStrategy profiled the model in {result.cost_s:.2f} s: samples/s [{rates}]"
+                       + (f", memory caps {list(result.caps)}" if result.caps else ""))
+        return result
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

@@ -1,0 +1,1 @@
+"""Tests of lightning_hetero.data: the batch sampler, other samplers, streams, token costs, micro-batches."""

@@ -1,0 +1,1 @@
+"""Tests of lightning_hetero.plan: the split arithmetic, profiled capacities, live rebalancing."""

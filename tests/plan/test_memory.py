@@ -1,0 +1,166 @@
+"""Per-block memory plans: the planner's choices (pure functions), the plan applied block by block, and a mixed
+per-block plan against one process."""
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from torch import nn
+
+from lightning_hetero import HeteroFSDPStrategy
+from lightning_hetero._compat import fsdp_offloads
+from lightning_hetero.grad.sharding import device_mesh, shard_module, top_level_blocks
+from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.plan.memory import (
+    GIB,
+    MemoryPolicy,
+    ModelFootprint,
+    device_budget,
+    estimate,
+    parse_memory_policy,
+    parse_rule,
+    peak_report,
+    resolve_memory,
+    rule_name,
+)
+from tests.strategies._fsdp_worker import run_ranks
+from tests.helpers import TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
+
+A100 = DeviceInfo(0, "h", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 108)
+RTX3090 = DeviceInfo(1, "h", "cuda", "NVIDIA GeForce RTX 3090", (8, 6), 24 * GIB, 82)
+# 7.5 GB of fp32 parameters in 30 blocks of 0.25 GB (nothing outside them), AdamW: 15 GB of state per rank over 2.
+FOOTPRINT = ModelFootprint(parameter_bytes=7_500_000_000, largest_block_bytes=250_000_000, blocks=30,
+                           optimizer_slots=2)
+
+
+def _plan(policy, samples=(12, 4), per_sample=2 * GIB, footprint=FOOTPRINT):
+    devices = (A100, RTX3090)
+    budgets = [device_budget(d, policy.headroom) for d in devices]
+    return resolve_memory(policy, footprint, devices, list(samples), budgets, 2, per_sample)
+
+
+def _rule(plan, rule, per_sample=None):
+    """The same rank under an explicit rule (to compare neighbouring plans)."""
+    if per_sample is None:  # the activations per sample before checkpointing, recovered from the plan
+        kept = 1 - 0.5 * plan.checkpoint_blocks / plan.blocks
+        per_sample = round(plan.activations_per_sample / kept / GIB) * GIB
+    return estimate(FOOTPRINT, rule, RTX3090 if plan.rank else A100, 2, plan.samples, per_sample, plan.budget)
+
+
+def test_auto_checkpoints_only_the_blocks_a_short_card_needs():
+    """The 3090 is 1.3 GiB short with every activation kept: checkpointing 10 of 30 blocks frees 10 x 0.13 GiB."""
+    plans = _plan(parse_memory_policy("auto"))
+    assert [p.mode for p in plans] == ["keep", "checkpoint:10"]
+    short = plans[1]
+    assert (short.offload_blocks, short.checkpoint_blocks, short.blocks) == (0, 10, 30)
+    assert short.fits and not _rule(short, "checkpoint:9").fits  # filled to its budget, and no more
+    assert short.budget - short.needed < 0.14 * GIB
+
+
+def test_auto_offloads_the_fewest_blocks_when_checkpointing_all_is_not_enough():
+    plans = _plan(parse_memory_policy("auto"), per_sample=8 * GIB)
+    short = plans[1]
+    # 32 GiB of activations checkpointed to 16 GiB + 14.9 GiB of state and gathered blocks: 9.3 GiB over 21.6 GiB;
+    # each offloaded block frees 4 x 0.125 GB (its half of parameters, gradients and two moments) on this rank.
+    assert short.mode == "offload:20,checkpoint:all" and short.fits
+    assert not _rule(short, "offload:19,checkpoint:all").fits
+    # The A100 recomputes 25 of 30 blocks and offloads none.
+    assert plans[0].mode == "checkpoint:25" and plans[0].fits and not _rule(plans[0], "checkpoint:24").fits
+    # Whole-rank granularity offloads every block of the short rank for the same job.
+    assert [p.mode for p in _plan(MemoryPolicy(granularity="rank"), per_sample=8 * GIB)] == [
+        "checkpoint", "checkpoint_offload"]
+
+
+def test_rules_name_whole_ranks_or_blocks_and_round_trip():
+    assert parse_rule("keep") == parse_rule("offload:0,checkpoint:0")
+    assert parse_rule("checkpoint_offload") == parse_rule("checkpoint:all,offload:all")
+    for offload, checkpoint in ((0, 0), (30, 0), (0, 30), (30, 30), (6, 30), (3, 7), (0, 12)):
+        name = rule_name(offload, checkpoint, 30)
+        counts = parse_rule(name)
+        assert ((30 if counts.offload is None else counts.offload),
+                (30 if counts.checkpoint is None else counts.checkpoint)) == (offload, checkpoint), name
+    assert rule_name(6, 30, 30) == "offload:6,checkpoint:all"
+    plans = _plan(parse_memory_policy({"rank:0": "keep", "3090": "offload:3,checkpoint:20"}))
+    assert [(p.offload_blocks, p.checkpoint_blocks) for p in plans] == [(0, 0), (3, 20)]
+    # Three offloaded blocks of 0.25 GB: 3 x 0.125 GB less of parameters + gradients on this rank.
+    assert plans[1].shard == 2 * (7_500_000_000 - 750_000_000) // 2
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("offload:x", "`memory`='offload:x' is not one of ('auto', 'keep', 'checkpoint', 'offload', 'checkpoint_offload')"),
+    ({"3090": "offload:2,offload:3"}, "`memory`['3090']='offload:2,offload:3' is not one of"),
+    ({"3090": "swap:3"}, "per-block counts such as 'offload:4'"),
+])
+def test_bad_block_rules_name_the_field(value, message):
+    with pytest.raises(ValueError) as err:
+        parse_memory_policy(value)
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match=r"`memory.granularity`='layer' must be one of"):
+        MemoryPolicy(granularity="layer")
+
+
+def test_a_rule_naming_more_blocks_than_the_model_has_is_refused():
+    with pytest.raises(ValueError, match="'offload:31' for rank 1 names more blocks than the model's 30"):
+        _plan(parse_memory_policy({"3090": "offload:31", "*": "keep"}))
+
+
+def test_peak_report_sets_peaks_beside_estimates_and_names_a_low_estimate():
+    plans = _plan(parse_memory_policy("auto"))
+    peaks = [plans[0].needed + 2 * GIB, plans[1].needed + 3 * GIB]
+    text, low = peak_report(plans, peaks, [8 * GIB, int(2.4 * GIB)], steps=2)
+    assert low == [1]  # 3 GiB over its estimate with 2.4 GiB of headroom; rank 0 is 2 GiB over 8 GiB of headroom
+    assert "after 2 steps" in text and "checkpoint:10" in text and "+3.00 GiB" in text
+    text, low = peak_report(plans, [None, None], [8 * GIB, 2 * GIB], steps=2)
+    assert low == [] and text.count("n/a") == 4  # on CPU: no peak, no gap
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(3, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4))
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _apply_plan(rank: int, world: int, offload: int, checkpoint: int) -> dict:
+    model = Stack()
+    blocks = (nn.Sequential,)
+    calls = [0] * 4
+    for i, block in enumerate(top_level_blocks(model, blocks)):
+        block[0].register_forward_hook(lambda *args, i=i: calls.__setitem__(i, calls[i] + 1))
+    shard_module(model, device_mesh({"h": [0]}, "cpu"), blocks, checkpoint=checkpoint, offload=offload)
+    model(torch.randn(2, 3)).sum().backward()
+    return {"offloaded": [fsdp_offloads(b) for b in model.blocks], "root": fsdp_offloads(model), "calls": calls}
+
+
+@pytest.mark.parametrize(("offload", "checkpoint", "root"), [(1, 3, False), (4, 2, True), (0, 0, False)])
+def test_the_first_blocks_offload_and_recompute_as_the_plan_says(offload, checkpoint, root):
+    applied = run_ranks(1, free_port(), _apply_plan, offload=offload, checkpoint=checkpoint)[0]
+    assert applied["offloaded"] == [i < offload for i in range(4)]
+    assert applied["root"] is root  # the embeddings and head leave the device only with every block
+    assert applied["calls"] == [2 if i < checkpoint else 1 for i in range(4)]  # recomputed in the backward
+
+
+@pytest.mark.slow
+def test_a_mixed_per_block_plan_equals_one_process(tmp_path):
+    """[3, 1], fp32, gloo, Adam: rank 0 offloads its first block and recomputes it, rank 1 recomputes its first
+    block only; same parameters as one process on the global batches, replicas bit-identical."""
+    seed_everything(0)
+    model = TinyModel("adam", n=53, batch_size=4)
+    reference = copy.deepcopy(model)
+    memory = {"rank:0": "offload:1,checkpoint:1", "rank:1": "checkpoint:1"}
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "memory": memory}, max_epochs=2,
+                              strategy_class=HeteroFSDPStrategy)
+    ref_params, _ = reference_run(reference, 2, [3, 1], 2)
+    assert len(records[0]["params"]) == len(ref_params)
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6, step

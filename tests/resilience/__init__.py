@@ -1,0 +1,1 @@
+"""Tests of lightning_hetero.resilience: faults, pre-emption, checkpoints and resume."""

@@ -1,0 +1,1 @@
+"""Tests of lightning_hetero.strategies: the strategies' surface, FSDP, launch paths."""
