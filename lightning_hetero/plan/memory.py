@@ -2,7 +2,10 @@
 
 A rank's device holds its shard of the parameters, their gradients and the optimizer state (each 1/S of the model
 over a shard group of S ranks), the gathered parameters and gradients of the block being computed, and the
-activations of its b_r samples. Two choices per block trade time for memory without changing the math:
+activations of its b_r samples. A rank that runs its share as k > 1 micro-batches (``data.micro_batch``) keeps the
+whole model's parameters gathered and its gradients unsharded from the first micro-batch's forward to the last one's
+backward (:func:`micro_batch_gathered_bytes`), and holds the activations of one micro-batch at a time. Two choices
+per block trade time for memory without changing the math:
 
 - checkpoint: recompute the block's activations in the backward pass (one more forward of that block);
 - offload: the block's shard, its gradients and their optimizer state live in host memory (the optimizer steps there).
@@ -210,6 +213,8 @@ class RankMemory:
     offload_blocks: int = 0
     checkpoint_blocks: int = 0
     blocks: int = 1
+    # Pieces the rank runs its share in; ``samples`` is then the largest piece's (activations exist for one at a time).
+    micro_batches: int = 1
 
     @property
     def activations(self) -> int:
@@ -223,20 +228,34 @@ class RankMemory:
     def fits(self) -> bool:
         return self.needed <= self.budget
 
+    @property
+    def gathered_what(self) -> str:
+        if self.micro_batches <= 1:
+            return "gathered blocks"
+        return f"model gathered over {self.micro_batches} micro-batches"
+
+    @property
+    def per_piece(self) -> str:
+        return "" if self.micro_batches <= 1 else " (one micro-batch)"
+
     def describe(self) -> str:
         return (
             f"rank {self.rank} ({self.device}, {self.mode}): parameters+gradients {self.shard / GIB:.3g} GiB, "
-            f"optimizer state {self.optimizer_state / GIB:.3g} GiB, gathered blocks {self.gathered / GIB:.3g} GiB, "
-            f"activations {self.activations_per_sample / 2**20:.3g} MiB/sample x {self.samples} = "
+            f"optimizer state {self.optimizer_state / GIB:.3g} GiB, "
+            f"{self.gathered_what} {self.gathered / GIB:.3g} GiB, "
+            f"activations {self.activations_per_sample / 2**20:.3g} MiB/sample x {self.samples}{self.per_piece} = "
             f"{self.activations / GIB:.3g} GiB; needs {self.needed / GIB:.3g} GiB of {self.budget / GIB:.3g} GiB free"
         )
 
 
 def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ranks: int, samples: int,
-             activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5) -> RankMemory:
+             activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5,
+             micro_limit: Optional[int] = None) -> RankMemory:
     """A rank's device memory under ``mode`` (a whole-rank mode or per-block counts, see :func:`parse_rule`):
     offloaded blocks keep their shard, gradients and optimizer state on the host; each checkpointed block frees its
-    share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all."""
+    share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all.
+    ``micro_limit``: the rank's samples per forward/backward (``data.micro_batch``); a share above it runs as several
+    micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations."""
     counts = parse_rule(mode)
     n = footprint.blocks
     offload = n if counts.offload is None else counts.offload
@@ -248,15 +267,34 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     state = footprint.optimizer_slots * math.ceil(on_device / shard_ranks)
     kept_fraction = max(checkpointed_fraction, min(1.0, 2 / n))
     per_sample = math.ceil(activation_bytes_per_sample * (1 - (1 - kept_fraction) * checkpoint / n))
-    gathered = 2 * 2 * footprint.largest_block_bytes  # parameters + gradients, current block + prefetched one
+    pieces, piece_samples = micro_batches(samples, micro_limit)
+    # Parameters + gradients of the computing block and the prefetched one; with micro-batches the whole model's,
+    # offloaded blocks included (they are gathered on the device like the others).
+    gathered = max(2 * 2 * footprint.largest_block_bytes, micro_batch_gathered_bytes(footprint, pieces))
     return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
-                      samples, budget, offload, checkpoint, n)
+                      piece_samples, budget, offload, checkpoint, n, pieces)
+
+
+def micro_batches(samples: int, micro_limit: Optional[int]) -> tuple[int, int]:
+    """How many micro-batches a share of ``samples`` runs as under ``micro_limit`` (``None``: whole), and the largest
+    one's samples, as the training step splits it (:func:`~lightning_hetero.data.microbatch.chunk_sizes`).
+
+    Example::
+
+        >>> micro_batches(6, 2), micro_batches(6, None), micro_batches(5, 2)
+        ((3, 2), (1, 6), (3, 2))
+    """
+    if not micro_limit or samples <= micro_limit:
+        return 1, samples
+    pieces = math.ceil(samples / micro_limit)
+    return pieces, math.ceil(samples / pieces)
 
 
 def micro_batch_gathered_bytes(footprint: ModelFootprint, micro_batches: int) -> int:
-    """What a rank that runs its share in ``micro_batches`` > 1 pieces holds on its device beyond one-piece FSDP: the
-    whole model's parameters, gathered at its first forward and kept until its last backward, and their unsharded
-    gradient accumulated across the pieces (fp32 sizes). 0 for one piece: FSDP gathers block by block as usual."""
+    """What a rank that runs its share in ``micro_batches`` > 1 pieces holds gathered on its device: the whole
+    model's parameters, gathered at its first forward and kept until its last backward, and their unsharded gradient
+    accumulated across the pieces (fp32 sizes: an upper bound under bf16 collectives). 0 for one piece: FSDP gathers
+    block by block (:func:`estimate` counts the computing block and the prefetched one)."""
     return 0 if micro_batches <= 1 else 2 * footprint.parameter_bytes
 
 
@@ -292,30 +330,39 @@ def _auto_plan(footprint: ModelFootprint, granularity: str, estimate_for: Callab
 
 def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Sequence[DeviceInfo],
                    samples: Sequence[int], budgets: Sequence[int], shard_ranks: int,
-                   activation_bytes_per_sample: Optional[int] = None) -> list[RankMemory]:
+                   activation_bytes_per_sample: Optional[int] = None,
+                   micro_limits: Optional[Sequence[Optional[int]]] = None) -> list[RankMemory]:
     """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fits (see
-    :func:`_auto_plan`). Deterministic in its inputs, so every rank derives the same list. Raises
-    :class:`MemoryFitError` naming every rank's numbers when some rank does not fit."""
+    :func:`_auto_plan`). ``micro_limits``: each rank's samples per forward/backward (``None``: no micro-batches), so a
+    rank that splits its share is planned with the model gathered across its micro-batches and one micro-batch's
+    activations. Deterministic in its inputs, so every rank derives the same list. Raises :class:`MemoryFitError`
+    naming every rank's numbers when some rank does not fit."""
     per_sample = policy.activation_bytes_per_sample
     if per_sample is None:
         per_sample = activation_bytes_per_sample or 0
+    limits = list(micro_limits) if micro_limits is not None else [None] * len(devices)
     plans = []
-    for device, count, budget in zip(devices, samples, budgets):
+    for device, count, budget, limit in zip(devices, samples, budgets, limits):
         rule = policy.rank_rules.for_device(device)
 
-        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count,
-                         budget: int = budget) -> RankMemory:
+        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget,
+                         limit: Optional[int] = limit) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
-                            policy.checkpointed_fraction)
+                            policy.checkpointed_fraction, limit)
 
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
     short = [p for p in plans if not p.fits]
     if short:
+        # A rank that splits its share holds the whole model gathered: running it whole may be what fits.
+        split = any(p.micro_batches > 1 for p in short)
         raise MemoryFitError(
             "the model does not fit: " + "; ".join(p.describe() for p in short)
             + ". Every rank: " + "; ".join(p.describe() for p in plans)
             + ". Allow 'offload'/'checkpoint' on the short ranks (`memory`), lower their share (`capacities`, "
-            "`max_batch_per_rank`), or use more ranks."
+            "`max_batch_per_rank`), "
+            + ("run their share whole (`data.micro_batch`: several micro-batches hold the whole model gathered), "
+               if split else "")
+            + "or use more ranks."
         )
     return plans
 
@@ -326,7 +373,10 @@ def memory_column(plans: Sequence[RankMemory], policy: MemoryPolicy) -> list[str
     column = []
     for p in plans:
         chosen = "auto: " if rules.lookup(p.rank, p.device) == "auto" else ""
-        column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB")
+        pieces = ""
+        if p.micro_batches > 1:
+            pieces = f", {p.micro_batches} micro-batches: {p.gathered / GIB:.2g} GiB gathered"
+        column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB{pieces}")
     return column
 
 

@@ -6,8 +6,10 @@ fit meets it:
 1. the process group, the lab and the loaders (core), as for DDP: capacities, shares, profiling, rebalancing, data
    sources, per-rank precision, the watchdog, emulation, per-rank checkpoint state;
 2. the memory plan (:mod:`lightning_hetero.plan.memory`): how many blocks each rank offloads to host memory and how
-   many recompute their activations, from the ``memory`` policy and the lab's memory; a job that cannot fit fails
-   here with every rank's numbers, and again before the first step once the real shares and optimizer are known;
+   many recompute their activations, from the ``memory`` policy and the lab's memory (a rank that runs its share as
+   micro-batches is planned with the model gathered across them and one micro-batch's activations); a job that
+   cannot fit fails here with every rank's numbers, and again before the first step once the real shares, micro-batch
+   limits and optimizer are known;
    after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
@@ -56,6 +58,7 @@ from lightning_hetero.config import (
     check_strategy_arguments,
     from_flat_arguments,
 )
+from lightning_hetero.data.microbatch import micro_limits
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     check_ties,
@@ -310,7 +313,10 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         blocks = self.blocks or default_blocks(module)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         weights, total = self.plan.capacities, self.plan.global_batch_size or 0  # 0: shares known at the loader
-        self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy)
+        # Explicit micro-batch limits are known here, before the loader; "auto" ones follow the profiled caps and
+        # are counted by the check before the first step.
+        self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy,
+                                             self._micro_limits())
         plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
         modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
@@ -319,13 +325,19 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
-    def _plan_memory(self, samples: list[int], policy: MemoryPolicy) -> list[RankMemory]:
+    def _plan_memory(self, samples: list[int], policy: MemoryPolicy,
+                     micro: Optional[list[Optional[int]]]) -> list[RankMemory]:
         assert self._footprint is not None
         hosts = self.lab.hosts
         equal_hosts = self.hybrid and len(hosts) > 1 and len({len(r) for r in hosts.values()}) == 1
         shard_ranks = len(next(iter(hosts.values()))) if equal_hosts else self.world_size
         budgets = [device_budget(d, policy.headroom) for d in self.lab.devices]
-        return resolve_memory(policy, self._footprint, self.lab.devices, samples, budgets, shard_ranks)
+        return resolve_memory(policy, self._footprint, self.lab.devices, samples, budgets, shard_ranks,
+                              micro_limits=micro)
+
+    def _micro_limits(self) -> Optional[list[Optional[int]]]:
+        """Every rank's samples per forward/backward, as the loader split derives them (``None``: no micro-batches)."""
+        return micro_limits(self.core.loaders.micro_batch, self.plan.caps, self.world_size)
 
     @override
     def on_train_start(self) -> None:
@@ -338,13 +350,20 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
         try:
-            self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen)
+            self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen,
+                                                 self._micro_limits())
         except MemoryFitError as err:
-            if self.plan.global_batch_size is not None:
+            unknown = []
+            if self.plan.global_batch_size is None:
+                unknown.append("give `global_batch_size` so that it counts each rank's activations")
+            if self.core.loaders.micro_batch == "auto":
+                unknown.append("give `data.micro_batch` as numbers so that it counts the micro-batches")
+            if not unknown:
                 raise
-            # The model was sharded before the loader existed: its plan could not count the shares' activations.
-            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares were known: give "
-                                 "`global_batch_size` so that it counts each rank's activations.") from None
+            # The model was sharded before the loader existed: its plan could not count what only the loader knows.
+            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares and memory caps were "
+                                 f"known: {'; '.join(unknown)}.") from None
+        self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

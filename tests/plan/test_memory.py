@@ -18,6 +18,7 @@ from lightning_hetero.plan.memory import (
     ModelFootprint,
     device_budget,
     estimate,
+    memory_column,
     parse_memory_policy,
     parse_rule,
     peak_report,
@@ -164,3 +165,36 @@ def test_a_mixed_per_block_plan_equals_one_process(tmp_path):
     for step, expected in enumerate(ref_params):
         assert torch.equal(records[0]["params"][step], records[1]["params"][step])
         assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6, step
+
+
+def test_micro_batches_count_the_model_gathered_and_one_micro_batch_of_activations():
+    """The 3090's share of 4 samples run as 2 micro-batches of 2: half the activations, but the whole model's
+    parameters and unsharded gradients (2 x 7.5 GB) held across them instead of two blocks' (4 x 0.25 GB)."""
+    budget = device_budget(RTX3090, 0.1)
+    whole = estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget)
+    pieces = estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget, micro_limit=2)
+    assert (whole.micro_batches, whole.samples, whole.gathered) == (1, 4, 4 * 250_000_000)
+    assert (pieces.micro_batches, pieces.samples, pieces.gathered) == (2, 2, 2 * 7_500_000_000)
+    assert pieces.activations == whole.activations // 2 == 4 * GIB
+    assert pieces.needed - whole.needed == 2 * 7_500_000_000 - 4 * 250_000_000 - 4 * GIB
+    assert "over 2 micro-batches" in pieces.describe() and "(one micro-batch)" in pieces.describe()
+    # A limit the share does not exceed runs it whole; 4 samples under a limit of 3 run as 2 + 2.
+    assert estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget, micro_limit=4) == whole
+    assert estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget, micro_limit=3) == pieces
+
+
+def test_auto_chooses_with_the_micro_batches_counted():
+    """The same job with the 3090 splitting its share: auto offloads blocks to make room for the gathered model,
+    the fewest that fit; the A100, which runs its share whole, is planned as before; the lab column says so."""
+    policy = parse_memory_policy("auto")
+    devices = (A100, RTX3090)
+    budgets = [device_budget(d, policy.headroom) for d in devices]
+    whole = resolve_memory(policy, FOOTPRINT, devices, [12, 4], budgets, 2, 2 * GIB)
+    split = resolve_memory(policy, FOOTPRINT, devices, [12, 4], budgets, 2, 2 * GIB, micro_limits=[None, 2])
+    assert split[0] == whole[0] and whole[1].mode == "checkpoint:10"
+    assert split[1].micro_batches == 2 and split[1].fits and split[1].offload_blocks > 0
+    fewer = estimate(FOOTPRINT, rule_name(split[1].offload_blocks - 1, 30, 30), RTX3090, 2, 4, 2 * GIB,
+                     budgets[1], micro_limit=2)
+    assert not fewer.fits
+    column = memory_column(split, policy)
+    assert "micro-batches" not in column[0] and "2 micro-batches: 14 GiB gathered" in column[1]

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
 from lightning_hetero import HeteroFSDPStrategy
+from lightning_hetero._compat import fsdp_offloads
 from lightning_hetero.grad.sharding import check_ties, tied_parameters
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
 
@@ -301,3 +302,43 @@ def test_micro_batches_kept_gathered_issue_the_collectives_of_one_piece():
 
     # 8 steps of SGD with momentum on 16-wide layers: the fp32 summation-order floor, one piece per rank included.
     assert error(gathered[0]["params"]) <= 1e-5 and error(one[0]["params"]) <= 1e-5
+
+
+class RecordsItsPlan(WrapperModule):
+    """Writes, per rank, its memory plan, whether its first block's shard lives in host memory and the samples of
+    each forward, so the test sees the plan applied and the micro-batches run."""
+
+    def __init__(self, out_dir: str, n: int = 40) -> None:
+        super().__init__("sgd", n=n)
+        self.out_dir = out_dir
+        self.forward_sizes: list[int] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        self.forward_sizes.append(len(batch[0]))
+        return super().loss(batch)
+
+    def on_train_end(self) -> None:
+        plan = self.trainer.strategy.memory_plan[self.global_rank]
+        torch.save({"mode": plan.mode, "micro_batches": plan.micro_batches, "gathered": plan.gathered,
+                    "offloaded": fsdp_offloads(self.model.blocks[0]), "forward_sizes": self.forward_sizes},
+                   f"{self.out_dir}/plan{self.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_micro_batches_with_a_per_block_plan_equal_one_process(tmp_path):
+    """Shares 2 + 6 of each global batch of 8: rank 1 runs its 6 as 3 micro-batches with its first block offloaded
+    to host memory and every block recomputing its activations, rank 0 keeps everything and runs 2 in one piece; the
+    parameters held gathered across rank 1's micro-batches include the offloaded block's, and the result is one
+    process's."""
+    seed_everything(0)
+    memory = {"rank:0": "keep", "rank:1": "offload:1,checkpoint:all"}
+    records, ref_params = _fit_and_reference(tmp_path, RecordsItsPlan(str(tmp_path)), [1, 3],
+                                             strategy_kwargs={"data": {"micro_batch": [8, 2]}, "memory": memory})
+    _assert_exact(records, ref_params)
+    plans = [torch.load(tmp_path / f"plan{r}.pt") for r in range(2)]
+    assert [p["mode"] for p in plans] == ["keep", "offload:1,checkpoint:all"]
+    assert [p["offloaded"] for p in plans] == [False, True]
+    assert [p["micro_batches"] for p in plans] == [1, 3]
+    assert plans[1]["gathered"] > plans[0]["gathered"]  # the whole model, held across rank 1's micro-batches
+    assert set(plans[0]["forward_sizes"]) == {2} and set(plans[1]["forward_sizes"]) == {2}
+    assert len(plans[1]["forward_sizes"]) == 3 * len(plans[0]["forward_sizes"])
