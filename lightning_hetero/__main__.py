@@ -2,6 +2,8 @@
 
     python -m lightning_hetero doctor [--json]                                  # this machine's devices and links
     python -m lightning_hetero doctor --model CONFIG [--script S] [--steps N]   # + a short monitored dry run
+    python -m lightning_hetero doctor --model CONFIG --lab "A100-80GB,RTX3090,RTX3090" [--strategy hetero_fsdp]
+                                                                                # rehearse a lab one rank at a time
     python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
 """
 
@@ -24,7 +26,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "the monitor: what each card will compute, wait and send")
     doctor.add_argument("--script", help="the LightningCLI script the config belongs to (default: a generic CLI, for "
                         "configs whose model and data have a class_path)")
-    doctor.add_argument("--steps", type=int, default=20, help="optimizer steps of the dry run (default 20)")
+    doctor.add_argument("--steps", type=int, default=None, help="optimizer steps of the dry run (default 20; with "
+                        "--lab: per rehearsed rank, default 6)")
+    doctor.add_argument("--lab", help="rehearse the --model config on this lab, one rank at a time on this machine: "
+                        "preset names ('A100-80GB,RTX3090,RTX3090') or a JSON list of profiles")
+    doctor.add_argument("--strategy", choices=["hetero_ddp", "hetero_fsdp"], help="with --lab: the strategy to "
+                        "rehearse when the config's is not one of ours")
+    doctor.add_argument("--out", help="with --lab: the folder for rehearsal.log/.json/.png (default ./rehearsal-TIME)")
     report = commands.add_parser(
         "report", help="draw a monitored run's per-rank timeline and share history (PNG)",
         description="Draw a monitored run's per-rank timeline and share history as a PNG, from the "
@@ -37,9 +45,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             from lightning_hetero.observe.doctor import dry_run
             from lightning_hetero.observe.doctor import main as doctor_main
 
+            if args.lab:
+                from lightning_hetero.observe.rehearse import rehearse
+
+                if not args.model:
+                    raise ValueError("`--lab` needs `--model CONFIG` (the job to rehearse).")
+                rehearse(args.model, args.lab, args.strategy, steps=args.steps or 6, out_dir=args.out)
+                return
             doctor_main(as_json=args.json)
             if args.model:
-                raise SystemExit(dry_run(args.model, args.script, args.steps))
+                raise SystemExit(dry_run(args.model, args.script, args.steps or 20))
         elif args.command == "report":
             from lightning_hetero.observe.report import main as report_main
 

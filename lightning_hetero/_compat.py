@@ -168,6 +168,32 @@ def launcher_strategy(launcher: object) -> object:
     return launcher._strategy  # type: ignore[attr-defined]
 
 
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Join torch's fake process group as ``rank`` of ``world_size``: collectives return at once with outputs of the
+    right shapes (all-gathers copy the local input), so one process can run one rank of a job alone. torch ships it
+    only under ``torch.testing._internal`` (there is no public no-communication backend for dry runs)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # The fake group's broadcast leaves a receiver's buffers as they were, so `broadcast_object_list` would unpickle
+    # garbage sizes there: in a rehearsal every rank keeps its own objects (paths, flags: alike on every rank).
+    dist.broadcast_object_list = _keep_local_objects
+
+
+def _keep_local_objects(object_list: list, src: Optional[int] = None, group: Any = None, device: Any = None,
+                        group_src: Optional[int] = None) -> None:
+    return None
+
+
+def init_rehearsal_process_group(strategy: object, rank: int, world_size: int) -> None:
+    """:func:`init_process_group` for a rehearsal: the strategy's ranks set, its (private) backend field named
+    "fake", and the fake process group joined."""
+    strategy.set_world_ranks()  # type: ignore[attr-defined]
+    strategy._process_group_backend = "fake"  # type: ignore[attr-defined]
+    init_fake_process_group(rank, world_size)
+
+
 def logged_results(trainer: object) -> "Optional[Any]":
     """The running loop's collection of ``self.log`` accumulations (``{key: _ResultMetric}``), or ``None``.
 

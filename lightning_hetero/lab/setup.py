@@ -22,6 +22,7 @@ import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
 from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
+from lightning_hetero.lab.rehearsal import lab_devices, rehearsal, rehearsed_summaries
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.lab.shared_gpu import binds_device
 from lightning_hetero.lab.link_pacing import LinkPacer
@@ -71,6 +72,11 @@ class LabSetup:
         """Lightning's set-up, through a rendezvous that names the ranks (nodes) that did not join in time."""
         view = self.view
         reset_seed()
+        rehearsed = rehearsal()
+        if rehearsed is not None:
+            # One rank of a lab that is not here: no rendezvous, collectives stood in for (see `lab.rehearsal`).
+            _compat.init_rehearsal_process_group(view, rehearsed.rank, rehearsed.world_size)
+            return
         view.set_world_ranks()
         env = view.cluster_environment
         assert env is not None
@@ -88,7 +94,9 @@ class LabSetup:
         return self.emulation.describe(local) if self.emulation is not None else local
 
     def gather(self, local: DeviceInfo) -> tuple[DeviceInfo, ...]:
-        """Every rank's device (a collective)."""
+        """Every rank's device (a collective; in a rehearsal, the lab's cards)."""
+        if rehearsal() is not None:
+            return lab_devices(self.emulate, local, self.view.root_device)
         return gather_devices(local)
 
     def build(self, devices: Sequence[DeviceInfo], columns: Mapping[str, Sequence[Any]]) -> None:
@@ -100,6 +108,8 @@ class LabSetup:
             summaries: list[Any] = [None] * self.view.world_size
             summary = self.emulation.summary() if self.emulation is not None else "real device"
             dist.all_gather_object(summaries, summary)
+            if rehearsal() is not None:
+                summaries = rehearsed_summaries(self.emulate, self.view.root_device)
             self.add_columns({"emulated": summaries})
             if self.view.global_rank == 0:
                 rank_zero_warn(lab_warning(type(self.view).__name__, self.view.root_device.type, summaries))
