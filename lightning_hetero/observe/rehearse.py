@@ -143,8 +143,8 @@ def _first_batch_dim(batch: Any) -> Optional[int]:
 
 def _probe(result: RankResult, device: torch.device) -> Any:
     """A callback timing every training step (synchronised) and noting the batch each rank trained on; for
-    Lightning's DDP it stands the all-reduce in with :func:`local_gradients_hook` (Lightning registers a
-    ``ddp_comm_hook`` on CUDA only)."""
+    a DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
+    :func:`local_gradients_hook`."""
     from lightning.pytorch import Callback
 
     def sync() -> None:
@@ -157,8 +157,12 @@ def _probe(result: RankResult, device: torch.device) -> Any:
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
 
-            if result.mode == "ddp" and isinstance(trainer.strategy.model, DistributedDataParallel):
-                trainer.strategy.model.register_comm_hook(None, local_gradients_hook)
+            strategy = trainer.strategy
+            # Ours registers a hook of its own only with compression, periodic sync or the CPU emulator; otherwise
+            # DDP's built-in all-reduce runs, whose fake work carries no result on CUDA.
+            own_hook = getattr(strategy, "weighting", None) is not None
+            if result.mode in ("ddp", "hetero") and isinstance(strategy.model, DistributedDataParallel) and not own_hook:
+                strategy.model.register_comm_hook(None, local_gradients_hook)
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             sync()
