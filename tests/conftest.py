@@ -1,10 +1,16 @@
-"""What every test shares: one gate for tests that need CUDA devices.
+"""What every test shares: one gate for tests that need CUDA devices, and one compute thread in the test process.
 
 ``@pytest.mark.gpu`` (one device) or ``@pytest.mark.gpu(2)`` (two or more) marks a test that needs that many CUDA
 devices; it is skipped, with the count in the reason, on a machine that has fewer. ``-m gpu`` selects them all.
 """
 
 import pytest
+import torch
+
+# Ranks forked from the test process (the fork launcher, raw multiprocessing workers) deadlock in OpenMP once the
+# parent has run a parallel region: libgomp's thread pool does not survive fork. One thread in the parent keeps every
+# later fork safe, whatever order the tests run in.
+torch.set_num_threads(1)
 
 
 def _cuda_devices() -> int:
