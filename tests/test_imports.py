@@ -172,6 +172,12 @@ LAYERS: tuple[frozenset[str], ...] = (
 LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("lightning_hetero.observe.doctor", "lightning_hetero"):
         "`doctor --model`'s LightningCLI entry imports the package to register the strategy names (function level)",
+    ("lightning_hetero.observe.rehearse", "lightning_hetero"):
+        "a rehearsed rank's LightningCLI imports the package to register the strategy names (function level, in the "
+        "rank's own process)",
+    ("lightning_hetero.observe.rehearse", "lightning_hetero.grad.sharding"):
+        "the rehearsal names the blocks Lightning's FSDPStrategy wraps with the sharding's own block finder (function "
+        "level)",
     ("lightning_hetero.plan.memory", "lightning_hetero.grad.sharding"):
         "a per-block memory plan counts the blocks FSDP2 shards: the tie-aware block finder (`top_level_blocks`) lives "
         "with the sharding it must agree with",
