@@ -11,7 +11,7 @@ Example::
         return f"rank {view.global_rank} of {view.world_size} on {view.root_device}"
 """
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -51,6 +51,8 @@ class StrategyView(Protocol):
     def optimizers(self) -> list[Optimizer]: ...
 
     def set_world_ranks(self) -> None: ...
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 # The running strategy's name, for messages from the modules both strategies share (set in

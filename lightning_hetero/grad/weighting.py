@@ -98,10 +98,11 @@ def weighted_allreduce_hook(state: WeightingState, bucket: dist.GradBucket) -> t
     if state.inner_hook is None:
         buffer.mul_(state.weight)
         group = state.process_group if state.process_group is not None else dist.group.WORLD
+        # The all-reduce works in place, so the buffer is the result (a rehearsal's fake group's future holds none).
         return (
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
             .get_future()
-            .then(lambda fut: fut.value()[0])
+            .then(lambda fut: buffer)
         )
     buffer.mul_(state.weight * state.world_size)
     return state.inner_hook(state.inner_state, bucket)

@@ -303,6 +303,22 @@ def preset_tflops(preset: Preset) -> float:
     return rate
 
 
+def lab_slowdown(preset: str, lab_specs: Sequence[Optional[EmulationSpec]]) -> float:
+    """A CPU rank's slowdown as ``preset`` in the lab ``lab_specs``: the lab's fastest preset's rate over this one's."""
+    rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
+    own = preset_tflops(PRESETS[preset])
+    return max(rates + [own]) / own
+
+
+def alone(spec: Optional[EmulationSpec], lab_specs: Sequence[Optional[EmulationSpec]],
+          root_type: str) -> Optional[EmulationSpec]:
+    """``spec`` to run without the rest of its lab at the speed it has in the lab: on CPU its slowdown is relative to
+    the lab's fastest preset, so it is pinned; a GPU's SM share is the card's own already."""
+    if spec is None or root_type == "cuda" or spec.slowdown is not None or spec.preset is None:
+        return spec
+    return replace(spec, slowdown=lab_slowdown(spec.preset, lab_specs))
+
+
 def resolve(
     spec: EmulationSpec, host: DeviceInfo, lab_specs: Sequence[Optional[EmulationSpec]] = ()
 ) -> EmulatedDevice:
@@ -340,9 +356,8 @@ def resolve(
             num_sms = round_sms(wanted, host.multiprocessors, host.capability)
             granted = num_sms if num_sms is not None else host.multiprocessors
             clamped = abs(granted - wanted) > 0.15 * wanted  # the granularity cannot express this card
-    elif spec.slowdown is None and preset is not None:
-        rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
-        slowdown = max(rates + [preset_tflops(preset)]) / preset_tflops(preset)
+    elif spec.slowdown is None and spec.preset is not None:
+        slowdown = lab_slowdown(spec.preset, lab_specs)
     return EmulatedDevice(
         name=name,
         host_name=host.name,

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_hetero.lab.emulation import PRESETS, EmulationSpec, job_link_class, parse_emulate
+from lightning_hetero.lab.emulation import PRESETS, EmulationSpec, alone, job_link_class, parse_emulate
 from lightning_hetero.lab.rehearsal import REHEARSE_ENV
 
 GIB = 2**30
@@ -176,6 +176,24 @@ def _probe(result: RankResult, device: torch.device) -> Any:
     return Probe()
 
 
+def carried_options(strategy: Any, target: str) -> dict[str, Any]:
+    """The options of the config's own strategy (a ``class_path``/``init_args`` namespace) that ``target`` (an import
+    path) also takes, e.g. ``capacities`` from a ``HeteroDDPStrategy`` config rehearsed as ``hetero_fsdp``."""
+    import importlib
+    import inspect
+
+    init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    if not init_args:
+        return {}
+    module, _, name = target.rpartition(".")
+    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    options = dict(vars(init_args)) if not isinstance(init_args, dict) else dict(init_args)
+    dropped = sorted(k for k in options if k not in accepted)
+    if dropped:
+        print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
+    return {k: v for k, v in options.items() if k in accepted}
+
+
 def run_rank(job: RankJob) -> RankResult:
     """Build the config's Trainer as rank ``job.rank`` of the lab and train ``job.steps`` steps (in this process)."""
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -214,7 +232,8 @@ def run_rank(job: RankJob) -> RankResult:
             strategy = trainer.get("strategy")
             if job.strategy is not None and not (isinstance(strategy, Namespace)
                                                  and strategy.get("class_path") == job.strategy):
-                trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace())
+                kept = carried_options(strategy, job.strategy)
+                trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
             if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
                 raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
                                  "`--strategy hetero_ddp|hetero_fsdp`.")
@@ -275,6 +294,9 @@ def run_rank(job: RankJob) -> RankResult:
     except torch.OutOfMemoryError as err:
         result.oom, result.error = True, str(err).splitlines()[0]
     except Exception as err:  # reported per rank; the doctor goes on with the next one
+        import traceback
+
+        traceback.print_exc()  # whole in the rank's log
         result.error = f"{type(err).__name__}: {err}"
     if device.type == "cuda":
         result.peak_allocated_bytes = torch.cuda.max_memory_allocated(0)
@@ -378,6 +400,8 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
     runs = {ours: (hetero, [r.batch for r in hetero]), "ddp": (ddp, [global_batch / world] * world),
             "fsdp": (fsdp, [global_batch / world] * world)}
     for name, (results, batches) in runs.items():
+        if not results:
+            continue  # not rehearsed (baselines off, or Lightning's FSDPStrategy on CPU)
         fits = bool(results) and all(r.ok for r in results)
         compute = [b / rate for b, rate in zip(batches, rates)]  # type: ignore[operator]
         comm = communication_seconds(name, world, base.param_bytes or 0, base.compute_bytes or 0, LINK_GBYTES[link])
@@ -602,6 +626,13 @@ def _relative(predicted: Optional[float], measured: Optional[float]) -> Optional
     return None if not predicted or not measured else predicted / measured - 1.0
 
 
+def solo_card(lab: Sequence[Any], rank: int, accelerator: str) -> Any:
+    """The lab's card ``rank`` as a lab of one that keeps its speed in the lab (CPU slowdowns are lab-relative)."""
+    specs = parse_emulate(list(lab)) or ()
+    spec = alone(specs[rank], specs, "cuda" if accelerator == "gpu" else "cpu")
+    return lab[rank] if spec is specs[rank] or spec is None else spec.as_dict()
+
+
 def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "rehearsal-check",
                   strategy: Optional[str] = None, timeout: float = 900.0) -> dict[str, Any]:
     """Rehearse ``lab_text``, then run the same ranks for real, together on this one device (gloo, each capped as
@@ -620,18 +651,19 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     with open(os.path.join(out_dir, "check.log"), "w") as log:
         shared = launch_ranks([RankJob(config, "shared", r, lab, steps, os.path.join(scratch, f"shared-rank{r}.json"),
                                        chosen, accelerator, port=port) for r in range(len(lab))], timeout, log)
-        solo = [launch_rank(RankJob(config, "solo", 0, [lab[r]], steps, os.path.join(scratch, f"solo-rank{r}.json"),
+        solo = [launch_rank(RankJob(config, "solo", 0, [solo_card(lab, r, accelerator)], steps,
+                                    os.path.join(scratch, f"solo-rank{r}.json"),
                                     chosen, accelerator, port=_free_port(), batch_size=rehearsed[r].batch), timeout,
                             log) if rehearsed[r].ok else RankResult("solo", r, rehearsed[r].card, error="not rehearsed")
                 for r in range(len(lab))]
     rows, disagreements = [], []
-    for r, (mine, real, alone) in enumerate(zip(rehearsed, shared, solo)):
+    for r, (mine, real, solo_run) in enumerate(zip(rehearsed, shared, solo)):
         peak = "peak_allocated_bytes" if accelerator == "gpu" else None
         row = {
             "rank": r, "card": mine.card,
             "plan": [mine.plan, real.plan], "split": [mine.split, real.split],
             "peak_bytes": [getattr(mine, peak), getattr(real, peak)] if peak else None,
-            "step_seconds": [mine.step_time, alone.step_time],
+            "step_seconds": [mine.step_time, solo_run.step_time],
         }
         row["peak_error"] = _relative(*row["peak_bytes"]) if peak else None
         row["step_error"] = _relative(*row["step_seconds"])
@@ -645,10 +677,10 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
             disagreements.append(f"rank {r}: rehearsed peak {_gib(mine.peak_allocated_bytes)} GiB vs "
                                  f"{_gib(real.peak_allocated_bytes)} GiB really run together ({row['peak_error']:+.1%})")
         if row["step_error"] is None:
-            disagreements.append(f"rank {r}: step time not compared ({mine.error or alone.error})")
+            disagreements.append(f"rank {r}: step time not compared ({mine.error or solo_run.error})")
         elif abs(row["step_error"]) > AGREEMENT:
             disagreements.append(f"rank {r}: rehearsed step {mine.step_time * 1e3:.1f} ms vs emulated solo "
-                                 f"{alone.step_time * 1e3:.1f} ms ({row['step_error']:+.1%})")  # type: ignore[operator]
+                                 f"{solo_run.step_time * 1e3:.1f} ms ({row['step_error']:+.1%})")  # type: ignore[operator]
     check = {"rows": rows, "disagreements": disagreements, "agreement": AGREEMENT}
     report["check"] = check
     with open(os.path.join(out_dir, "check.json"), "w") as f:
@@ -658,17 +690,18 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
 
 
 def format_check(check: dict[str, Any]) -> str:
-    lines = ["Honesty check: rehearsed vs the same ranks really run together on this device (peak) and each card "
-             "emulated solo (step time)",
-             f"{'rank':<5}{'card':<12}{'plan (reh/real)':<22}{'peak GiB (reh/real)':<22}{'err':>8}"
-             f"{'step ms (reh/solo)':>22}{'err':>8}"]
+    rows = [("rank", "card", "plan (reh/real)", "peak GiB (reh/real)", "err", "step ms (reh/solo)", "err")]
     for row in check["rows"]:
         peaks = row["peak_bytes"] or [None, None]
         steps = [f"{s * 1e3:.1f}" if s else "-" for s in row["step_seconds"]]
-        peak_err = f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a"
-        step_err = f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a"
-        lines.append(f"{row['rank']:<5}{row['card']:<12}{'/'.join(map(str, row['plan'])):<22}"
-                     f"{_gib(peaks[0]) + '/' + _gib(peaks[1]):<22}{peak_err:>8}{'/'.join(steps):>22}{step_err:>8}")
+        rows.append((str(row["rank"]), row["card"], "/".join(map(str, row["plan"])),
+                     f"{_gib(peaks[0])}/{_gib(peaks[1])}",
+                     f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a",
+                     "/".join(steps), f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["Honesty check: rehearsed vs the same ranks really run together on this device (peak) and each card "
+             "emulated solo (step time)"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines += [f"DIFFERS (> {check['agreement']:.0%}): {d}" for d in check["disagreements"]] or \
         [f"all within {check['agreement']:.0%}"]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ class ShareProfiler:
     """The profiling run of one training job and its record (``profile``: measured, not the capacities in force)."""
 
     def __init__(self, view: StrategyView, plan: SharePlan, lab: LabView, enabled: bool, steps: int,
-                 memory_headroom: float, max_batch_per_rank: Optional[int]) -> None:
+                 memory_headroom: float, max_batch_per_rank: Optional[int], sharded: bool = False) -> None:
         self.view = view
         self.plan = plan
         self.lab = lab
@@ -36,6 +36,9 @@ class ShareProfiler:
         self.steps = steps
         self.memory_headroom = memory_headroom
         self.max_batch_per_rank = max_batch_per_rank
+        # A sharded step waits at every block for all ranks' all-gathers: its time is the slowest rank's, so the
+        # profile gives memory caps only, and capacities stay the published rates.
+        self.sharded = sharded
         self.profile: Optional[ProfileResult] = None
 
     def plan_shares(self, sampler: PlannedSampler, dataloader: Any) -> None:
@@ -46,14 +49,18 @@ class ShareProfiler:
             self.profile = self._run(sampler, dataloader)
             if self.profile is not None:
                 plan.set_caps(self.profile.caps)
-                plan.update(self.profile.capacities, "profile")
+                if not self.sharded:
+                    plan.update(self.profile.capacities, "profile")
         if plan.caps is None and self.max_batch_per_rank is not None:
             plan.set_caps((self.max_batch_per_rank,) * sampler.world_size)
 
     def table_columns(self) -> dict[str, list[str]]:
         """The lab table's columns of the measurement (or of the memory caps in force without one)."""
         if self.profile is not None:
-            return table_columns(self.profile)
+            columns = table_columns(self.profile)
+            if self.sharded:
+                columns.pop("samples/s")  # timed in lockstep: not this rank's rate
+            return columns
         if self.plan.caps is not None:
             return {"mem cap": [str(c) for c in self.plan.caps]}
         return {}
@@ -93,16 +100,23 @@ class ShareProfiler:
             optimizers=view.optimizers,
             step_context=emulator.work if emulator is not None else _nothing,
             classes=[d.device_class for d in self.lab.lab.devices],
+            lockstep=self.sharded,
+            # A sharded model's step runs through its root, which gathers the root's own parameters.
+            training_step=view.training_step if self.sharded else None,
         )
         if result is None:
             rank_zero_warn(f"{running_strategy()}: `training_step` returned no loss to time; keeping "
                            f"'{self.plan.source}' capacities.")
             return None
+        caps = f"memory caps {list(result.caps)}" if result.caps else "no memory caps (CPU)"
+        if self.sharded:
+            rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: {caps}; capacities stay "
+                           f"'{self.plan.source}' (a sharded step's time is the slowest rank's)")
+            return result
         rates = ", ".join(f"{c:.4g}" for c in result.capacities)
         # Forward + backward only: the monitor's solo/s also counts the optimizer and per-step overhead.
         rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: forward + backward "
-                       f"samples/s at the planned split [{rates}]"
-                       + (f", memory caps {list(result.caps)}" if result.caps else ""))
+                       f"samples/s at the planned split [{rates}]" + (f", {caps}" if result.caps else ""))
         return result
 
 

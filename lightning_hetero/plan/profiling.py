@@ -157,11 +157,13 @@ def time_rank(
     forward_context: ContextFactory = nullcontext,
     headroom: float = 0.1,
     step_context: ContextFactory = nullcontext,
+    lockstep: bool = False,
 ) -> Optional[RankProfile]:
     """Fastest seconds of forward + backward at each batch size (``batches``: size -> batch on ``device``).
 
     ``None`` when ``loss_fn`` gives no loss (a ``training_step`` that returns ``None``). ``step_context`` wraps
     forward and backward (e.g. an emulated device's capped stream), ``forward_context`` the forward (autocast).
+    ``lockstep``: forward and backward issue collectives (a sharded model), so every rank runs the same steps.
     Writes no ``.grad``; call it inside :func:`preserved` to also restore buffers and RNG.
     """
     start = time.perf_counter()
@@ -171,7 +173,7 @@ def time_rank(
     # The device warms up (clocks, allocator, kernel selection) on the largest batch before anything is timed;
     # then each size gets one untimed step of its own.
     # On CUDA the warm-up also lasts at least half a second: clocks ramp up from idle over that time scale.
-    min_warm_s = 0.5 if cuda else 0.0
+    min_warm_s = 0.5 if cuda and not lockstep else 0.0
     if not _untimed_steps(module, batches[max(batches)], loss_fn, params, warmup, min_warm_s, forward_context,
                           step_context, device):
         return None
@@ -362,11 +364,12 @@ def _silenced_logging(module: nn.Module) -> Iterator[None]:
         del module.log
 
 
-def training_loss(module: nn.Module) -> Callable[[Any], Optional[torch.Tensor]]:
-    """The loss ``module.training_step`` returns (a tensor or ``{"loss": tensor}``), else ``None``."""
+def training_loss(module: nn.Module, step: Optional[Callable[..., Any]] = None) -> Callable[[Any], Optional[torch.Tensor]]:
+    """The loss ``module.training_step`` (or ``step``, the strategy's) returns (a tensor or ``{"loss": tensor}``), else
+    ``None``."""
 
     def loss_fn(batch: Any) -> Optional[torch.Tensor]:
-        out = module.training_step(batch, 0)
+        out = (step or module.training_step)(batch, 0)
         if isinstance(out, Mapping):
             out = out.get("loss")
         return out if isinstance(out, torch.Tensor) and out.requires_grad else None
@@ -395,6 +398,8 @@ def profile_lightning_module(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     step_context: ContextFactory = nullcontext,
     classes: Sequence[str] = (),
+    lockstep: bool = False,
+    training_step: Optional[Callable[..., Any]] = None,
 ) -> Optional[ProfileResult]:
     """Profile ``module`` (a LightningModule, not its DDP wrapper) on this rank and combine all ranks' results.
 
@@ -403,7 +408,10 @@ def profile_lightning_module(
 
     Step time is not quite linear in the batch size (a fast card gets more efficient at large batches), so when the
     first split puts a rank far from both sizes it was timed at, every such rank is timed once more at its share and
-    refitted on that point and the nearer of the first two.
+    refitted on that point and the nearer of the first two. With ``lockstep`` (a sharded model, whose steps issue
+    collectives) every rank runs the same steps and there is no refinement: the times are the slowest rank's, and
+    only the memory measurements are this rank's own. ``training_step``: the strategy's, where the module's own
+    would miss what the strategy does around it (a sharded root's forward hooks).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = profile_sizes(global_batch_size, world)
@@ -416,8 +424,9 @@ def profile_lightning_module(
                 dataset, collate_fn, list(indices), batch_sizes,
                 lambda b: _compat.move_batch_to_device(module, b, device),
             )
-            return time_rank(module, batches, training_loss(module), device, steps=steps,
-                             forward_context=forward_context, headroom=headroom, step_context=step_context)
+            return time_rank(module, batches, training_loss(module, training_step), device, steps=steps,
+                             forward_context=forward_context, headroom=headroom, step_context=step_context,
+                             lockstep=lockstep)
 
     local = timed(sizes)
     profiles = gather_profiles(local)
@@ -427,7 +436,7 @@ def profile_lightning_module(
     split = split_batch(global_batch_size, result.capacities, result.caps)
     far = [min(abs(b - s) for s in sizes) > 0.1 * b for b in split]
     # A latency-bound job is compared at the equal share, which every rank has timed: nothing to refine.
-    if not any(far) or any(p.latency_bound() for p in profiles):  # identical on every rank: no collective needed
+    if lockstep or not any(far) or any(p.latency_bound() for p in profiles):  # identical on every rank: no collective needed
         return result
     assert local is not None
     refined = local

@@ -48,7 +48,7 @@ class HeteroCore:
 
     def __init__(self, view: StrategyView, capacity_spec: CapacitySpec, global_batch_size: Optional[int],
                  options: Options, emulate: Optional[list[Optional[EmulationSpec]]],
-                 precision_policy: Optional[PrecisionPolicy]) -> None:
+                 precision_policy: Optional[PrecisionPolicy], sharded: bool = False) -> None:
         self.view = view
         self.options = options
         self.plan = SharePlan(capacity_spec, global_batch_size)
@@ -62,6 +62,7 @@ class HeteroCore:
             steps=profiling.steps,
             memory_headroom=float(profiling.memory_headroom),
             max_batch_per_rank=profiling.max_batch_per_rank,
+            sharded=sharded,
         )
         self.shares = ShareController(
             view, self.plan, self.lab, self.profiler,
@@ -114,11 +115,19 @@ class HeteroCore:
 
 
 def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: Optional[int], options: Options,
-                        emulate: Any, precision_policy: Any, precision_plugin: Any) -> HeteroCore:
-    """A strategy's core from its user-facing arguments, each checked with the argument named."""
+                        emulate: Any, precision_policy: Any, precision_plugin: Any,
+                        sharded: bool = False) -> HeteroCore:
+    """A strategy's core from its user-facing arguments, each checked with the argument named (``sharded``: the
+    model's parameters are sharded, so its forward and backward issue collectives)."""
     check("", "global_batch_size", global_batch_size, global_batch_size is None or (
         is_int(global_batch_size) and global_batch_size >= 1), "a positive integer or None")
     policy = parse_precision_policy(precision_policy)
     if policy is not None and precision_plugin is not None:
         raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
-    return HeteroCore(view, parse_capacities(capacities), global_batch_size, options, parse_emulate(emulate), policy)
+    spec = parse_capacities(capacities)
+    if sharded and spec.source == "profile":
+        raise ValueError(
+            "`capacities`='profile' times each rank's own steps, but a sharded step waits at every block for all "
+            "ranks' all-gathers, so every rank would time the slowest: give 'auto' (published rates, and the profiled "
+            "memory caps), 'peak', a mapping from device names or explicit weights.")
+    return HeteroCore(view, spec, global_batch_size, options, parse_emulate(emulate), policy, sharded)

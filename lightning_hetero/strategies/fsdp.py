@@ -296,7 +296,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin)
+                                        precision_plugin, sharded=True)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         # Every rank's measured peak (CUDA; None elsewhere) after the first steps.

@@ -207,6 +207,19 @@ def test_strategy_equals_one_process(tmp_path, capacities, optimizer):
 
 
 @pytest.mark.slow
+def test_auto_capacities_under_sharding_keep_the_published_rates_and_every_rank_in_step(tmp_path):
+    """A sharded step waits at every block for all ranks' all-gathers, so timing it gives every rank the slowest
+    rank's time: profiling measures memory caps only, with every rank running the same steps, and the shares stay
+    the published rates (equal on CPU, which has none), even where the emulated cards differ 9-fold."""
+    records = fit_distributed(TinyModel(n=48), str(tmp_path), 3, {
+        "capacities": "auto", "emulate": ["A100-40GB", "RTX3090", "RTX3090"]}, max_epochs=1,
+        strategy_class=HeteroFSDPStrategy)
+    assert [[len(batch) for batch in r["indices"]] for r in records] == [[4] * 4] * 3
+    for r in records[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], records[0]["params"]))
+
+
+@pytest.mark.slow
 def test_strategy_gradient_accumulation_equals_one_process(tmp_path):
     records, ref_params = _strategy_fit(tmp_path, [3, 1], n=64, accumulate_grad_batches=2)
     assert records[0]["steps"] == 12 and len(ref_params) == 24  # 8 batches an epoch, 4 optimizer steps
@@ -251,6 +264,7 @@ def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path
     ({"blocks": ["Linear"]}, "`blocks`=['Linear'] must be None or a non-empty list of dotted class paths"),
     ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
     ({"capacities": [3, -1]}, "capacities"),
+    ({"capacities": "profile"}, "`capacities`='profile' times each rank's own steps"),
 ])
 def test_bad_strategy_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
