@@ -37,3 +37,65 @@ def test_rehearsed_plan_and_shares_equal_a_real_cpu_run(tmp_path):
         assert rehearsed_plan == real_plan and rehearsed_plan is not None
         assert rehearsed_split == real_split and sum(rehearsed_split) == 24
     assert rows[0]["split"][0][0] > rows[1]["split"][0][1]
+
+
+def test_a_switched_strategy_keeps_the_options_it_takes(capsys):
+    from jsonargparse import Namespace
+
+    from lightning_hetero.observe.rehearse import carried_options
+
+    ddp = Namespace(class_path="lightning_hetero.HeteroDDPStrategy",
+                    init_args=Namespace(capacities={"A100": 3, "3090": 1}, ddp_kwargs={"bucket_cap_mb": 50}))
+    assert carried_options(ddp, "lightning_hetero.HeteroFSDPStrategy") == {"capacities": {"A100": 3, "3090": 1}}
+    assert "['ddp_kwargs']: left out" in capsys.readouterr().out
+    assert carried_options(Namespace(class_path="lightning.pytorch.strategies.DDPStrategy"),
+                           "lightning_hetero.HeteroFSDPStrategy") == {}
+
+
+def test_a_card_run_alone_keeps_its_speed_in_the_lab():
+    from lightning_hetero.lab.emulation import PRESETS, preset_tflops
+    from lightning_hetero.observe.rehearse import solo_card
+
+    lab = ["A100-40GB", "RTX3090"]
+    # CPU slowdowns are relative to the lab's fastest card: alone, the 3090 keeps the lab's, not 1.
+    card = solo_card(lab, 1, "cpu")
+    in_lab = preset_tflops(PRESETS["A100-40GB"]) / preset_tflops(PRESETS["RTX3090"])
+    assert card["preset"] == "RTX3090" and card["slowdown"] == pytest.approx(in_lab) and in_lab > 2
+    assert solo_card(lab, 0, "cpu")["slowdown"] == 1.0
+    assert solo_card(lab, 1, "gpu") == "RTX3090"  # an SM share is the card's own already
+
+
+def _result(mode, rank, batch, step, ok=True, oom=False, modes=None):
+    from lightning_hetero.observe.rehearse import RankResult
+
+    return RankResult(mode, rank, "card", ok=ok, oom=oom, batch=batch, global_batch=8,
+                      step_seconds=[9.0, 9.0] + ([step] * 3 if step else []), param_bytes=4_000_000,
+                      compute_bytes=2_000_000, memory_modes=modes)
+
+
+def test_prediction_times_every_strategy_on_its_own_steps_and_extrapolates_only_what_did_not_run():
+    from lightning_hetero.observe.rehearse import predict
+
+    ours = [_result("hetero", 0, 6, 0.060, modes=["keep", "keep"]), _result("hetero", 1, 2, 0.050)]
+    ddp = [_result("ddp", 0, 4, 0.045), _result("ddp", 1, 4, None, ok=False, oom=True)]
+    fsdp = [_result("fsdp", 0, 4, 0.045), _result("fsdp", 1, 4, 0.080)]
+    out = predict(ours, ddp, fsdp, "hetero_fsdp", "pcie")
+    strategies = out["strategies"]
+    assert strategies["fsdp"]["compute_seconds"] == pytest.approx([0.045, 0.080])  # measured, not 4/rate
+    assert strategies["fsdp"]["estimated"] == [] and strategies["ddp"]["estimated"] == [1]
+    assert strategies["ddp"]["compute_seconds"][1] == pytest.approx(4 / (2 / 0.050))  # our 3090 rate, linear
+    assert strategies["ddp"]["samples_per_s"] is None and strategies["ddp"]["oom_ranks"] == [1]
+    # Solo rates: each card's best measured (the 3090 is faster per sample at batch 4 than at 2).
+    assert out["solo_samples_per_s"] == pytest.approx([6 / 0.060, 4 / 0.080])
+    comm = strategies["hetero_fsdp"]["communication_seconds"]
+    assert strategies["hetero_fsdp"]["step_seconds"] == pytest.approx(0.060 + comm)
+
+
+def test_measured_capacities_are_named_as_not_rehearsed():
+    from lightning_hetero.observe.rehearse import notes
+
+    rank = _result("hetero", 0, 6, 0.06)
+    rank.capacities_asked, rank.capacity_source = "auto", "peak"
+    assert any("capacities ['auto'] are measured across the ranks" in n for n in notes([rank], "gpu"))
+    rank.capacities_asked = "peak"
+    assert not any("measured across" in n for n in notes([rank], "gpu"))

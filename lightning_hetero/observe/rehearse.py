@@ -31,8 +31,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_hetero.lab.emulation import PRESETS, EmulationSpec, alone, job_link_class, parse_emulate
-from lightning_hetero.lab.rehearsal import REHEARSE_ENV
+from lightning_hetero.lab.emulation import (PRESETS, EmulationSpec, Emulator, alone, job_link_class, parse_emulate,
+                                            start_emulation)
+from lightning_hetero.lab.rehearsal import REHEARSE_ENV, host_device
 
 GIB = 2**30
 STRATEGIES = {"hetero_ddp": "lightning_hetero.HeteroDDPStrategy", "hetero_fsdp": "lightning_hetero.HeteroFSDPStrategy"}
@@ -104,6 +105,7 @@ class RankResult:
     global_batch: Optional[int] = None
     plan: Optional[str] = None
     capacity_source: Optional[str] = None
+    capacities_asked: Optional[str] = None  # the strategy's `capacities` source ("auto", "profile", "peak", ...)
     split: Optional[list[int]] = None
     memory_modes: Optional[list[str]] = None
     card_memory_bytes: Optional[int] = None
@@ -141,10 +143,13 @@ def _first_batch_dim(batch: Any) -> Optional[int]:
     return None
 
 
-def _probe(result: RankResult, device: torch.device) -> Any:
+def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator] = None) -> Any:
     """A callback timing every training step (synchronised) and noting the batch each rank trained on; for
     a DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
-    :func:`local_gradients_hook`."""
+    :func:`local_gradients_hook`. With ``emulator`` (Lightning's strategies, which have none of their own) each step
+    runs under the card's SM share (CPU: its slowdown), as ours does."""
+    from contextlib import ExitStack
+
     from lightning.pytorch import Callback
 
     def sync() -> None:
@@ -153,6 +158,7 @@ def _probe(result: RankResult, device: torch.device) -> Any:
 
     class Probe(Callback):
         started = 0.0
+        step = ExitStack()
 
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
@@ -168,8 +174,11 @@ def _probe(result: RankResult, device: torch.device) -> Any:
             sync()
             self.started = time.perf_counter()
             result.batch = _first_batch_dim(batch)
+            if emulator is not None:
+                self.step.enter_context(emulator.work())  # forward, backward and optimizer step on the capped stream
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.step.close()
             sync()
             result.step_seconds.append(time.perf_counter() - self.started)
 
@@ -250,6 +259,7 @@ def run_rank(job: RankJob) -> RankResult:
                           default_root_dir=root)
             return super().instantiate_trainer(**kwargs)
 
+    emulator: Optional[Emulator] = None
     try:
         if job.mode == "shared":
             # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
@@ -258,9 +268,12 @@ def run_rank(job: RankJob) -> RankResult:
         elif job.mode in ("ddp", "fsdp"):
             # Lightning's own strategies keep an initialised process group (the fake one) instead of creating theirs.
             init_fake_process_group(job.rank, world)
-            if device.type == "cuda" and result.card_memory_bytes is not None:
-                torch.cuda.set_per_process_memory_fraction(
-                    min(1.0, result.card_memory_bytes / result.local_memory_bytes), 0)  # type: ignore[operator]
+            # The card's memory cap and SM share (CPU: slowdown), as our strategy's emulator applies them.
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            emulator = start_emulation(parse_emulate(job.lab) or (), job.rank, world, host_device(device), device)
+            if emulator is not None:
+                emulator.activate()
         import yaml
 
         with open(job.config) as f:
@@ -272,7 +285,7 @@ def run_rank(job: RankJob) -> RankResult:
         result.parameters = sum(p.numel() for p in params)
         result.param_bytes = sum(p.numel() * p.element_size() for p in params)
         trainer = cli.trainer
-        trainer.callbacks.append(_probe(result, device))
+        trainer.callbacks.append(_probe(result, device, emulator))
         precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
         element = 2 if ("16" in precision and "32" not in precision) else 4
         result.compute_bytes = result.parameters * element
@@ -282,6 +295,7 @@ def run_rank(job: RankJob) -> RankResult:
         if job.mode in ("hetero", "shared", "solo"):
             plan = strategy.plan.as_dict()  # type: ignore[attr-defined]
             result.split, result.capacity_source = plan["split"], plan["capacity_source"]
+            result.capacities_asked = strategy.plan.spec.source  # type: ignore[attr-defined]
             result.global_batch = plan["global_batch_size"]
             memory_plan = getattr(strategy, "memory_plan", None)
             result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
@@ -386,7 +400,12 @@ def communication_seconds(mode: str, world: int, param_bytes: int, compute_bytes
 
 def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Sequence[RankResult], strategy: str,
             link: str) -> dict[str, Any]:
-    """Step time, throughput and ratio to Σ solo of ours vs DDP vs FSDP, from the rehearsed step times."""
+    """Step time, throughput and ratio to Σ solo of ours vs DDP vs FSDP, from the rehearsed step times.
+
+    Each strategy's compute time on a card is that rank's own measured step time; a rank that did not run (out of
+    memory) is extrapolated from our rank's rate on that card, linearly in the batch, and listed in ``estimated``.
+    A card's solo rate is its best measured samples/s over the rehearsed runs.
+    """
     rates = [r.batch / r.step_time if r.ok and r.batch and r.step_time else None for r in hetero]
     base = next((r for r in hetero if r.ok), None)
     out: dict[str, Any] = {"link": link, "link_gbytes_per_s": LINK_GBYTES[link], "rates": rates, "strategies": {}}
@@ -394,22 +413,27 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
         return out
     world = len(hetero)
     global_batch = base.global_batch or sum(r.batch or 0 for r in hetero)
-    solo = sum(rates)  # type: ignore[arg-type]
-    out["sum_solo_samples_per_s"] = solo
+    solo = [max([rate] + [r.batch / r.step_time for r in (*ddp, *fsdp)  # type: ignore[operator]
+                          if r.rank == i and r.ok and r.batch and r.step_time])
+            for i, rate in enumerate(rates)]
+    out["solo_samples_per_s"] = solo
+    out["sum_solo_samples_per_s"] = sum(solo)
     ours = "hetero_fsdp" if base.memory_modes else "hetero_ddp"
     runs = {ours: (hetero, [r.batch for r in hetero]), "ddp": (ddp, [global_batch / world] * world),
             "fsdp": (fsdp, [global_batch / world] * world)}
     for name, (results, batches) in runs.items():
         if not results:
             continue  # not rehearsed (baselines off, or Lightning's FSDPStrategy on CPU)
-        fits = bool(results) and all(r.ok for r in results)
-        compute = [b / rate for b, rate in zip(batches, rates)]  # type: ignore[operator]
+        fits = all(r.ok for r in results)
+        measured = {r.rank: r.step_time for r in results if r.ok and r.step_time}
+        compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
         comm = communication_seconds(name, world, base.param_bytes or 0, base.compute_bytes or 0, LINK_GBYTES[link])
         step = max(compute) + comm
         out["strategies"][name] = {
             "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,
+            "estimated": [i for i in range(world) if i not in measured],
             "step_seconds": step, "samples_per_s": global_batch / step if fits else None,
-            "ratio_to_sum_solo": global_batch / step / solo if fits else None,
+            "ratio_to_sum_solo": global_batch / step / sum(solo) if fits else None,
             "oom_ranks": [r.rank for r in results if r.oom],
         }
     return out
@@ -418,6 +442,12 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
 # -- report -------------------------------------------------------------------------------------------------------------
 def _gib(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / GIB:.2f}"
+
+
+def aligned(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    """``rows`` (the first one the header) as lines of left-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def format_rehearsal(report: dict[str, Any]) -> str:
@@ -455,16 +485,20 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     else:
         lines.append(f"Predicted step (from the measured step times; link {prediction['link']} at "
                      f"{prediction['link_gbytes_per_s']:g} GB/s):")
-        lines.append(f"  {'strategy':<13}{'compute ms (per rank)':<30}{'comm ms':>9}{'step ms':>9}{'samples/s':>11}"
-                     f"{'vs sum solo':>12}")
+        rows = [("strategy", "compute ms (per rank)", "comm ms", "step ms", "samples/s", "vs sum solo")]
         for name, s in prediction["strategies"].items():
-            compute = "/".join(f"{c * 1e3:.1f}" for c in s["compute_seconds"])
-            failed = f"OOM r{s['oom_ranks']}" if s["oom_ranks"] else "failed"
-            rate = f"{s['samples_per_s']:.1f}" if s["samples_per_s"] else failed
-            ratio = f"{s['ratio_to_sum_solo']:.2f}" if s["ratio_to_sum_solo"] else "-"
-            lines.append(f"  {name:<13}{compute:<30}{s['communication_seconds'] * 1e3:>9.1f}"
-                         f"{s['step_seconds'] * 1e3:>9.1f}{rate:>11}{ratio:>12}")
-        lines.append(f"  sum of the cards' solo rates: {prediction['sum_solo_samples_per_s']:.1f} samples/s")
+            compute = "/".join(f"{c * 1e3:.1f}" + ("*" if i in s["estimated"] else "")
+                               for i, c in enumerate(s["compute_seconds"]))
+            failed = f"OOM on ranks {s['oom_ranks']}" if s["oom_ranks"] else "failed"
+            rows.append((name, compute, f"{s['communication_seconds'] * 1e3:.1f}", f"{s['step_seconds'] * 1e3:.1f}",
+                         f"{s['samples_per_s']:.1f}" if s["samples_per_s"] else failed,
+                         f"{s['ratio_to_sum_solo']:.2f}" if s["ratio_to_sum_solo"] else "-"))
+        lines += aligned(rows, indent="  ")
+        solo = ", ".join(f"{rate:.1f}" for rate in prediction["solo_samples_per_s"])
+        lines.append(f"  sum of the cards' solo rates: {prediction['sum_solo_samples_per_s']:.1f} samples/s ({solo}: "
+                     "each card's best measured rate)")
+        if any(s["estimated"] for s in prediction["strategies"].values()):
+            lines.append("  * not measured (the rank did not run): our rank's rate on that card, linear in the batch")
     lines += [f"assumption: {a}" for a in report["assumptions"]]
     lines += [f"NOTE: {n}" for n in report["notes"]]
     return "\n".join(lines)
@@ -473,9 +507,8 @@ def format_rehearsal(report: dict[str, Any]) -> str:
 ASSUMPTIONS = (
     "memory: measured (torch.cuda.max_memory_allocated of the rank's own process under the card's memory cap); "
     "the CUDA context and NCCL buffers (~0.5-1 GiB on a real card) are not included",
-    "compute: each rank's step time measured on this device under the card's SM share (CPU: the emulator's "
-    "slowdown), with collectives stood in for; a card's time is taken as linear in its batch for equal batches",
-    "DDP/FSDP equal batches: same per-sample compute rate as our strategy's plan on that card",
+    "compute: each rank's step time (forward, backward, optimizer) measured on this device under the card's SM "
+    "share (CPU: the emulator's slowdown), with collectives stood in for, for ours and Lightning's DDP/FSDP alike",
     "link: the slowest link class of the lab; bandwidths (GB/s) " + ", ".join(f"{k} {v:g}" for k, v in
                                                                             LINK_GBYTES.items())
     + " (NCCL between two H200s with the emulator's settings); ring collectives",
@@ -600,6 +633,11 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
         reason = "; ".join(f"rank {r.rank}: {'OOM' if r.oom else r.error}" for r in hetero)
         out.append(f"the local device ({accelerator}) could not hold even one rank of this lab ({reason}): rehearse "
                    "on a device with at least the smallest card's memory, or lower the batch / choose a memory plan.")
+    measured = {r.capacities_asked for r in hetero if r.capacities_asked in ("auto", "profile")}
+    if measured and hetero[0].capacity_source:
+        out.append(f"capacities {sorted(measured)} are measured across the ranks at the start of a real run; the "
+                   f"rehearsal cannot (each rank runs alone) and used '{hetero[0].capacity_source}' (the cards' "
+                   "published rates, or equal where there are none); the real shares follow the measured speeds")
     if accelerator != "gpu":
         out.append("CPU rehearsal: no device memory is capped or measured (peaks n/a; host RSS shown); speeds are the "
                    "emulator's CPU slowdowns, not the cards'")
@@ -698,10 +736,9 @@ def format_check(check: dict[str, Any]) -> str:
                      f"{_gib(peaks[0])}/{_gib(peaks[1])}",
                      f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a",
                      "/".join(steps), f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["Honesty check: rehearsed vs the same ranks really run together on this device (peak) and each card "
              "emulated solo (step time)"]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines += aligned(rows)
     lines += [f"DIFFERS (> {check['agreement']:.0%}): {d}" for d in check["disagreements"]] or \
         [f"all within {check['agreement']:.0%}"]
     return "\n".join(lines)

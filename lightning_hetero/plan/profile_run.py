@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hetero.lab.rehearsal import rehearsal
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
 from lightning_hetero.view import StrategyView
@@ -44,8 +45,9 @@ class ShareProfiler:
     def plan_shares(self, sampler: PlannedSampler, dataloader: Any) -> None:
         """Profile once if asked (a collective) and adopt the measured capacities and caps; else the fixed caps."""
         plan = self.plan
-        # One rank has nobody to share with: profiling it would only delay the first step.
-        if self.enabled and self.profile is None and sampler.world_size > 1:
+        # One rank has nobody to share with: profiling it would only delay the first step. A rehearsed rank's
+        # others do not exist (lab/rehearsal.py): it keeps the published rates its lab's cards would start from.
+        if self.enabled and self.profile is None and sampler.world_size > 1 and rehearsal() is None:
             self.profile = self._run(sampler, dataloader)
             if self.profile is not None:
                 plan.set_caps(self.profile.caps)

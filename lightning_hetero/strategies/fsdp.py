@@ -234,9 +234,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             own. A model that shards itself in ``configure_model`` keeps its sharding.
         hybrid: on several hosts with equal GPU counts, shard inside each host and replicate across hosts (HSDP), so
             only the replicated gradient all-reduce crosses the slow link. Unequal hosts shard over all ranks.
-        capacities: relative speed of each rank, as for :class:`~lightning_hetero.HeteroDDPStrategy`.
+        capacities: relative speed of each rank, as for :class:`~lightning_hetero.HeteroDDPStrategy`, except that a
+            sharded step lasts as long as the slowest rank's, so ``"auto"`` takes the published rates (equal where
+            there are none) and ``"profile"`` is refused.
         global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
-        profiling: how measured capacities are profiled (:class:`~lightning_hetero.config.Profiling`).
+        profiling: how the memory caps are profiled (:class:`~lightning_hetero.config.Profiling`).
         rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
         data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); with ``micro_batch`` a rank runs
             its share in several pieces, its parameters gathered once for all of them (see ``docs/fsdp.md``).
