@@ -33,7 +33,7 @@ case "${1:-checks}" in
         if [ "$pair2" = "2,3" ]; then
             step compression 430 2,3 python3 benchmarks/compression_bench.py --out "$OUT/compression" >"$OUT/lane2.txt" 2>&1 &
         fi
-        step gpu_tests 240 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/grad/test_compression.py
+        step gpu_tests 900 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/grad/test_compression.py
         step profile_check 120 0,1 python3 benchmarks/profile_check.py --out "$OUT/profile"
         step demo 90 0,1 python3 examples/train_digits.py
         wait

@@ -43,10 +43,18 @@ class Pace(Callback):
             open(os.path.join(self.out_dir, "started"), "w").close()
 
 
+def _note_exit(out_dir: str) -> None:
+    # Written whole, then renamed: the test may read while this process is still writing.
+    path = os.path.join(out_dir, f"{os.getpid()}.exit")
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     out_dir, launcher = sys.argv[1], sys.argv[2]
     # When each process reaches interpreter exit (the test reports where the time after a signal goes).
-    atexit.register(lambda: open(os.path.join(out_dir, f"{os.getpid()}.exit"), "w").write(repr(time.time())))
+    atexit.register(_note_exit, out_dir)
     open(os.path.join(out_dir, f"{os.getpid()}.pid"), "w").close()
     torch.set_num_threads(1)
     torch.manual_seed(0)
