@@ -157,8 +157,9 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             torch.cuda.synchronize(device)
 
     class Probe(Callback):
-        started = 0.0
-        step = ExitStack()
+        def __init__(self) -> None:
+            self.started = 0.0
+            self.step = ExitStack()  # the emulator's capped step, from batch start to batch end
 
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
@@ -455,16 +456,15 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     lines = [f"Rehearsal of {report['config']} on lab {report['lab_text']} ({report['strategy']}), one rank at a time "
              f"on {report['local_device']} with the fake process group; {report['steps']} steps per rank."]
     cuda = report["accelerator"] == "gpu"
-    lines.append(f"{'rank':<5}{'card':<12}{'plan':<20}{'share':>7}{'batch':>7}{'peak GiB':>10}{'card GiB':>10}"
-                 f"{'headroom':>10}{'step ms':>9}  status")
+    rows = [("rank", "card", "plan", "share", "batch", "peak GiB", "card GiB", "headroom", "step ms", "status")]
     for r in hetero:
         peak = r.peak_allocated_bytes if cuda else None
         headroom = (r.card_memory_bytes - peak) if (peak is not None and r.card_memory_bytes) else None
-        status = "ok" if r.ok else ("OOM" if r.oom else f"error: {r.error}")
-        share = f"{r.share:.1%}" if r.share is not None else "-"
-        step = f"{r.step_time * 1e3:.1f}" if r.step_time else "-"
-        lines.append(f"{r.rank:<5}{r.card:<12}{str(r.plan or '-'):<20}{share:>7}{str(r.batch or '-'):>7}"
-                     f"{_gib(peak):>10}{_gib(r.card_memory_bytes):>10}{_gib(headroom):>10}{step:>9}  {status}")
+        rows.append((str(r.rank), r.card, str(r.plan or "-"), f"{r.share:.1%}" if r.share is not None else "-",
+                     str(r.batch or "-"), _gib(peak), _gib(r.card_memory_bytes), _gib(headroom),
+                     f"{r.step_time * 1e3:.1f}" if r.step_time else "-",
+                     "ok" if r.ok else ("OOM" if r.oom else f"error: {r.error}")))
+    lines += aligned(rows)
     if not cuda:
         rss = ", ".join(f"rank {r.rank} {_gib(r.host_rss_bytes)}" for r in hetero)
         lines.append(f"  CPU: no device memory cap or peak (n/a); host-side peak RSS per rank process (GiB): {rss}")

@@ -47,7 +47,9 @@ class ShareProfiler:
         plan = self.plan
         # One rank has nobody to share with: profiling it would only delay the first step. A rehearsed rank's
         # others do not exist (lab/rehearsal.py): it keeps the published rates its lab's cards would start from.
-        if self.enabled and self.profile is None and sampler.world_size > 1 and rehearsal() is None:
+        # A sharded profile measures memory only, which exists on CUDA alone.
+        measurable = not self.sharded or self.view.root_device.type == "cuda"
+        if self.enabled and self.profile is None and sampler.world_size > 1 and rehearsal() is None and measurable:
             self.profile = self._run(sampler, dataloader)
             if self.profile is not None:
                 plan.set_caps(self.profile.caps)
@@ -96,7 +98,7 @@ class ShareProfiler:
             sampler.global_batch_size,
             view.root_device,
             forward_context=view.precision_plugin.forward_context,
-            steps=self.steps,
+            steps=1 if self.sharded else self.steps,  # sharded: its times are not used, one step gives the peak
             headroom=self.memory_headroom,
             max_batch_per_rank=self.max_batch_per_rank,
             optimizers=view.optimizers,
