@@ -201,12 +201,22 @@ def time_rank(
         sizes.append(size)
         # The fastest timed step: noise (launch jitter, other processes) only ever adds time to a fixed workload.
         seconds.append(min(times[1:]))
-    usable = None
-    if cuda:
-        free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        usable = int(free + cached - headroom * total)
+    usable = usable_bytes(device, headroom) if cuda else None
     return RankProfile(tuple(sizes), tuple(seconds), tuple(peaks), usable, time.perf_counter() - start)
+
+
+def usable_bytes(device: torch.device, headroom: float) -> int:
+    """The memory this process may still fill on ``device``, less ``headroom`` of what it may hold in all: the device's
+    free memory and the allocator's cached blocks, bounded by the allocator's own cap where one is set
+    (``set_per_process_memory_fraction``: an emulated card's memory, or ranks sharing one GPU), which the device's
+    free memory does not show."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached = reserved - torch.cuda.memory_allocated(device)
+    # torch < 2.9 has no getter for the cap: the device's own memory bounds it there.
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    limit = min(total, int(get_fraction(device) * total)) if get_fraction is not None else total
+    return int(min(free, limit - reserved) + cached - headroom * limit)
 
 
 def _untimed_steps(module: nn.Module, batch: Any, loss_fn: Callable[[Any], Optional[torch.Tensor]], params: list,

@@ -236,3 +236,22 @@ def test_validation_loader_follows_profiled_shares() -> None:
                       enable_model_summary=False)
     trainer.fit(model)
     assert torch.load(os.path.join(out, "val_split0.pt")) == [18, 6]
+
+
+def test_usable_memory_is_bounded_by_the_allocator_cap(monkeypatch):
+    """An emulated 24 GiB card on an 80 GiB GPU (a per-process memory fraction) may fill what its cap leaves, not
+    what the device has free: the profiled memory caps of a 40 GiB and a 24 GiB card must differ."""
+    from lightning_hetero.plan.profiling import usable_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * gib)
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"],
+                        raising=False)
+    device = torch.device("cuda", 0)
+    assert usable_bytes(device, 0.1) == 70 * gib + 2 * gib - 8 * gib  # uncapped: the device's free memory
+    fraction["value"] = 24 / 80
+    # capped at 24 GiB: 24 - 6 reserved + 2 cached, less 10 % of 24
+    assert usable_bytes(device, 0.1) == pytest.approx(24 * gib - 6 * gib + 2 * gib - 0.1 * 24 * gib, abs=1)
