@@ -104,19 +104,17 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
     if fault.endswith("_remote"):  # as if every rank were on its own host: no pid to look at, only the beats
         faults._pid_dead = lambda pid: False
         fault = fault[: -len("_remote")]
-    trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=2, logger=False,
-                      strategy=HeteroDDPStrategy(capacities="equal", resilience={"timeout": timeout},
-                                                 observation={"print_table": False}),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(FaultyModel(fault, fault_rank, out_dir))
-    if fault == "healthy":  # a second run on the same process group: a fresh watchdog, nothing left of the first
-        trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=1, logger=False,
+    def fit(epochs: int) -> None:
+        trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=epochs, logger=False,
                           strategy=HeteroDDPStrategy(capacities="equal", resilience={"timeout": timeout},
-                                                 observation={"print_table": False}),
+                                                     observation={"print_table": False}),
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0)
         trainer.fit(FaultyModel(fault, fault_rank, out_dir))
+
+    fit(2)
+    if fault == "healthy":  # a second run on the same process group: a fresh watchdog, nothing left of the first
+        fit(1)
         if rank != 0:  # rank 0 exits first, with the store: the others must not take that for a fault
             time.sleep(2 * TIMEOUT / 10 + 1)
 

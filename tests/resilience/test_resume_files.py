@@ -16,6 +16,17 @@ from lightning_hetero.resilience.resume import resolve_resume
 from lightning_hetero.resilience.state import RankStates
 
 
+def _sharded_checkpoint(path: Any) -> Any:
+    """A sharded checkpoint directory as DCP writes one (a shard, its metadata) with its checksum manifest."""
+    from lightning_hetero.resilience.checkpoint import write_manifest
+
+    path.mkdir()
+    (path / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
+    (path / "meta.pt").write_bytes(b"meta")
+    write_manifest(path)
+    return path
+
+
 def _ckpt(value: float) -> dict[str, Any]:
     return {"state_dict": {"w": torch.full((64,), value)}, "epoch": 0, "global_step": 1}
 
@@ -319,15 +330,9 @@ def test_directory_manifest_finds_changed_missing_and_added_files(tmp_path: Any)
 def test_resume_finds_the_newest_sharded_directory_and_skips_a_damaged_one(tmp_path: Any) -> None:
     """A sharded checkpoint (a ``*.ckpt`` directory with its checksum manifest) is a resume candidate like a file;
     a flipped byte in one of its shards sends the resume to the next older good checkpoint, with a warning."""
-    from lightning_hetero.resilience.checkpoint import write_manifest
-
     AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), tmp_path / "epoch=0-step=2.ckpt")
     time.sleep(0.05)
-    sharded = tmp_path / "epoch=0-step=4.ckpt"
-    sharded.mkdir()
-    (sharded / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
-    (sharded / "meta.pt").write_bytes(b"meta")
-    write_manifest(sharded)
+    sharded = _sharded_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
     (tmp_path / "no-manifest.ckpt").mkdir()  # no manifest: cannot be verified, never used (and said so)
     with pytest.warns(UserWarning, match="skipping .*no-manifest.ckpt.*no checksum file 'checksums.sha256'"):
         assert newest_checkpoint([tmp_path]) == str(sharded)
@@ -342,16 +347,12 @@ def test_resume_finds_the_newest_sharded_directory_and_skips_a_damaged_one(tmp_p
 def test_resume_says_why_it_skips_a_sharded_directory_whose_manifest_was_deleted(tmp_path: Any) -> None:
     """``resume="auto"`` with the newest sharded checkpoint's ``checksums.sha256`` deleted goes on from the previous
     checkpoint and says why, naming the directory and the missing manifest (not only "going on from")."""
-    from lightning_hetero.resilience.checkpoint import find_resume_checkpoint, write_manifest
+    from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
 
     older = tmp_path / "epoch=0-step=2.ckpt"
     AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), older)
     time.sleep(0.05)
-    sharded = tmp_path / "epoch=0-step=4.ckpt"
-    sharded.mkdir()
-    (sharded / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
-    (sharded / "meta.pt").write_bytes(b"meta")
-    write_manifest(sharded)
+    sharded = _sharded_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
     assert find_resume_checkpoint("auto", [tmp_path]) == str(sharded)
     (sharded / "checksums.sha256").unlink()
     with pytest.warns(UserWarning) as said:
