@@ -1,5 +1,7 @@
 """`doctor --lab`: the rehearsed plan and shares equal those of a real multi-process CPU run of the same job."""
 
+import tempfile
+
 import pytest
 
 from lightning_hetero.observe.rehearse import honesty_check, parse_lab
@@ -25,11 +27,20 @@ def test_parse_lab_names_the_flag():
 
 
 @pytest.mark.slow
-def test_rehearsed_plan_and_shares_equal_a_real_cpu_run(tmp_path):
+def test_rehearsed_plan_and_shares_equal_a_real_cpu_run(tmp_path, monkeypatch):
     config = tmp_path / "job.yaml"
     config.write_text(CONFIG)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's scratch, and the ranks' (TMPDIR)
+    monkeypatch.setenv("TMPDIR", str(scratch))
     report = honesty_check(str(config), "A100-80GB,RTX3090,RTX3090", steps=4, out_dir=str(tmp_path / "out"))
     rows = report["check"]["rows"]
+    # Every run's own record is kept (for looking into a disagreement later); no scratch folder is left behind.
+    shared, solo = report["check"]["shared"], report["check"]["solo"]
+    assert [run["rank"] for run in shared] == [0, 1, 2] and [run["mode"] for run in solo] == ["solo"] * 3
+    assert all(len(run["step_seconds"]) == 4 for run in shared + solo), (shared, solo)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("hetero-rehearse")]
     assert len(rows) == 3
     for row in rows:
         rehearsed_plan, real_plan = row["plan"]
@@ -99,3 +110,36 @@ def test_measured_capacities_are_named_as_not_rehearsed():
     assert any("capacities ['auto'] are measured across the ranks" in n for n in notes([rank], "gpu"))
     rank.capacities_asked = "peak"
     assert not any("measured across" in n for n in notes([rank], "gpu"))
+
+
+def test_a_step_that_waits_on_the_host_is_named_host_bound():
+    """The device's wait at each step's end tells a host-bound step (the time measures this machine's CPU, not the
+    card) from a device-bound one; the rank table, the notes and the honesty check's disagreements say which."""
+    from lightning_hetero.observe.rehearse import RankResult, compare_rank, format_check, notes
+
+    steps = [2.0, 2.0, 0.150, 0.130, 0.170, 0.160, 0.140, 0.150]  # two warm-up steps, then 0.15 s ± 0.02
+    host = RankResult("hetero", 0, "A100-40GB", ok=True, device="NVIDIA H100", step_seconds=steps,
+                      peak_allocated_bytes=2**30, device_wait_seconds=[0.5, 0.5] + [0.0001] * 6)
+    device = RankResult("hetero", 1, "RTX3090", ok=True, device="NVIDIA H100", step_seconds=steps,
+                        peak_allocated_bytes=2**30, device_wait_seconds=[0.5, 0.5] + [0.006] * 6)
+    cpu = RankResult("hetero", 0, "A100-40GB", ok=True, device="cpu", step_seconds=steps,
+                     device_wait_seconds=[0.0] * 8)
+    assert (host.host_bound, device.host_bound, cpu.host_bound) == (True, False, None)
+    assert host.step_spread == pytest.approx((0.1625 - 0.1375) / 0.150)  # quartiles of the six timed steps
+    assert RankResult("hetero", 0, "x", step_seconds=steps[:5]).step_spread is None  # too few timed steps
+    said = notes([host, device], "gpu")
+    assert [n for n in said if "host-bound" in n] == [n for n in said if n.startswith("rank 0 (A100-40GB)")]
+    assert "waited 0.1 ms of 150.0 ms" in said[0]
+    # The honesty check's words for a step beyond the agreement name the cause where the step is host-bound.
+    solo = RankResult("solo", 0, "A100-40GB", ok=True, device="NVIDIA H100", step_seconds=[s * 0.8 for s in steps],
+                      device_wait_seconds=[0.0001] * 8)
+    row, differs = compare_rank(0, host, host, solo, cuda=True)
+    assert row["step_error"] == pytest.approx(0.25) and row["host_bound"] == [True, True]
+    assert differs == [("rank 0: rehearsed step 150.0 ms ±8% vs emulated solo 120.0 ms ±8% (+25.0%); host-bound "
+                        "(rehearsed/solo: host/host): the times are this machine's CPU speed, which varies with its "
+                        "load")]
+    row, differs = compare_rank(1, device, device, solo, cuda=True)
+    assert differs and "host-bound (rehearsed/solo: device/host)" in differs[0]
+    table = format_check({"agreement": 0.1, "disagreements": differs, "rows": [row]})
+    assert "150.0/120.0" in table and "device/host" in table and "DIFFERS (> 10%): rank 1" in table
+    assert compare_rank(1, device, device, device, cuda=True)[1] == []  # the same runs agree

@@ -18,6 +18,7 @@ Example::
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,9 +44,12 @@ LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
 WARMUP_STEPS = 2
 # Prediction and measurement agree when within this fraction of each other.
 AGREEMENT = 0.10
+# A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
+# host then waits for the device less than this share of the step (medians over the timed steps).
+HOST_BOUND_WAIT = 0.01
 
 
-# -- the lab ------------------------------------------------------------------------------------------------------------
+# -- the lab -----------------------------------------------------------------------------------------------------------
 def parse_lab(text: str) -> list[Any]:
     """``"A100-80GB,RTX3090,RTX3090"`` (preset names) or a JSON list of names / profile dicts; ``ValueError`` naming
     ``--lab`` otherwise."""
@@ -72,7 +76,7 @@ def card_label(entry: Any) -> str:
     return str(entry.get("preset") or entry.get("name") or "custom")
 
 
-# -- one rank, in its own process ---------------------------------------------------------------------------------------
+# -- one rank, in its own process --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankJob:
     """What one rehearsal process runs: ``mode`` is ``"hetero"`` (the config's strategy, or ``strategy``), ``"ddp"``
@@ -114,6 +118,8 @@ class RankResult:
     peak_reserved_bytes: Optional[int] = None
     host_rss_bytes: Optional[int] = None
     step_seconds: list[float] = field(default_factory=list)
+    # Per step, how long the host waited for the device at the step's end: near 0 when the host is the bottleneck.
+    device_wait_seconds: list[float] = field(default_factory=list)
     parameters: Optional[int] = None
     param_bytes: Optional[int] = None
     compute_bytes: Optional[int] = None
@@ -123,6 +129,24 @@ class RankResult:
     def step_time(self) -> Optional[float]:
         timed = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
         return statistics.median(timed) if timed else None
+
+    @property
+    def step_spread(self) -> Optional[float]:
+        """The timed steps' interquartile range over their median: how far one step time can be trusted."""
+        timed = self.step_seconds[WARMUP_STEPS:]
+        if len(timed) < 4:
+            return None
+        low, _, high = statistics.quantiles(timed, n=4)
+        return (high - low) / statistics.median(timed)
+
+    @property
+    def host_bound(self) -> Optional[bool]:
+        """Whether the step waited on the host rather than the device: its time is then this machine's CPU speed,
+        not the card's. None without a device to wait for (CPU ranks)."""
+        waits = self.device_wait_seconds[WARMUP_STEPS:]
+        if not waits or not self.step_time or self.device in (None, "cpu"):
+            return None
+        return statistics.median(waits) < HOST_BOUND_WAIT * self.step_time
 
 
 def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -168,7 +192,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             # Ours registers a hook of its own only with compression, periodic sync or the CPU emulator; otherwise
             # DDP's built-in all-reduce runs, whose fake work carries no result on CUDA.
             own_hook = getattr(strategy, "weighting", None) is not None
-            if result.mode in ("ddp", "hetero") and isinstance(strategy.model, DistributedDataParallel) and not own_hook:
+            ddp_wrapped = isinstance(strategy.model, DistributedDataParallel)
+            if result.mode in ("ddp", "hetero") and ddp_wrapped and not own_hook:
                 strategy.model.register_comm_hook(None, local_gradients_hook)
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -180,8 +205,11 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.step.close()
+            issued = time.perf_counter()
             sync()
-            result.step_seconds.append(time.perf_counter() - self.started)
+            ended = time.perf_counter()
+            result.step_seconds.append(ended - self.started)
+            result.device_wait_seconds.append(ended - issued)
 
     return Probe()
 
@@ -319,6 +347,7 @@ def run_rank(job: RankJob) -> RankResult:
     import resource
 
     result.host_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    shutil.rmtree(root, ignore_errors=True)
     with open(job.out, "w") as f:
         json.dump(asdict(result), f)
     return result
@@ -383,7 +412,7 @@ def _kill_group(process: "subprocess.Popen[bytes]") -> None:
     process.wait()
 
 
-# -- prediction ---------------------------------------------------------------------------------------------------------
+# -- prediction --------------------------------------------------------------------------------------------------------
 def communication_seconds(mode: str, world: int, param_bytes: int, compute_bytes: int, gbytes: float) -> float:
     """Seconds per step of a ring collective path on a link of ``gbytes`` GB/s (every rank sends what a ring sends).
 
@@ -440,7 +469,7 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
     return out
 
 
-# -- report -------------------------------------------------------------------------------------------------------------
+# -- report ------------------------------------------------------------------------------------------------------------
 def _gib(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / GIB:.2f}"
 
@@ -451,19 +480,31 @@ def aligned(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
     return [indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _step_ms(r: RankResult, unit: str = "") -> str:
+    """The median step in ms, with half the steps' interquartile spread where there are enough of them."""
+    if not r.step_time:
+        return "-"
+    spread = r.step_spread
+    return f"{r.step_time * 1e3:.1f}{unit}" + (f" ±{spread / 2:.0%}" if spread is not None else "")
+
+
+def _bound(host_bound: Optional[bool]) -> str:
+    return "-" if host_bound is None else "host" if host_bound else "device"
+
+
 def format_rehearsal(report: dict[str, Any]) -> str:
     hetero = [RankResult(**r) for r in report["hetero"]]
     lines = [f"Rehearsal of {report['config']} on lab {report['lab_text']} ({report['strategy']}), one rank at a time "
              f"on {report['local_device']} with the fake process group; {report['steps']} steps per rank."]
     cuda = report["accelerator"] == "gpu"
-    rows = [("rank", "card", "plan", "share", "batch", "peak GiB", "card GiB", "headroom", "step ms", "status")]
+    rows = [("rank", "card", "plan", "share", "batch", "peak GiB", "card GiB", "headroom", "step ms", "bound",
+             "status")]
     for r in hetero:
         peak = r.peak_allocated_bytes if cuda else None
         headroom = (r.card_memory_bytes - peak) if (peak is not None and r.card_memory_bytes) else None
         rows.append((str(r.rank), r.card, str(r.plan or "-"), f"{r.share:.1%}" if r.share is not None else "-",
-                     str(r.batch or "-"), _gib(peak), _gib(r.card_memory_bytes), _gib(headroom),
-                     f"{r.step_time * 1e3:.1f}" if r.step_time else "-",
-                     "ok" if r.ok else ("OOM" if r.oom else f"error: {r.error}")))
+                     str(r.batch or "-"), _gib(peak), _gib(r.card_memory_bytes), _gib(headroom), _step_ms(r),
+                     _bound(r.host_bound), "ok" if r.ok else ("OOM" if r.oom else f"error: {r.error}")))
     lines += aligned(rows)
     if not cuda:
         rss = ", ".join(f"rank {r.rank} {_gib(r.host_rss_bytes)}" for r in hetero)
@@ -477,7 +518,8 @@ def format_rehearsal(report: dict[str, Any]) -> str:
             peak = f", peak {_gib(r.peak_allocated_bytes)} GiB" if cuda and r.ok else ""
             verdict = "fits" if r.ok else ("OOM" if r.oom else f"error ({r.error})")
             parts.append(f"rank {r.rank} {r.card} batch {r.batch or '-'}: {verdict}{peak}")
-        lines.append(f"Lightning {'DDPStrategy' if name == 'ddp' else 'FSDPStrategy'} (equal batches): " + "; ".join(parts))
+        lightning = "DDPStrategy" if name == "ddp" else "FSDPStrategy"
+        lines.append(f"Lightning {lightning} (equal batches): " + "; ".join(parts))
     prediction = report["prediction"]
     lines.append("")
     if not prediction.get("strategies"):
@@ -552,7 +594,7 @@ def draw(report: dict[str, Any], path: str) -> Optional[str]:
     return path
 
 
-# -- the command --------------------------------------------------------------------------------------------------------
+# -- the command -------------------------------------------------------------------------------------------------------
 def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: int = 6, out_dir: Optional[str] = None,
              baselines: bool = True, timeout: float = 900.0, accelerator: Optional[str] = None) -> dict[str, Any]:
     """Rehearse ``config`` on the lab ``lab_text``; writes ``rehearsal.log``, ``.json`` and ``.png`` to ``out_dir``
@@ -578,8 +620,7 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     log_path = os.path.join(out_dir, "rehearsal.log")
     # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so the ranks' process groups are killed on the way out.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    scratch = tempfile.mkdtemp(prefix="hetero-rehearse-")
-    with open(log_path, "w") as log:
+    with tempfile.TemporaryDirectory(prefix="hetero-rehearse-") as scratch, open(log_path, "w") as log:
         modes = ("hetero", "ddp", "fsdp") if baselines else ("hetero",)
         if accelerator != "gpu":
             # Lightning's FSDPStrategy runs on CUDA only.
@@ -638,6 +679,12 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
         out.append(f"capacities {sorted(measured)} are measured across the ranks at the start of a real run; the "
                    f"rehearsal cannot (each rank runs alone) and used '{hetero[0].capacity_source}' (the cards' "
                    "published rates, or equal where there are none); the real shares follow the measured speeds")
+    for r in hetero:
+        if r.host_bound:
+            out.append(f"rank {r.rank} ({r.card}): host-bound: the device had finished its work when the host issued "
+                       f"the step's last (it waited {statistics.median(r.device_wait_seconds[WARMUP_STEPS:]) * 1e3:.1f}"
+                       f" ms of {r.step_time * 1e3:.1f} ms), so this step time is this machine's CPU speed, not the "
+                       "card's: on the lab the host's CPU and load set it, and the prediction is no better than that")
     if accelerator != "gpu":
         out.append("CPU rehearsal: no device memory is capped or measured (peaks n/a; host RSS shown); speeds are the "
                    "emulator's CPU slowdowns, not the cards'")
@@ -651,7 +698,7 @@ if __name__ == "__main__":
     run_main(lambda: run_rank(RankJob(**payload)), "lightning-hetero doctor --lab (rehearsed rank)")
 
 
-# -- honesty check ------------------------------------------------------------------------------------------------------
+# -- honesty check -----------------------------------------------------------------------------------------------------
 def _free_port() -> int:
     import socket
 
@@ -685,8 +732,8 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
                   for r in range(len(rehearsed), len(lab))]
     chosen = STRATEGIES[strategy] if strategy else None
     port = _free_port()
-    scratch = tempfile.mkdtemp(prefix="hetero-rehearse-check-")
-    with open(os.path.join(out_dir, "check.log"), "w") as log:
+    with tempfile.TemporaryDirectory(prefix="hetero-rehearse-check-") as scratch, \
+            open(os.path.join(out_dir, "check.log"), "w") as log:
         shared = launch_ranks([RankJob(config, "shared", r, lab, steps, os.path.join(scratch, f"shared-rank{r}.json"),
                                        chosen, accelerator, port=port) for r in range(len(lab))], timeout, log)
         solo = [launch_rank(RankJob(config, "solo", 0, [solo_card(lab, r, accelerator)], steps,
@@ -696,30 +743,12 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
                 for r in range(len(lab))]
     rows, disagreements = [], []
     for r, (mine, real, solo_run) in enumerate(zip(rehearsed, shared, solo)):
-        peak = "peak_allocated_bytes" if accelerator == "gpu" else None
-        row = {
-            "rank": r, "card": mine.card,
-            "plan": [mine.plan, real.plan], "split": [mine.split, real.split],
-            "peak_bytes": [getattr(mine, peak), getattr(real, peak)] if peak else None,
-            "step_seconds": [mine.step_time, solo_run.step_time],
-        }
-        row["peak_error"] = _relative(*row["peak_bytes"]) if peak else None
-        row["step_error"] = _relative(*row["step_seconds"])
+        row, differs = compare_rank(r, mine, real, solo_run, cuda=accelerator == "gpu")
         rows.append(row)
-        if mine.plan != real.plan or mine.split != real.split:
-            disagreements.append(f"rank {r}: rehearsed plan {mine.plan} split {mine.split}, real {real.plan} "
-                                 f"{real.split}" + (f" ({real.error})" if real.error else ""))
-        if row["peak_error"] is None and peak:
-            disagreements.append(f"rank {r}: peak not compared ({mine.error or real.error})")
-        elif row["peak_error"] is not None and abs(row["peak_error"]) > AGREEMENT:
-            disagreements.append(f"rank {r}: rehearsed peak {_gib(mine.peak_allocated_bytes)} GiB vs "
-                                 f"{_gib(real.peak_allocated_bytes)} GiB really run together ({row['peak_error']:+.1%})")
-        if row["step_error"] is None:
-            disagreements.append(f"rank {r}: step time not compared ({mine.error or solo_run.error})")
-        elif abs(row["step_error"]) > AGREEMENT:
-            disagreements.append(f"rank {r}: rehearsed step {mine.step_time * 1e3:.1f} ms vs emulated solo "
-                                 f"{solo_run.step_time * 1e3:.1f} ms ({row['step_error']:+.1%})")  # type: ignore[operator]
-    check = {"rows": rows, "disagreements": disagreements, "agreement": AGREEMENT}
+        disagreements += differs
+    # Every run's own record (its step times included), so that a disagreement can be looked into afterwards.
+    check = {"rows": rows, "disagreements": disagreements, "agreement": AGREEMENT,
+             "shared": [asdict(r) for r in shared], "solo": [asdict(r) for r in solo]}
     report["check"] = check
     with open(os.path.join(out_dir, "check.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -727,15 +756,50 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     return report
 
 
+def compare_rank(r: int, mine: RankResult, real: RankResult, solo: RankResult, cuda: bool
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """Rank ``r`` rehearsed (``mine``) against the same rank really run together with the others (``real``: plan,
+    split, peak memory) and its card emulated alone (``solo``: step time); the row, and each difference in words."""
+    row: dict[str, Any] = {
+        "rank": r, "card": mine.card,
+        "plan": [mine.plan, real.plan], "split": [mine.split, real.split],
+        "peak_bytes": [mine.peak_allocated_bytes, real.peak_allocated_bytes] if cuda else None,
+        "step_seconds": [mine.step_time, solo.step_time],
+        "step_spread": [mine.step_spread, solo.step_spread],
+        "host_bound": [mine.host_bound, solo.host_bound],
+    }
+    row["peak_error"] = _relative(*row["peak_bytes"]) if cuda else None
+    row["step_error"] = _relative(*row["step_seconds"])
+    differs = []
+    if mine.plan != real.plan or mine.split != real.split:
+        differs.append(f"rank {r}: rehearsed plan {mine.plan} split {mine.split}, real {real.plan} {real.split}"
+                       + (f" ({real.error})" if real.error else ""))
+    if row["peak_error"] is None and cuda:
+        differs.append(f"rank {r}: peak not compared ({mine.error or real.error})")
+    elif row["peak_error"] is not None and abs(row["peak_error"]) > AGREEMENT:
+        differs.append(f"rank {r}: rehearsed peak {_gib(mine.peak_allocated_bytes)} GiB vs "
+                       f"{_gib(real.peak_allocated_bytes)} GiB really run together ({row['peak_error']:+.1%})")
+    if row["step_error"] is None:
+        differs.append(f"rank {r}: step time not compared ({mine.error or solo.error})")
+    elif abs(row["step_error"]) > AGREEMENT:
+        why = ("; host-bound (rehearsed/solo: " + "/".join(_bound(b) for b in row["host_bound"]) + "): the times "
+               "are this machine's CPU speed, which varies with its load") if any(row["host_bound"]) else ""
+        differs.append(f"rank {r}: rehearsed step {_step_ms(mine, ' ms')} vs emulated solo {_step_ms(solo, ' ms')} "
+                       f"({row['step_error']:+.1%}){why}")
+    return row, differs
+
+
 def format_check(check: dict[str, Any]) -> str:
-    rows = [("rank", "card", "plan (reh/real)", "peak GiB (reh/real)", "err", "step ms (reh/solo)", "err")]
+    rows = [("rank", "card", "plan (reh/real)", "peak GiB (reh/real)", "err", "step ms (reh/solo)", "err",
+             "bound (reh/solo)")]
     for row in check["rows"]:
         peaks = row["peak_bytes"] or [None, None]
         steps = [f"{s * 1e3:.1f}" if s else "-" for s in row["step_seconds"]]
         rows.append((str(row["rank"]), row["card"], "/".join(map(str, row["plan"])),
                      f"{_gib(peaks[0])}/{_gib(peaks[1])}",
                      f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a",
-                     "/".join(steps), f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a"))
+                     "/".join(steps), f"{row['step_error']:+.1%}" if row["step_error"] is not None else "n/a",
+                     "/".join(_bound(b) for b in row["host_bound"])))
     lines = ["Honesty check: rehearsed vs the same ranks really run together on this device (peak) and each card "
              "emulated solo (step time)"]
     lines += aligned(rows)
