@@ -119,11 +119,12 @@ def _gain(saved_s: float, step_s: float) -> str:
 
 
 def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_source: Optional[str] = None,
-           rebalance: Optional[bool] = None) -> list[tuple[str, str]]:
+           rebalance: Optional[bool] = None, sharded: bool = False) -> list[tuple[str, str]]:
     """(kind, message) for each change that would make the window's steps at least ``MIN_GAIN`` shorter: each
     message names the window's steps (its numbers are those steps' means), says what to change and how much it would
     gain, leaving out what the run already does (``capacity_source``: the lab's, ``rebalance``: whether shares follow
-    drifting speeds; ``None``: unknown)."""
+    drifting speeds; ``None``: unknown) and what the strategy refuses (``sharded``: no profiled capacities, no
+    rebalancing)."""
     out = []
     world = len(window["busy"])
     first = int(window.get("first_step", 0))
@@ -143,8 +144,11 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
         if wait >= 0.1 and world > 1 and saved >= MIN_GAIN * step_s:
             by_speed = ", ".join(f"{v / sum(solo):.0%}" for v in solo) if sum(solo) > 0 else "?"
             now = ", ".join(f"{v:.0%}" for v in window["shares"] or [])
-            todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
-            todo += [] if rebalance else ["rebalance=True (speeds drift: throttling, co-tenants)"]
+            if sharded:  # a sharded step is timed in lockstep: the capacities must come from elsewhere
+                todo = ["capacities in proportion to those speeds (a mapping or weights)"]
+            else:
+                todo = [] if capacity_source in _MEASURED_SOURCES else ["capacities='profile' (or 'auto')"]
+                todo += [] if rebalance else ["rebalance=True (speeds drift: throttling, co-tenants)"]
             use = f"use {' and '.join(todo)}. " if todo else "capacities are measured and rebalanced already. "
             out.append(("wait", (
                 f"{span} rank {r} computes only {busy:.0%} of each step and waits {wait:.0%} for slower ranks "

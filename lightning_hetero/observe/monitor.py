@@ -396,7 +396,8 @@ class HeteroMonitor(Callback):
         shares = getattr(trainer.strategy, "share_controller", None)
         found = advice(totals_window(self.totals, self._summary_steps), nvml_util=self._nvml_util,
                        capacity_source=getattr(plan, "source", None),
-                       rebalance=getattr(shares, "rebalance", None))
+                       rebalance=getattr(shares, "rebalance", None),
+                       sharded=bool(getattr(getattr(trainer.strategy, "core", None), "sharded", False)))
         if found:
             print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
 

@@ -42,6 +42,8 @@ STRATEGIES = {"hetero_ddp": "lightning_hetero.HeteroDDPStrategy", "hetero_fsdp":
 # P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
 LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
 WARMUP_STEPS = 2
+# Options a strategy takes but refuses when set (a sharded step is timed in lockstep): a switched strategy leaves them.
+REFUSED_WHEN_SET = {STRATEGIES["hetero_fsdp"]: ("rebalance",)}
 # Prediction and measurement agree when within this fraction of each other.
 AGREEMENT = 0.10
 # A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
@@ -229,7 +231,10 @@ def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     dropped = sorted(k for k in options if k not in accepted)
     if dropped:
         print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
-    return {k: v for k, v in options.items() if k in accepted}
+    refused = sorted(k for k in REFUSED_WHEN_SET.get(target, ()) if options.get(k))
+    if refused:
+        print(f"rehearsal: {name} refuses the config's strategy options {refused} when set: left out", flush=True)
+    return {k: v for k, v in options.items() if k in accepted and k not in refused}
 
 
 def run_rank(job: RankJob) -> RankResult:

@@ -239,7 +239,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             there are none) and ``"profile"`` is refused.
         global_batch_size: samples per optimizer step over all ranks, as for ``HeteroDDPStrategy``.
         profiling: how the memory caps are profiled (:class:`~lightning_hetero.config.Profiling`).
-        rebalance: ``True`` or a :class:`~lightning_hetero.config.Rebalancing`, as for ``HeteroDDPStrategy``.
+        rebalance: refused (``ValueError``): a sharded step lasts as long as the slowest rank's, so a rank's wait
+            for the others would count as its own time. Keep the default ``False``.
         data: how loaders are split (:class:`~lightning_hetero.config.DataSplit`); with ``micro_batch`` a rank runs
             its share in several pieces, its parameters gathered once for all of them (see ``docs/fsdp.md``).
         precision_policy: per-rank mixed precision, as for ``HeteroDDPStrategy`` (bf16 all-gather and

@@ -315,3 +315,7 @@ def test_warnings_name_their_steps_and_skip_what_the_run_does() -> None:
     assert "capacities=" not in profiled and "use rebalance=True" in profiled
     done = dict(advice(w, capacity_source="rebalanced", rebalance=True))["wait"]
     assert "capacities are measured and rebalanced already" in done and "use " not in done
+    # The sharded strategy refuses profiled capacities and rebalancing: neither is advised there.
+    sharded = dict(advice(w, capacity_source="peak", rebalance=False, sharded=True))["wait"]
+    assert "use capacities in proportion to those speeds (a mapping or weights)" in sharded, sharded
+    assert "profile" not in sharded and "rebalance" not in sharded

@@ -265,6 +265,8 @@ def test_a_job_that_cannot_fit_fails_before_the_first_step_with_numbers(tmp_path
     ({"hybrid": "yes"}, "`hybrid`='yes' must be True or False"),
     ({"capacities": [3, -1]}, "capacities"),
     ({"capacities": "profile"}, "`capacities`='profile' times each rank's own steps"),
+    ({"rebalance": True}, "`rebalance` times each rank's own steps"),
+    ({"rebalance": {"every": 5}}, "`rebalance` times each rank's own steps"),
 ])
 def test_bad_strategy_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
