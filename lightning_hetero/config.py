@@ -244,6 +244,29 @@ def as_rebalancing(value: Union[bool, None, Rebalancing, Mapping[str, Any]]) -> 
     return as_group(Rebalancing, "rebalance", value)
 
 
+# What a sharded strategy refuses, and why: both options time each rank's own steps, but a sharded step waits at every
+# block for all ranks' all-gathers. Rebalancing measured on CPU (a rank emulated 3x slower, equal start) ran the shares
+# to [15, 1] of 16, not [12, 4]: a rank given less work reaches the next all-gather first, and that wait counts as its
+# own time.
+_SHARDED_REFUSALS = {
+    "capacities": "`capacities`='profile' times each rank's own steps, but a sharded step waits at every block for all "
+                  "ranks' all-gathers, so every rank would time the slowest: give 'auto' (published rates, and the "
+                  "profiled memory caps), 'peak', a mapping from device names or explicit weights.",
+    "rebalance": "`rebalance` times each rank's own steps, but a sharded step waits at every block for all ranks' "
+                 "all-gathers, so a rank's wait for the slower ones counts as its own time and the shares run to an "
+                 "extreme: leave `rebalance` off and give the capacities ('auto', 'peak', a mapping or weights).",
+}
+
+
+def sharded_refusals(capacity_source: Any, rebalance: Any) -> dict[str, str]:
+    """The options a sharded strategy refuses, each with the reason: ``capacities`` when its source is ``"profile"``,
+    ``rebalance`` when it is on (anything but ``None`` and ``False``, as :func:`as_rebalancing` reads it: an empty
+    mapping is the defaults)."""
+    rebalancing = rebalance is not None and rebalance is not False
+    refused = {"capacities": capacity_source == "profile", "rebalance": rebalancing}
+    return {name: _SHARDED_REFUSALS[name] for name, on in refused.items() if on}
+
+
 # The flat arguments of earlier releases: (group argument, field).
 _FLAT = {
     "profile_steps": ("profiling", "steps"),

@@ -64,10 +64,15 @@ def test_a_switched_strategy_keeps_the_options_it_takes(capsys):
     # Rebalancing, which the sharded strategy refuses, is left out of it (and kept when it is off).
     ddp.init_args.rebalance = {"every": 50}
     assert "rebalance" not in carried_options(ddp, "lightning_hetero.HeteroFSDPStrategy")
-    assert "refuses the config's strategy options ['rebalance'] when set: left out" in capsys.readouterr().out
+    assert "refuses the config's strategy options ['rebalance'] as set: left out" in capsys.readouterr().out
     assert carried_options(ddp, "lightning_hetero.HeteroDDPStrategy")["rebalance"] == {"every": 50}
+    ddp.init_args.rebalance = Namespace()  # `rebalance: {}`: on, with the defaults
+    assert "rebalance" not in carried_options(ddp, "lightning_hetero.HeteroFSDPStrategy")
     ddp.init_args.rebalance = False
     assert carried_options(ddp, "lightning_hetero.HeteroFSDPStrategy")["rebalance"] is False
+    ddp.init_args.capacities = "profile"  # refused as well: the sharded strategy takes its default
+    assert "capacities" not in carried_options(ddp, "lightning_hetero.HeteroFSDPStrategy")
+    assert carried_options(ddp, "lightning_hetero.HeteroDDPStrategy")["capacities"] == "profile"
 
 
 def test_a_card_run_alone_keeps_its_speed_in_the_lab():

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_hetero.config import sharded_refusals
 from lightning_hetero.lab.emulation import (PRESETS, EmulationSpec, Emulator, alone, job_link_class, parse_emulate,
                                             start_emulation)
 from lightning_hetero.lab.rehearsal import REHEARSE_ENV, host_device
@@ -42,8 +43,6 @@ STRATEGIES = {"hetero_ddp": "lightning_hetero.HeteroDDPStrategy", "hetero_fsdp":
 # P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
 LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
 WARMUP_STEPS = 2
-# Options a strategy takes but refuses when set (a sharded step is timed in lockstep): a switched strategy leaves them.
-REFUSED_WHEN_SET = {STRATEGIES["hetero_fsdp"]: ("rebalance",)}
 # Prediction and measurement agree when within this fraction of each other.
 AGREEMENT = 0.10
 # A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
@@ -142,13 +141,19 @@ class RankResult:
         return (high - low) / statistics.median(timed)
 
     @property
+    def device_wait(self) -> Optional[float]:
+        """The median of the timed steps' waits for the device at their end."""
+        waits = self.device_wait_seconds[WARMUP_STEPS:]
+        return statistics.median(waits) if waits else None
+
+    @property
     def host_bound(self) -> Optional[bool]:
         """Whether the step waited on the host rather than the device: its time is then this machine's CPU speed,
         not the card's. None without a device to wait for (CPU ranks)."""
-        waits = self.device_wait_seconds[WARMUP_STEPS:]
-        if not waits or not self.step_time or self.device in (None, "cpu"):
+        wait = self.device_wait
+        if wait is None or not self.step_time or self.device in (None, "cpu"):
             return None
-        return statistics.median(waits) < HOST_BOUND_WAIT * self.step_time
+        return wait < HOST_BOUND_WAIT * self.step_time
 
 
 def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -231,9 +236,11 @@ def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     dropped = sorted(k for k in options if k not in accepted)
     if dropped:
         print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
-    refused = sorted(k for k in REFUSED_WHEN_SET.get(target, ()) if options.get(k))
+    capacities = options.get("capacities")
+    refused = sorted(sharded_refusals(capacities if isinstance(capacities, str) else None, options.get("rebalance"))
+                     if target == STRATEGIES["hetero_fsdp"] else ())
     if refused:
-        print(f"rehearsal: {name} refuses the config's strategy options {refused} when set: left out", flush=True)
+        print(f"rehearsal: {name} refuses the config's strategy options {refused} as set: left out", flush=True)
     return {k: v for k, v in options.items() if k in accepted and k not in refused}
 
 
@@ -687,7 +694,7 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
     for r in hetero:
         if r.host_bound:
             out.append(f"rank {r.rank} ({r.card}): host-bound: the device had finished its work when the host issued "
-                       f"the step's last (it waited {statistics.median(r.device_wait_seconds[WARMUP_STEPS:]) * 1e3:.1f}"
+                       f"the step's last (it waited {r.device_wait * 1e3:.1f}"  # type: ignore[operator]
                        f" ms of {r.step_time * 1e3:.1f} ms), so this step time is this machine's CPU speed, not the "
                        "card's: on the lab the host's CPU and load set it, and the prediction is no better than that")
     if accelerator != "gpu":

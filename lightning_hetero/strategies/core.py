@@ -25,7 +25,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.config import Options, check, is_int
+from lightning_hetero.config import Options, check, is_int, sharded_refusals
 from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import PrecisionPolicy, RankPrecision, parse_precision_policy
@@ -126,16 +126,7 @@ def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: 
     if policy is not None and precision_plugin is not None:
         raise ValueError("`precision_policy` and `precision_plugin` both set the precision: pass only one.")
     spec = parse_capacities(capacities)
-    if sharded and spec.source == "profile":
-        raise ValueError(
-            "`capacities`='profile' times each rank's own steps, but a sharded step waits at every block for all "
-            "ranks' all-gathers, so every rank would time the slowest: give 'auto' (published rates, and the profiled "
-            "memory caps), 'peak', a mapping from device names or explicit weights.")
-    if sharded and options.rebalance is not None:
-        # Measured on CPU (a rank emulated 3x slower, equal start): the shares ran to [15, 1] of 16, not [12, 4]. A
-        # rank given less work reaches the next all-gather first and its wait there counts as its own compute.
-        raise ValueError(
-            "`rebalance` times each rank's own steps, but a sharded step waits at every block for all ranks' "
-            "all-gathers, so a rank's wait for the slower ones counts as its own time and the shares run to an "
-            "extreme: leave `rebalance` off and give the capacities ('auto', 'peak', a mapping or weights).")
+    refused = sharded_refusals(spec.source, options.rebalance) if sharded else {}
+    if refused:
+        raise ValueError(next(iter(refused.values())))
     return HeteroCore(view, spec, global_batch_size, options, parse_emulate(emulate), policy, sharded)
