@@ -273,11 +273,6 @@ class HeteroBatchSampler(BatchSampler):
     def capacities(self) -> tuple[float, ...]:
         return self.schedule.capacities
 
-    def change_shares(self, capacities: Sequence[float], first_batch: int, caps: Optional[Sequence[int]] = None) -> None:
-        """Split global batches ``first_batch``, ``first_batch + 1``, ... of this epoch with new capacities."""
-        self.roll_schedule_to_epoch()
-        self.schedule.change(capacities, first_batch, caps)
-
     def roll_schedule_to_epoch(self) -> None:
         self.schedule.roll_to_epoch(self.sampler.epoch)
 
@@ -376,15 +371,13 @@ class HeteroBatchSampler(BatchSampler):
         }
 
     def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
-        """Resume at global batch ``start_batch`` of the saved epoch; ``changes=None`` keeps the current shares."""
+        """Resume at global batch ``start_batch`` of the saved epoch. The saved ``changes`` are the share plan's to
+        restore (:meth:`~lightning_hetero.plan.shares.SharePlan.adopt`): the sampler only reads its schedule."""
         self.sampler.set_epoch(int(state["epoch"]))
         if state.get("order") is not None:
             self.sampler.load_state_dict(state["order"])
         self.global_batch_size = int(state.get("global_batch_size", self.global_batch_size))
-        if state.get("changes") is None:
-            self.roll_schedule_to_epoch()
-        else:
-            self.schedule.load_state_dict(state["changes"], self.sampler.epoch)
+        self.roll_schedule_to_epoch()
         self.start_batch = start_batch
 
 
