@@ -3,7 +3,9 @@
 torchtitan's ``ParallelDims`` is the model: one object holds the facts, readers derive from it and never write back.
 
 - :class:`ShareSchedule` answers "which split at global batch k" for one loader: the capacities (and caps) in force
-  from each batch index of the epoch on. Every split goes through :func:`~lightning_hetero.plan.split.split_batch`.
+  from each batch index of the epoch on, and how a batch is cut (by count, or by cost). Every count split goes through
+  :func:`~lightning_hetero.plan.split.split_batch`, every cost split through
+  :func:`~lightning_hetero.plan.split.split_by_cost`.
 - :class:`SharePlan` keeps one schedule, the training loader's (before it is built, one that holds the capacities
   resolved at set-up), and derives from it the capacities in force, the memory caps and the split. Where they came
   from (explicit, peak, profile, rebalanced, restored) is ``source``. It makes every loader's schedule
@@ -32,11 +34,12 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from lightning_hetero.config import Balance
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
-from lightning_hetero.plan.split import split_batch
+from lightning_hetero.plan.split import split_batch, split_by_cost
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class ShareSchedule:
         self.global_batch_size = global_batch_size
         self.world_size = len(capacities)
         self._cap_shares = True
+        # How a batch whose samples have costs is cut (see `cut`): by count, by summed cost, or by padded cost.
+        self.balance: Balance = "samples"
         self.changes: list[ShareChange] = [
             ShareChange(0, tuple(float(c) for c in capacities), tuple(caps) if caps else None)
         ]
@@ -138,6 +143,19 @@ class ShareSchedule:
     def _split(self, total: int, change: ShareChange) -> list[int]:
         """Every count split of this schedule: :func:`split_batch` under ``change``."""
         return split_batch(total, change.capacities, self.caps_of(change))
+
+    def cut(self, batch_index: int, costs: Sequence[float]) -> list[list[int]]:
+        """The positions of global batch ``batch_index`` each rank trains on, given its samples' ``costs``: by
+        :attr:`balance`, runs of summed (or padded) cost proportional to capacity (:func:`split_by_cost`), or
+        consecutive runs of :meth:`split_at`'s counts."""
+        if self.balance != "samples":
+            change = self.change_at(batch_index)
+            return split_by_cost(costs, change.capacities, self.caps_of(change),
+                                 padded=self.balance == "padded_tokens")
+        bounds = [0]
+        for b in self.split_at(batch_index, len(costs)):
+            bounds.append(bounds[-1] + b)
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
     def state_dict(self) -> list[Any]:
         return [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self.changes]
