@@ -13,9 +13,10 @@ fewer samples than there are ranks, the ranks left without a sample re-read the 
 Evaluation (:class:`EvaluationBatchSampler`) splits the whole set instead of each global batch, so every sample is
 evaluated exactly once in equal batch counts, with a padding step only where the set is too small for it.
 
-With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), each global batch can
-be cut so every rank's summed cost rather than its sample count follows its capacity
-(:func:`~lightning_hetero.plan.split.split_by_cost`), and the gradient weight can count costs (tokens) instead of samples.
+With per-sample costs attached (:meth:`HeteroBatchSampler.use_costs`, e.g. sequence lengths), the schedule can cut
+each global batch so every rank's summed cost rather than its sample count follows its capacity
+(:meth:`~lightning_hetero.plan.shares.ShareSchedule.cut`), and the gradient weight can count costs (tokens) instead of
+samples.
 
 Shares may change between steps (live rebalancing): a change is keyed to a global-batch index, so every rank
 applies it to the same batch, and the gradient weight of a step is always read off the split that produced it.
@@ -33,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, Sampler
 
 from lightning_hetero.plan.shares import ShareChange, ShareSchedule
-from lightning_hetero.plan.split import split_by_cost, validate_costs
+from lightning_hetero.plan.split import validate_costs
 
 
 class GlobalOrder(Sampler[int]):
@@ -230,21 +231,25 @@ class HeteroBatchSampler(BatchSampler):
         self.batches_yielded = 0  # in the current epoch; the rebalancer keys changes past this
         self.start_batch = 0  # set to resume mid-epoch
         self.costs: Optional[list[float]] = None  # per dataset index (see `use_costs`)
-        self.balance_by_cost = False
-        self.balance_padded = False
         self.weight_by_cost = False
         self._batch_shares: dict[int, BatchShares] = {}  # of this epoch's batches drawn so far, by batch index
 
     def use_costs(self, costs: Sequence[float], balance: bool, weight: bool, padded: bool = False) -> None:
-        """Per-index costs (e.g. tokens). ``balance``: cut each global batch by cost (:func:`split_by_cost`; with
-        ``padded``, by count times the longest cost). ``weight``: a step's gradient weight is this rank's summed cost
-        over the batch's (for a loss averaged over tokens, not samples)."""
+        """Per-index costs (e.g. tokens). ``balance``: the schedule cuts each global batch by cost
+        (:meth:`~lightning_hetero.plan.shares.ShareSchedule.cut`; with ``padded``, by count times the longest cost).
+        ``weight``: a step's gradient weight is this rank's summed cost over the batch's (for a loss averaged over
+        tokens, not samples)."""
         values = validate_costs(costs)
         if len(values) != len(self.sampler):
             raise ValueError(f"{len(values)} sample costs for a dataset of {len(self.sampler)} samples.")
-        self.costs, self.balance_by_cost, self.weight_by_cost = values, balance, weight
-        self.balance_padded = padded
+        self.costs, self.weight_by_cost = values, weight
+        self.schedule.balance = ("padded_tokens" if padded else "tokens") if balance else "samples"
         self._batch_shares.clear()
+
+    @property
+    def balance_by_cost(self) -> bool:
+        """Whether global batches are cut by cost (the schedule's rule) rather than by count."""
+        return self.costs is not None and self.schedule.balance != "samples"
 
     # -- schedule (the plan's: this sampler reads it) -----------------------------------------------------------
     @property
@@ -273,11 +278,6 @@ class HeteroBatchSampler(BatchSampler):
     def capacities(self) -> tuple[float, ...]:
         return self.schedule.capacities
 
-    def change_shares(self, capacities: Sequence[float], first_batch: int, caps: Optional[Sequence[int]] = None) -> None:
-        """Split global batches ``first_batch``, ``first_batch + 1``, ... of this epoch with new capacities."""
-        self.roll_schedule_to_epoch()
-        self.schedule.change(capacities, first_batch, caps)
-
     def roll_schedule_to_epoch(self) -> None:
         self.schedule.roll_to_epoch(self.sampler.epoch)
 
@@ -304,7 +304,7 @@ class HeteroBatchSampler(BatchSampler):
         """Every rank's real samples (or summed costs, as in :meth:`sizes_at`) of global batch ``batch_index``."""
         if self.costs is not None and (self.weight_by_cost if by_cost is None else by_cost):
             return [sum(c) for c in self.batch_shares(batch_index).costs]
-        if self.costs is not None and self.balance_by_cost:
+        if self.balance_by_cost:
             return [len(p) for p in self.batch_shares(batch_index).positions]
         return list(self.split_at(batch_index, self.global_batch_len(batch_index)))
 
@@ -338,15 +338,7 @@ class HeteroBatchSampler(BatchSampler):
     def _cut(self, batch_index: int, global_batch: Sequence[int]) -> BatchShares:
         assert self.costs is not None
         costs = [self.costs[i] for i in global_batch]
-        if self.balance_by_cost:
-            change = self.change_at(batch_index)
-            positions = split_by_cost(costs, change.capacities, self.schedule.caps_of(change),
-                                      padded=self.balance_padded)
-        else:
-            bounds = [0]
-            for b in self.split_at(batch_index, len(global_batch)):
-                bounds.append(bounds[-1] + b)
-            positions = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+        positions = self.schedule.cut(batch_index, costs)
         return BatchShares(tuple(tuple(p) for p in positions), tuple(tuple(costs[i] for i in p) for p in positions))
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -376,15 +368,13 @@ class HeteroBatchSampler(BatchSampler):
         }
 
     def load_state_dict(self, state: dict[str, Any], start_batch: int = 0) -> None:
-        """Resume at global batch ``start_batch`` of the saved epoch; ``changes=None`` keeps the current shares."""
+        """Resume at global batch ``start_batch`` of the saved epoch. The saved ``changes`` are the share plan's to
+        restore (:meth:`~lightning_hetero.plan.shares.SharePlan.adopt`): the sampler only reads its schedule."""
         self.sampler.set_epoch(int(state["epoch"]))
         if state.get("order") is not None:
             self.sampler.load_state_dict(state["order"])
         self.global_batch_size = int(state.get("global_batch_size", self.global_batch_size))
-        if state.get("changes") is None:
-            self.roll_schedule_to_epoch()
-        else:
-            self.schedule.load_state_dict(state["changes"], self.sampler.epoch)
+        self.roll_schedule_to_epoch()
         self.start_batch = start_batch
 
 

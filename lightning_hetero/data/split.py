@@ -78,7 +78,7 @@ class LoaderSplit:
             new_loader = rebuild_loader(dataloader, wrapped)  # type: ignore[arg-type]
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if stage == RunningStage.TRAINING:
-            self.plan.adopt_train_schedule(batch_sampler.schedule)
+            self.plan.use_train_schedule(batch_sampler.schedule)
             self._on_train_loader(batch_sampler, dataloader, profile_view)
         else:
             key = (str(stage), id(dataloader.dataset))  # type: ignore[attr-defined]
@@ -87,7 +87,7 @@ class LoaderSplit:
             self.eval_samplers[key] = batch_sampler
             # A validate/test/predict-only run's table shows its own loader's split.
             if not fitting and self.plan.schedule is None:
-                self.plan.adopt_train_schedule(batch_sampler.schedule)
+                self.plan.use_train_schedule(batch_sampler.schedule)
         if stage == RunningStage.TRAINING or not fitting:
             self.show_table()
         return new_loader

@@ -52,11 +52,14 @@ class ShareProfiler:
         if self.enabled and self.profile is None and sampler.world_size > 1 and rehearsal() is None and measurable:
             self.profile = self._run(sampler, dataloader)
             if self.profile is not None:
-                plan.set_caps(self.profile.caps)
-                if not self.sharded:
-                    plan.update(self.profile.capacities, "profile")
+                # A sharded profile gives memory caps only: its capacities stay the ones in force.
+                if self.sharded:
+                    plan.adopt(plan.capacities, plan.source, caps=self.profile.caps, epoch=sampler.sampler.epoch)
+                else:
+                    plan.adopt(self.profile.capacities, "profile", caps=self.profile.caps, epoch=sampler.sampler.epoch)
         if plan.caps is None and self.max_batch_per_rank is not None:
-            plan.set_caps((self.max_batch_per_rank,) * sampler.world_size)
+            plan.adopt(plan.capacities, plan.source, caps=(self.max_batch_per_rank,) * sampler.world_size,
+                       epoch=sampler.sampler.epoch)
 
     def table_columns(self) -> dict[str, list[str]]:
         """The lab table's columns of the measurement (or of the memory caps in force without one)."""

@@ -15,7 +15,7 @@ Example::
 
     result = profile_capacities(module, samples, sizes=(8, 16), global_batch_size=64,
                                 forward_context=precision_plugin.forward_context)
-    sampler.change_shares(result.capacities, first_batch=0, caps=result.caps)
+    plan.adopt(result.capacities, "profile", caps=result.caps)  # plan: the job's SharePlan
 """
 
 import math

@@ -304,7 +304,7 @@ class ShareController:
         self._log_rates()
         if first_round:
             return None  # the first window carries start-up costs (allocator, kernel selection): never act on it alone
-        current = self.sampler.capacities
+        current = self.plan.capacities
         proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold)
         if proposal is None:
             return None
@@ -314,8 +314,8 @@ class ShareController:
 
     def _apply(self, decision: Decision) -> None:
         assert self.sampler is not None
-        self.plan.change(decision.new_capacities, first_batch=decision.first_batch, epoch=self.sampler.sampler.epoch)
-        self.plan.update(decision.new_capacities, "rebalanced")
+        self.plan.adopt(decision.new_capacities, "rebalanced", caps=self.plan.caps, first_batch=decision.first_batch,
+                        epoch=self.sampler.sampler.epoch)
         self.decisions.append(decision)
         self._skip_next = True
         trainer = self._trainer()

@@ -3,23 +3,28 @@
 torchtitan's ``ParallelDims`` is the model: one object holds the facts, readers derive from it and never write back.
 
 - :class:`ShareSchedule` answers "which split at global batch k" for one loader: the capacities (and caps) in force
-  from each batch index of the epoch on. The training loader's schedule is the plan's; evaluation loaders follow the
-  plan's latest capacities from their next share change on.
-- :class:`SharePlan` holds the validated ``capacities`` argument, the capacities in force and where they came from
-  (explicit, peak, profiled, rebalanced, restored), the memory caps and the training schedule. It makes every
-  loader's schedule (:meth:`SharePlan.new_schedule`), which the samplers read; profiling
+  from each batch index of the epoch on, and how a batch is cut (by count, or by cost). Every count split goes through
+  :func:`~lightning_hetero.plan.split.split_batch`, every cost split through
+  :func:`~lightning_hetero.plan.split.split_by_cost`.
+- :class:`SharePlan` keeps one schedule, the training loader's (before it is built, one that holds the capacities
+  resolved at set-up), and derives from it the capacities in force, the memory caps and the split. Where they came
+  from (explicit, peak, profile, rebalanced, restored) is ``source``. It makes every loader's schedule
+  (:meth:`SharePlan.new_schedule`), which the samplers read; evaluation loaders' schedules follow the training one.
+  Shares change through one method, :meth:`SharePlan.adopt`, which profiling
   (:class:`~lightning_hetero.plan.profile_run.ShareProfiler`), rebalancing
   (:class:`~lightning_hetero.plan.rebalance.ShareController`) and resume
-  (:class:`~lightning_hetero.plan.state.ShareState`) write it; the lab table shows it.
+  (:class:`~lightning_hetero.plan.state.ShareState`) call; the lab table reads it.
 - :class:`PlannedSampler` and :class:`LabView` are what those writers read of the training sampler and of the lab
   set-up.
 
 Example::
 
-    plan = SharePlan(parse_capacities([3, 1]), global_batch_size=8)
+    plan = SharePlan(parse_capacities("equal"), global_batch_size=8)
     plan.resolve(devices, torch.float32)
-    plan.adopt_train_schedule(plan.new_schedule(8))
-    plan.schedule.split_at(0)  # [6, 2]
+    plan.split  # (4, 4) with capacities "equal"
+    plan.use_train_schedule(plan.new_schedule(8))
+    plan.adopt([3, 1], "rebalanced", caps=None, first_batch=2)
+    plan.capacities, plan.schedule.split_at(1), plan.split  # (3.0, 1.0), [4, 4], (6, 2)
 """
 
 import bisect
@@ -29,11 +34,12 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from lightning_hetero.config import Balance
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
-from lightning_hetero.plan.split import split_batch
+from lightning_hetero.plan.split import split_batch, split_by_cost
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,19 @@ class ShareSchedule:
     latest change. ``cap_shares=False`` ignores memory caps (oversized shares then run as micro-batches).
     """
 
-    def __init__(self, global_batch_size: int, capacities: Sequence[float], caps: Optional[Sequence[int]] = None,
-                 epoch: int = 0) -> None:
-        if global_batch_size < len(capacities):
+    def __init__(self, global_batch_size: Optional[int], capacities: Sequence[float],
+                 caps: Optional[Sequence[int]] = None, epoch: int = 0) -> None:
+        if global_batch_size is not None and global_batch_size < len(capacities):
             raise ValueError(
                 f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
                 "every rank needs at least one sample of each global batch."
             )
+        # None: not yet known (the plan's schedule before the training loader is built).
         self.global_batch_size = global_batch_size
         self.world_size = len(capacities)
-        self.cap_shares = True
+        self._cap_shares = True
+        # How a batch whose samples have costs is cut (see `cut`): by count, by summed cost, or by padded cost.
+        self.balance: Balance = "samples"
         self.changes: list[ShareChange] = [
             ShareChange(0, tuple(float(c) for c in capacities), tuple(caps) if caps else None)
         ]
@@ -76,6 +85,16 @@ class ShareSchedule:
     def latest(self) -> ShareChange:
         return self.changes[-1]
 
+    @property
+    def cap_shares(self) -> bool:
+        """False: memory caps are ignored (evaluation, or oversized shares run as micro-batches)."""
+        return self._cap_shares
+
+    @cap_shares.setter
+    def cap_shares(self, value: bool) -> None:
+        self._cap_shares = bool(value)
+        self._full_splits.clear()
+
     def change(self, capacities: Sequence[float], first_batch: int, caps: Optional[Sequence[int]] = None) -> None:
         """Split global batches ``first_batch``, ``first_batch + 1``, ... of this epoch with new capacities."""
         if len(capacities) != self.world_size:
@@ -83,9 +102,11 @@ class ShareSchedule:
         if first_batch < self.changes[-1].first_batch:
             raise ValueError("share changes must move forward in the epoch")
         self.changes = [c for c in self.changes if c.first_batch < first_batch]
-        self.changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
+        capacities = tuple(float(c) for c in capacities)
+        self.changes.append(ShareChange(first_batch, capacities, tuple(caps) if caps else None))
         self._full_splits.clear()
-        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
+        if self.global_batch_size is not None:  # fail now, not later
+            self._split(self.global_batch_size, self.changes[-1])
 
     def roll_to_epoch(self, epoch: int) -> None:
         """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
@@ -110,86 +131,126 @@ class ShareSchedule:
         """Per-rank sample counts of global batch ``batch_index`` (of ``batch_len`` samples; default: full)."""
         change = self.change_at(batch_index)
         n = self.global_batch_size if batch_len is None else batch_len
+        if n is None:
+            raise ValueError("the global batch is not known yet: give `batch_len`.")
         if n == self.global_batch_size:
             key = change.first_batch
             if key not in self._full_splits:
-                self._full_splits[key] = split_batch(n, change.capacities, self.caps_of(change))
+                self._full_splits[key] = self._split(n, change)
             return self._full_splits[key]
-        return split_batch(n, change.capacities, self.caps_of(change))
+        return self._split(n, change)
+
+    def _split(self, total: int, change: ShareChange) -> list[int]:
+        """Every count split of this schedule: :func:`split_batch` under ``change``."""
+        return split_batch(total, change.capacities, self.caps_of(change))
+
+    def cut(self, batch_index: int, costs: Sequence[float]) -> list[list[int]]:
+        """The positions of global batch ``batch_index`` each rank trains on, given its samples' ``costs``: by
+        :attr:`balance`, runs of summed (or padded) cost proportional to capacity (:func:`split_by_cost`), or
+        consecutive runs of :meth:`split_at`'s counts."""
+        if self.balance != "samples":
+            change = self.change_at(batch_index)
+            return split_by_cost(costs, change.capacities, self.caps_of(change),
+                                 padded=self.balance == "padded_tokens")
+        bounds = [0]
+        for b in self.split_at(batch_index, len(costs)):
+            bounds.append(bounds[-1] + b)
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
     def state_dict(self) -> list[Any]:
         return [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self.changes]
-
-    def load_state_dict(self, changes: Sequence[Any], epoch: int) -> None:
-        self.changes = [ShareChange(int(first), tuple(capacities), tuple(caps) if caps else None)
-                        for first, capacities, caps in changes]
-        self._full_splits.clear()
-        self.epoch = epoch
 
 
 class SharePlan:
     """Capacities, caps and the training schedule of one job: the single place they live (see the module docstring).
 
     ``global_batch_size`` is the user's explicit global batch (``None``: the training loader's ``batch_size`` x world
-    size). Capacities are resolved once the lab's devices are known (:meth:`resolve`).
+    size). Capacities are resolved once the lab's devices are known (:meth:`resolve`); from then on the schedule is
+    the one store, and :meth:`adopt` the one way shares change.
     """
 
     def __init__(self, spec: CapacitySpec, global_batch_size: Optional[int]) -> None:
         self.spec = spec
         self.global_batch_size = global_batch_size
-        self.capacities: tuple[float, ...] = ()
         self.source = "not yet resolved"
-        self.caps: Optional[tuple[int, ...]] = None
-        # The training loader's schedule (None until it is built) and the evaluation loaders' ones that follow.
-        self.schedule: Optional[ShareSchedule] = None
+        # The one store: the training loader's schedule; before that loader, one without a global batch that holds
+        # the capacities resolved at set-up. Capacities, caps and the split are read from it.
+        self._schedule: Optional[ShareSchedule] = None
+        self._loader_bound = False
+        # The evaluation loaders' schedules, which follow every adopted change from their first batch.
         self.followers: list[ShareSchedule] = []
 
-    # -- writers: the lab set-up, profiling, rebalancing, resume -------------------------------------------------------
+    # -- writers: the lab set-up, then profiling, rebalancing and resume through `adopt` ------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:
         """Capacities that need no measurement (the ``capacities`` argument against the lab's devices)."""
         weights, self.source = resolve_static_capacities(self.spec, devices, dtype)
-        self.capacities = tuple(float(w) for w in weights)
+        self._schedule = ShareSchedule(None, weights)
+        self._loader_bound = False
 
-    def update(self, capacities: Sequence[float], source: str) -> None:
-        """Adopt new capacities (profiled, rebalanced, restored) for what follows; evaluation loaders follow too."""
-        self.capacities = tuple(float(c) for c in capacities)
+    def adopt(self, capacities: Sequence[float], source: str, caps: Optional[Sequence[int]],
+              first_batch: int = 0, epoch: Optional[int] = None) -> None:
+        """The one way shares change: the training loader splits global batches ``first_batch``, ... of ``epoch``
+        (default: its current one) with ``capacities`` and memory ``caps``; evaluation loaders follow from their
+        first batch. Profiling, rebalancing and resume all call this."""
+        schedule = self._store()
+        if epoch is not None:
+            schedule.roll_to_epoch(epoch)
+        schedule.change(capacities, first_batch, caps)
         self.source = source
-        for schedule in self.followers:
-            schedule.change(self.capacities, first_batch=0)
-
-    def set_caps(self, caps: Optional[Sequence[int]]) -> None:
-        self.caps = None if caps is None else tuple(int(c) for c in caps)
-
-    def change(self, capacities: Sequence[float], first_batch: int, epoch: int) -> None:
-        """Split the training loader's global batches ``first_batch``, ... of ``epoch`` with new capacities."""
-        assert self.schedule is not None, "the training loader is not built yet"
-        self.schedule.roll_to_epoch(epoch)
-        self.schedule.change(capacities, first_batch, self.caps)
+        for follower in self.followers:
+            follower.change(capacities, first_batch=0, caps=caps)
 
     def new_schedule(self, global_batch_size: int, epoch: int = 0) -> ShareSchedule:
-        """A loader's schedule, starting from the capacities in force (it refuses a global batch below world size)."""
-        return ShareSchedule(global_batch_size, self.capacities, epoch=epoch)
+        """A loader's schedule, starting from the shares in force (it refuses a global batch below world size)."""
+        latest = self._store().latest
+        return ShareSchedule(global_batch_size, latest.capacities, latest.caps, epoch=epoch)
 
-    def adopt_train_schedule(self, schedule: ShareSchedule) -> None:
-        """The training loader's schedule becomes the plan's (replacing an earlier loader's)."""
-        self.schedule = schedule
+    def use_train_schedule(self, schedule: ShareSchedule) -> None:
+        """The training loader's schedule (made by :meth:`new_schedule`) becomes the store, replacing the one before."""
+        self._schedule = schedule
+        self._loader_bound = True
 
     def follow(self, schedule: ShareSchedule, replaces: Optional[ShareSchedule] = None) -> None:
-        """An evaluation loader's schedule follows every later capacity update (``replaces``: its predecessor's)."""
+        """An evaluation loader's schedule follows every later change (``replaces``: its predecessor's). Evaluation
+        runs no backward: memory caps bound training shares only."""
+        schedule.cap_shares = False
         self.followers = [s for s in self.followers if s is not replaces and s is not schedule] + [schedule]
 
-    # -- readers -------------------------------------------------------------------------------------------------------
+    def _store(self) -> ShareSchedule:
+        if self._schedule is None:
+            raise RuntimeError("the share plan has no capacities yet: they are resolved when the lab is set up.")
+        return self._schedule
+
+    # -- readers: everything below is derived from the schedule --------------------------------------------------------
     @property
-    def split(self) -> tuple[int, ...]:
-        """Each rank's samples of a full training global batch under the latest shares (empty before the loader)."""
-        if self.schedule is None:
-            return ()
-        return tuple(self.schedule.split_at(self.schedule.latest.first_batch))
+    def schedule(self) -> Optional[ShareSchedule]:
+        """The training loader's schedule of share changes (``None`` before that loader is built)."""
+        return self._schedule if self._loader_bound else None
+
+    @property
+    def capacities(self) -> tuple[float, ...]:
+        """The capacities in force (the schedule's latest; empty before they are resolved)."""
+        return self._schedule.capacities if self._schedule is not None else ()
+
+    @property
+    def caps(self) -> Optional[tuple[int, ...]]:
+        """Per-rank memory caps in force (``None``: none)."""
+        return self._schedule.latest.caps if self._schedule is not None else None
 
     @property
     def loader_batch_size(self) -> Optional[int]:
         """The training global batch (explicit, or the loader's once it is built)."""
-        return self.schedule.global_batch_size if self.schedule is not None else self.global_batch_size
+        stored = self._schedule.global_batch_size if self._schedule is not None else None
+        return stored if stored is not None else self.global_batch_size
+
+    @property
+    def split(self) -> tuple[int, ...]:
+        """Each rank's samples of a full training global batch under the latest shares (empty while that batch is
+        unknown: no explicit ``global_batch_size`` and no training loader yet)."""
+        batch = self.loader_batch_size
+        if self._schedule is None or not batch:
+            return ()
+        return tuple(self._schedule.split_at(self._schedule.latest.first_batch, batch))
 
     @property
     def shares(self) -> tuple[float, ...]:
@@ -219,9 +280,6 @@ class PlannedSampler(Protocol):
     global_batch_size: int
     batches_yielded: int
     start_batch: int
-
-    @property
-    def capacities(self) -> tuple[float, ...]: ...
 
     def __len__(self) -> int: ...
 

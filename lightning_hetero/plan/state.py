@@ -87,11 +87,8 @@ class ShareState:
                 rank_zero_info(f"{running_strategy()} resume: {replan}; shares are planned for this lab "
                                f"(capacities '{plan.source}').")
         if restored is None or replan is not None:
+            # The loader's schedule starts from the shares in force (profiled, or rebalanced before a loader reload).
             self.profiler.plan_shares(sampler, dataloader)
-            # The latest shares (profiled, or rebalanced before a loader reload) from the loader's first batch.
-            plan.change(plan.capacities, first_batch=0, epoch=sampler.sampler.epoch)
-        kept = restored is not None and replan is None
-        plan.update(sampler.capacities, "restored" if kept else plan.source)
         self.lab.add_columns(self.profiler.table_columns())
         self.controller.start(sampler)
 
@@ -114,7 +111,6 @@ class ShareState:
     def _restore(self, state: dict[str, Any], sampler: PlannedSampler, trainer: Any, replan: bool) -> None:
         if not replan:  # measurements of other devices (or another world size) say nothing about these
             self.profiler.load_state_dict(state.get("profile"))
-            self.plan.set_caps(state["caps"] if state.get("caps") else None)
             self.controller.load_state_dict(state)
         saved_g = (state.get("sampler") or {}).get("global_batch_size")
         explicit_g = self.plan.global_batch_size
@@ -143,9 +139,7 @@ class ShareState:
             # iterator it creates now, so that iterator must already be the next epoch's, from its first batch.
             start, epoch = 0, epoch + 1
         if state.get("sampler") is not None:
-            # On a changed lab the saved shares are dropped: this lab's are planned after this.
-            sampler.load_state_dict({**state["sampler"], "changes": None} if replan else state["sampler"],
-                                    start_batch=start)
+            sampler.load_state_dict(state["sampler"], start_batch=start)
         else:
             sampler.start_batch = start
             if start:
@@ -156,9 +150,19 @@ class ShareState:
                     f"on from global batch {start} of this strategy's order: some of its samples may repeat or be "
                     "missed. From the next epoch on every sample is seen once."
                 )
+        if not replan:
+            # On a changed lab the saved shares are dropped: this lab's are planned after this.
+            self._restore_shares(state, sampler)
         sampler.sampler.set_epoch(epoch)
         self.position = start
         self._expect_batch = start if start else None
+
+    def _restore_shares(self, state: dict[str, Any], sampler: PlannedSampler) -> None:
+        """The saved schedule of the saved epoch, change by change, through the plan's one writer."""
+        changes = (state.get("sampler") or {}).get("changes") or [(0, self.plan.capacities, state.get("caps"))]
+        for first_batch, capacities, caps in changes:
+            self.plan.adopt(capacities, "restored", caps=caps or None, first_batch=int(first_batch),
+                            epoch=sampler.sampler.epoch)
 
 
 def _replan_reason(state: dict[str, Any], devices: list[str]) -> Optional[str]:

@@ -315,11 +315,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     def shard(self, module: nn.Module) -> None:
         blocks = self.blocks or default_blocks(module)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
-        weights, total = self.plan.capacities, self.plan.global_batch_size or 0  # 0: shares known at the loader
+        # The plan's split of an explicit global batch (none yet otherwise: the shares are known at the loader).
         # Explicit micro-batch limits are known here, before the loader; "auto" ones follow the profiled caps and
         # are counted by the check before the first step.
-        self.memory_plan = self._plan_memory([round(total * w / sum(weights)) for w in weights], self.memory_policy,
-                                             self._micro_limits())
+        samples = list(self.plan.split) or [0] * self.world_size
+        self.memory_plan = self._plan_memory(samples, self.memory_policy, self._micro_limits())
         plan = self.memory_plan[self.global_rank]
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
         modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)

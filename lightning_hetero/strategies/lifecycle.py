@@ -94,8 +94,15 @@ class HeteroLifecycle:
 
     def update_capacities(self, capacities: Sequence[float], source: str,
                           split: Optional[Sequence[int]] = None) -> None:
-        """Adopt new capacities for what follows. ``split`` is derived by the plan (accepted, not needed)."""
-        self.core.plan.update(capacities, source)
+        """Adopt new capacities from the next global batch the training loader draws (call it on every rank at the
+        same batch). ``split`` is derived by the plan (accepted, not needed)."""
+        sampler, plan = self.core.loaders.train_sampler, self.core.plan
+        if sampler is None or plan.schedule is None:
+            plan.adopt(capacities, source, caps=plan.caps)
+            return
+        # Past the batches already drawn (their gradient weights are read off the split that cut them).
+        first_batch = max(sampler.batches_yielded, plan.schedule.latest.first_batch)
+        plan.adopt(capacities, source, caps=plan.caps, first_batch=first_batch, epoch=sampler.sampler.epoch)
 
     def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
         """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""

@@ -55,7 +55,7 @@ def test_global_batches_match_rank_slices_and_epochs_reshuffle():
 def test_share_change_applies_from_a_batch_index():
     samplers = _samplers(64, 8, [1, 1], drop_last=False, shuffle=False)
     for s in samplers:
-        s.change_shares([3, 1], first_batch=3)
+        s.schedule.change([3, 1], first_batch=3)
     sizes = [[len(b) for b in s] for s in samplers]
     assert sizes[0] == [4, 4, 4, 6, 6, 6, 6, 6]
     assert sizes[1] == [4, 4, 4, 2, 2, 2, 2, 2]

@@ -1,0 +1,132 @@
+"""The share plan keeps one store: whatever changed the shares (profiling, rebalancing, resume), every reader of the
+plan (capacities, caps, split, shares) tells what the loaders actually cut."""
+
+import glob
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_hetero.plan.rebalance as rebalance
+from lightning_hetero import HeteroDDPStrategy
+from lightning_hetero.data.sampler import EvaluationBatchSampler, GlobalOrder, HeteroBatchSampler
+from lightning_hetero.lab.devices import DeviceInfo
+from lightning_hetero.plan.capacity import parse_capacities
+from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.split import split_batch
+from tests.helpers import TinyModel, free_port
+from tests.resilience.test_resume import _deterministic_gather
+
+CPUS = [DeviceInfo(r, "host", "cpu", "cpu", (0, 0), 2**34, 2) for r in range(2)]
+
+
+def _training_sampler(plan: SharePlan, n: int, g: int, rank: int = 0) -> HeteroBatchSampler:
+    order = GlobalOrder(n, shuffle=False)
+    schedule = plan.new_schedule(g, epoch=order.epoch)
+    sampler = HeteroBatchSampler(order, g, schedule.capacities, rank=rank, drop_last=True, schedule=schedule)
+    plan.use_train_schedule(sampler.schedule)
+    return sampler
+
+
+def _readers_agree(plan: SharePlan, g: int) -> None:
+    assert plan.split == tuple(split_batch(g, plan.capacities, plan.caps))
+    assert plan.shares == tuple(b / g for b in plan.split)
+
+
+def test_every_writer_changes_what_every_reader_sees() -> None:
+    plan = SharePlan(parse_capacities("equal"), global_batch_size=16)
+    plan.resolve(CPUS, torch.float32)
+    # Before any loader: the explicit global batch's split (what the FSDP memory plan reads).
+    assert plan.capacities == (1.0, 1.0) and plan.source == "equal" and plan.split == (8, 8)
+    train = _training_sampler(plan, 160, 16)
+    val_order = GlobalOrder(40, shuffle=False)
+    val = EvaluationBatchSampler(val_order, 8, plan.capacities, rank=0, drop_last=False,
+                                 schedule=plan.new_schedule(8))
+    plan.follow(val.schedule)
+
+    # Profiling: measured rates and memory caps.
+    plan.adopt([3.0, 1.0], "profile", caps=[11, 16], epoch=0)
+    assert (plan.capacities, plan.caps, plan.source) == ((3.0, 1.0), (11, 16), "profile")
+    _readers_agree(plan, 16)
+    assert plan.split == (11, 5) and [len(b) for b in train][:2] == [11, 11]
+    assert val.split_at(0) == [6, 2]  # evaluation follows the rates, not the training memory caps
+
+    # Rebalancing from global batch 3 on: batches before keep their split, the plan reads the new one.
+    plan.adopt([1.0, 3.0], "rebalanced", caps=plan.caps, first_batch=3, epoch=0)
+    assert (plan.capacities, plan.source) == ((1.0, 3.0), "rebalanced")
+    _readers_agree(plan, 16)
+    assert [len(b) for b in train][:5] == [11, 11, 11, 4, 4]
+    assert train.batch_size == plan.split[0] == 4 and train.capacities == plan.capacities
+    assert val.split_at(0) == [2, 6]
+
+    # A resumed job replays the saved schedule through the same writer: same readings.
+    saved = train.state_dict()
+    resumed = SharePlan(parse_capacities("equal"), global_batch_size=16)
+    resumed.resolve(CPUS, torch.float32)
+    again = _training_sampler(resumed, 160, 16)
+    again.load_state_dict(saved, start_batch=0)
+    for first_batch, capacities, caps in saved["changes"]:
+        resumed.adopt(capacities, "restored", caps=caps, first_batch=first_batch, epoch=saved["epoch"])
+    assert (resumed.capacities, resumed.caps, resumed.split) == (plan.capacities, plan.caps, plan.split)
+    assert [len(b) for b in again][:5] == [11, 11, 11, 4, 4]
+
+    # A reloaded training loader starts from the shares in force, caps included.
+    reloaded = _training_sampler(plan, 160, 16)
+    assert reloaded.split_at(0) == list(plan.split) and plan.caps == (11, 16)
+
+
+class _Readings(Callback):
+    """At every training batch: what the plan says and what this rank's batch holds."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        plan = trainer.strategy.plan
+        schedule = plan.schedule
+        self.rows.append({"batch": batch_idx, "size": len(batch[0]), "source": plan.source,
+                          "capacities": plan.capacities, "split": plan.split,
+                          "latest": schedule.latest.first_batch if schedule is not None else None})
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        torch.save(self.rows, os.path.join(self.out_dir, f"readings{trainer.global_rank}.pt"))
+
+
+def _fit(out_dir: str, **kwargs: Any) -> list[list[dict[str, Any]]]:
+    os.environ["MASTER_PORT"] = str(free_port())
+    ckpt_dir = kwargs.pop("ckpt_dir", None)
+    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, capacities="equal",
+                                 rebalance={"every": 3, "threshold": 0.05}, resilience={"timeout": 120})
+    callbacks: list[Any] = [_Readings(out_dir)]
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=kwargs["max_steps"], save_top_k=-1))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, callbacks=callbacks,
+                      logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, max_steps=kwargs.get("max_steps", -1))
+    trainer.fit(TinyModel(batch_size=4, n=80), ckpt_path=kwargs.get("ckpt_path"))
+    return [torch.load(os.path.join(out_dir, f"readings{r}.pt")) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_plan_after_a_rebalance_and_a_resume_reads_the_split_the_loader_cuts(monkeypatch: Any) -> None:
+    monkeypatch.setattr(rebalance, "gather_measurements", _deterministic_gather(rebalance.gather_measurements))
+    ckpt_dir = tempfile.mkdtemp()
+    first = _fit(tempfile.mkdtemp(), ckpt_dir=ckpt_dir, max_steps=7)
+    (ckpt,) = glob.glob(os.path.join(ckpt_dir, "*step=7*.ckpt"))
+    resumed = _fit(tempfile.mkdtemp(), ckpt_path=ckpt)
+    for r in range(2):
+        before, after = first[r], resumed[r]
+        assert before[0]["source"] == "equal" and before[0]["split"][r] == before[0]["size"] == 4
+        # Rebalanced (rank 1 measured 3x slower): the plan reads the split the loader cuts once it applies.
+        last = before[-1]
+        assert last["source"] == "rebalanced" and last["latest"] <= last["batch"]
+        assert last["capacities"][0] > last["capacities"][1] and last["split"] == (6, 2)
+        assert last["split"][r] == last["size"]
+        # Resumed: the restored shares are what the plan reads and what the loader cuts from the first batch.
+        assert after[0]["source"] == "restored" and after[0]["capacities"] == last["capacities"]
+        assert after[0]["split"] == last["split"] and after[0]["split"][r] == after[0]["size"]
