@@ -176,13 +176,14 @@ class ResumeChoice:
     def describe(self, resume: str) -> str:
         """The one line a resume says."""
         if self.progress is None:
-            why = "its training progress could not be read; the most recently modified"
+            line = (f"resume={resume!r}: going on from {self.path!r} (its progress cannot be read: the most recently "
+                    f"modified of {self.candidates} found)")
         else:
-            why = f"it records {self.progress}: the most training progress, not the newest file time, decides"
-        line = f"resume={resume!r}: going on from {self.path!r} ({why}; {self.candidates} checkpoint(s) found)"
+            line = (f"resume={resume!r}: going on from {self.path!r} at {self.progress} (chosen by the progress each "
+                    f"checkpoint records, not by file time; {self.candidates} found)")
         if self.latest_written is not None:
             path, progress = self.latest_written
-            line += f"; the most recently modified, {path!r}, records {progress} (file times are a copy's?)"
+            line += f"; the most recently modified, {path!r}, records {progress}"
         return line
 
 

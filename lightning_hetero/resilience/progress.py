@@ -26,8 +26,6 @@ from lightning_hetero._compat import PathType
 # The name Lightning's sharded checkpoints use for the non-tensor part (resilience.sharded writes it; defined here, as
 # that module imports torch's distributed checkpointing, which choosing a checkpoint does not need).
 META_FILENAME = "meta.pt"
-# Larger pickles are not read: a checkpoint's non-tensor part is kilobytes; a corrupt size field could ask for more.
-_MAX_PICKLE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, order=True)
@@ -62,7 +60,7 @@ def recorded_progress(path: PathType) -> Optional[Progress]:
 def _load_pickle(path: str) -> Any:
     with zipfile.ZipFile(path) as archive:
         records = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
-        if len(records) != 1 or records[0].file_size > _MAX_PICKLE_BYTES:
+        if len(records) != 1:
             return None
         data = archive.read(records[0])
     return _InertUnpickler(io.BytesIO(data)).load()

@@ -68,7 +68,8 @@ class Save(Callback):
         self.out_dir = out_dir
 
     def on_predict_end(self, trainer: Trainer, pl_module: Any) -> None:
-        batch, epoch = (next(c for c in trainer.callbacks if isinstance(c, kind)) for kind in (BatchWriter, EpochWriter))
+        batch, epoch = (next(c for c in trainer.callbacks if isinstance(c, kind))
+                        for kind in (BatchWriter, EpochWriter))
         torch.save({"batch": batch.calls, "epoch": epoch.received},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
