@@ -63,6 +63,16 @@ def recorded_loader_arguments(dataloader: object) -> "Optional[tuple[tuple, dict
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls as reinstantiate  # noqa: E402
 
 
+def prediction_records(trainer: Any) -> "list[list[list]]":
+    """Per predict loader, the lists the prediction loop appends one entry per step to: the outputs it keeps (for
+    ``return_predictions`` and epoch writers; a private attribute) and their batch indices (epoch writers). Edited in
+    place to leave a step out: Lightning has no public way to."""
+    loop = trainer.predict_loop
+    outputs, indices = getattr(loop, "_predictions", []), loop.epoch_batch_indices
+    return [[kept[i] for kept in (outputs, indices) if i < len(kept) and isinstance(kept[i], list)]
+            for i in range(max(len(outputs), len(indices)))]
+
+
 def unwrap_index_batch_sampler(batch_sampler: object) -> object:
     """The batch sampler inside the prediction loop's index wrapper (it exposes it under a private name only)."""
     return getattr(batch_sampler, "_batch_sampler") if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler

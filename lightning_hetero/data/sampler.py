@@ -382,14 +382,23 @@ def check_training_batch(sampler: HeteroBatchSampler, loader_name: str, explicit
     """A training global batch larger than the dataset is never trained on: every epoch is one partial batch of the
     whole dataset (none with ``drop_last``). A ``ValueError`` when ``global_batch_size`` asked for it, a warning when
     it comes from the loader's ``batch_size`` × world size."""
-    n = len(sampler.sampler)
+    n, world = len(sampler.sampler), sampler.world_size
     if sampler.global_batch_size <= n:
         return
-    epoch = "no batch at all (drop_last=True)" if sampler.drop_last else f"one batch of {n}"
+    epoch = "no batch at all" if n == 0 else (
+        "no batch at all (drop_last=True)" if sampler.drop_last else f"one batch of {n}")
     if explicit:
+        # Advice the next check accepts: a global batch has at least one sample per rank.
+        if n == 0:
+            advice = f"Give {loader_name} samples."
+        elif n < world:
+            advice = f"A global batch has at least one sample per rank ({world}): use more samples or fewer ranks."
+        else:
+            advice = f"Set `global_batch_size` to {n}." if n == world else (
+                f"Set `global_batch_size` between {world} (one sample per rank) and {n}.")
         raise ValueError(
             f"`global_batch_size`={sampler.global_batch_size} is larger than {loader_name}'s dataset ({n} samples): "
-            f"every epoch would be {epoch}. Set `global_batch_size` <= {n}."
+            f"every epoch would be {epoch}. {advice}"
         )
     rank_zero_warn(
         f"lightning_hetero: the global batch ({sampler.global_batch_size} = the loader's batch_size x "

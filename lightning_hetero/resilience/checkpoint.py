@@ -12,8 +12,9 @@
   *directory* (sharded checkpoints).
 * Files are created with the process's umask (as Lightning's are), and temporaries that a killed save left behind are
   removed by the next save or resume.
-* :func:`newest_checkpoint`: the most recent verified ``*.ckpt`` in some directories (``resume="auto"``); a damaged one
-  is skipped with a warning naming it.
+* :func:`choose_checkpoint`: the verified ``*.ckpt`` in some directories (``resume="auto"``) that records the most
+  training progress (global step, then epoch: file times are a copy's after ``cp -r``); a damaged one is skipped with
+  a warning naming it.
 
 Example::
 
@@ -31,6 +32,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO, Any, Callable, Optional
 
 import torch
@@ -41,6 +43,7 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero._compat import PathType
 from lightning_hetero._compat import weights_only_argument
+from lightning_hetero.resilience.progress import Progress, recorded_progress
 from lightning_hetero.view import running_strategy
 
 _PICKLE_PROTOCOL_2 = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
@@ -160,15 +163,85 @@ def check_checkpoint_file(path: PathType) -> Optional[str]:
     return None
 
 
-def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathType] = ()) -> Optional[str]:
-    """The most recently written verified ``*.ckpt`` file (or sharded ``*.ckpt`` directory with its checksum manifest)
-    in ``directories`` (``None`` if there is none).
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a resume goes on from, and why: the training ``progress`` it records (``None`` when unreadable),
+    among ``candidates`` checkpoints; ``latest_written``: the most recently modified one when it records less."""
 
-    Damaged files are skipped with a warning naming them. Files without a checksum file are used only when no file is
-    verified (checkpoints written by another ``CheckpointIO``), the newest first, with a warning; a directory without
-    its manifest (an interrupted save, or the manifest deleted) is skipped with a warning saying so. Temporaries left by
-    killed saves are removed on the way.
+    path: str
+    progress: Optional[Progress]
+    candidates: int
+    latest_written: Optional[tuple[str, Progress]] = None
+
+    def describe(self, resume: str) -> str:
+        """The one line a resume says."""
+        if self.progress is None:
+            line = (f"resume={resume!r}: going on from {self.path!r} (its progress cannot be read: the most recently "
+                    f"modified of {self.candidates} found)")
+        else:
+            line = (f"resume={resume!r}: going on from {self.path!r} at {self.progress} (chosen by the progress each "
+                    f"checkpoint records, not by file time; {self.candidates} found)")
+        if self.latest_written is not None:
+            path, progress = self.latest_written
+            line += f"; the most recently modified, {path!r}, records {progress}"
+        return line
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    path: str
+    mtime: float
+    progress: Optional[Progress]
+
+
+def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathType] = ()) -> Optional[str]:
+    """The path of :func:`choose_checkpoint`'s choice, or ``None``."""
+    choice = choose_checkpoint(directories, exclude)
+    return None if choice is None else choice.path
+
+
+def choose_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathType] = ()) -> Optional[ResumeChoice]:
+    """The verified ``*.ckpt`` file (or sharded ``*.ckpt`` directory with its checksum manifest) in ``directories``
+    that records the most training progress (global step, then epoch; the file time breaks ties), or ``None``.
+
+    Progress is read from the checkpoint itself (:mod:`~lightning_hetero.resilience.progress`), not from file times,
+    which are the copy's after ``cp -r``, ``rsync`` without ``-t`` or a download. Damaged files are skipped with a
+    warning naming them; one whose progress cannot be read (truncated) is checked first, so it is named too. Files
+    without a checksum file are used only when no file is verified (checkpoints written by another
+    ``CheckpointIO``), the furthest first, with a warning; a directory without its manifest (an interrupted save, or
+    the manifest deleted) is skipped with a warning saying so. Temporaries left by killed saves are removed on the
+    way.
     """
+    candidates = _candidates(directories, exclude)
+    readable = sorted((c for c in candidates if c.progress is not None), key=lambda c: (c.progress, c.mtime),
+                      reverse=True)
+    unreadable = sorted((c for c in candidates if c.progress is None), key=lambda c: c.mtime, reverse=True)
+    problems = {c.path: _problem(c.path) for c in unreadable}
+    usable = [c for c in unreadable if problems[c.path] is None or _unverified_file(c.path, problems[c.path])]
+    for c in unreadable:
+        if c not in usable:
+            rank_zero_warn(f"resume: skipping {c.path!r}: {problems[c.path]}")
+    # A sound file that records no progress (not a Lightning checkpoint?) comes after every one that does.
+    ordered = readable + usable
+    unverified: list[tuple[_Candidate, str]] = []
+    for candidate in ordered:
+        problem = problems[candidate.path] if candidate.path in problems else _problem(candidate.path)
+        if problem is None:
+            for other, why in unverified:
+                rank_zero_warn(f"resume: skipping {other.path!r}: {why}")
+            return _choice(candidate, readable, len(candidates))
+        if _unverified_file(candidate.path, problem):
+            unverified.append((candidate, problem))
+        else:
+            rank_zero_warn(f"resume: skipping {candidate.path!r}: {problem}")
+    if unverified:
+        candidate, why = unverified[0]
+        rank_zero_warn(f"resume: no verified checkpoint; using {candidate.path!r} unverified ({why})")
+        return _choice(candidate, readable, len(candidates))
+    return None
+
+
+def _candidates(directories: Iterable[PathType], exclude: Iterable[PathType]) -> list[_Candidate]:
     skip = {os.path.abspath(os.fspath(p)) for p in exclude}
     candidates = []
     for directory in directories:
@@ -181,33 +254,38 @@ def newest_checkpoint(directories: Iterable[PathType], exclude: Iterable[PathTyp
             if not name.endswith(".ckpt") or name.startswith(".") or path in skip:
                 continue
             if os.path.isfile(path):
-                candidates.append((os.path.getmtime(path), path))
+                mtime = os.path.getmtime(path)
             elif os.path.isfile(os.path.join(path, MANIFEST_NAME)):  # a sharded checkpoint, published whole
-                candidates.append((os.path.getmtime(os.path.join(path, MANIFEST_NAME)), path))
-            elif os.path.isdir(path):  # no manifest: never used, but its skip is said where it is the newer one
-                candidates.append((os.path.getmtime(path), path))
-    unverified: list[tuple[str, str]] = []
-    for _, path in sorted(candidates, reverse=True):
-        problem = verify_manifest(path) if os.path.isdir(path) else check_checkpoint_file(path)
-        if problem is None:
-            for other, why in unverified:
-                rank_zero_warn(f"resume: skipping {other!r}: {why}")
-            return path
-        if problem.startswith(_NO_CHECKSUM) and not os.path.isdir(path):
-            unverified.append((path, problem))
-        else:
-            rank_zero_warn(f"resume: skipping {path!r}: {problem}")
-    if unverified:
-        path, why = unverified[0]
-        rank_zero_warn(f"resume: no verified checkpoint; using {path!r} unverified ({why})")
-        return path
-    return None
+                mtime = os.path.getmtime(os.path.join(path, MANIFEST_NAME))
+            elif os.path.isdir(path):  # no manifest: never used, but its skip is said where it is the further one
+                mtime = os.path.getmtime(path)
+            else:
+                continue
+            candidates.append(_Candidate(path, mtime, recorded_progress(path)))
+    return candidates
+
+
+def _problem(path: str) -> Optional[str]:
+    return verify_manifest(path) if os.path.isdir(path) else check_checkpoint_file(path)
+
+
+def _unverified_file(path: str, problem: str) -> bool:
+    """A whole file without its checksum file: usable when nothing verified is there."""
+    return problem.startswith(_NO_CHECKSUM) and not os.path.isdir(path)
+
+
+def _choice(chosen: _Candidate, readable: list[_Candidate], count: int) -> ResumeChoice:
+    latest = max(readable, key=lambda c: c.mtime, default=None)
+    behind = (latest is not None and chosen.progress is not None and latest.progress is not None
+              and latest.progress < chosen.progress and latest.mtime > chosen.mtime)
+    return ResumeChoice(chosen.path, chosen.progress, count,
+                        (latest.path, latest.progress) if behind else None)  # type: ignore[union-attr]
 
 
 def find_resume_checkpoint(resume: str, directories: list[PathType]) -> Optional[str]:
-    """The checkpoint that ``resume`` (``"auto"`` or a directory) goes on from, or ``None`` for a fresh start (said in
-    one info line). A ``resume`` directory that does not exist is a ``ValueError``: a typo would otherwise train from
-    scratch silently."""
+    """The checkpoint that ``resume`` (``"auto"`` or a directory) goes on from, or ``None`` for a fresh start; either
+    is said in one info line (the choice with the progress it records). A ``resume`` directory that does not exist is
+    a ``ValueError``: a typo would otherwise train from scratch silently."""
     if resume != "auto":
         if os.path.isfile(resume):
             raise ValueError(f"`resilience.resume`={resume!r} is a file: pass a checkpoint file as "
@@ -216,10 +294,12 @@ def find_resume_checkpoint(resume: str, directories: list[PathType]) -> Optional
         if not os.path.isdir(resume):
             raise ValueError(f"`resilience.resume`={resume!r}: no such directory (accepted: None, 'auto' or an "
                              "existing directory of checkpoints; create it empty for a fresh start).")
-    found = newest_checkpoint(directories)
-    if found is None:
+    choice = choose_checkpoint(directories)
+    if choice is None:
         rank_zero_info(f"resume={resume!r}: no checkpoint in {[os.fspath(d) for d in directories]}: a fresh start.")
-    return found
+        return None
+    rank_zero_info(choice.describe(resume))
+    return choice.path
 
 
 def file_checksum(path: PathType) -> str:

@@ -9,8 +9,6 @@ SLURM, where it starts no processes).
 import inspect
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
 from lightning_hetero._compat import FIT_FUNCTION_NAME, SubprocessScriptLauncher
 from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
 from lightning_hetero.resilience.faults import ReportingLauncher
@@ -44,10 +42,9 @@ def resolve_resume(resume: Optional[str], function: Callable, args: tuple, kwarg
         given = None
     if given is not None or trainer.ckpt_path is not None:
         return False  # the user's explicit choice
-    found = checkpoint_to_resume(resume, trainer)
+    found = checkpoint_to_resume(resume, trainer)  # says which one it chose, and why, in one line
     if found is None:
         return False
-    rank_zero_info(f"resume='{resume}': going on from {found}")
     trainer.ckpt_path = found
     return True
 

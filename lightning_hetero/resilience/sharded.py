@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_hetero._compat import PathType
+from lightning_hetero.resilience.progress import META_FILENAME
 
-META_FILENAME = "meta.pt"  # the name Lightning's sharded checkpoints use for the non-tensor part
 PARTIAL_SUFFIX = ".partial"
 
 

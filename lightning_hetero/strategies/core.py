@@ -12,6 +12,8 @@ one job and read the Lightning strategy through one typed :class:`~lightning_het
 - ``loaders`` (:class:`~lightning_hetero.data.split.LoaderSplit`): every loader split by the plan, micro-batching;
 - ``step`` (:class:`~lightning_hetero.grad.step.StepShare`): this step's (b_r, G), micro-batches, the weighted mean;
 - ``resilience`` (:class:`~lightning_hetero.resilience.hooks.ResilienceHooks`): watchdog, checkpoint state, teardown;
+- ``predictions`` (:class:`~lightning_hetero.strategies.predictions.PaddingPredictions`): a predict's padding steps
+  kept out of what prediction writers and ``trainer.predict`` receive;
 
 and adds the callbacks the options ask for (pre-emption, monitor, non-finite check).
 
@@ -40,6 +42,7 @@ from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.plan.state import ShareState
 from lightning_hetero.resilience.hooks import ResilienceHooks
+from lightning_hetero.strategies.predictions import PaddingPredictions
 from lightning_hetero.view import StrategyView
 
 
@@ -75,6 +78,7 @@ class HeteroCore:
         self.share_state = ShareState(view, self.plan, self.lab, self.profiler, self.shares)
         self.loaders = LoaderSplit(view, self.plan, self.lab, self.share_state, self.resilience, options)
         self.step = StepShare(view, self.loaders, self.shares, self.share_state, self.lab, self.resilience)
+        self.predictions = PaddingPredictions()
 
     # -- the lifecycle points that involve several collaborators ----------------------------------------------------
     def after_process_group(self) -> None:

@@ -139,6 +139,11 @@ class HeteroLifecycle:
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
+        trainer = _compat.trainer_of(self.lightning_module) if self.lightning_module is not None else None
+        if trainer is not None and trainer.predicting:
+            # Lightning's prediction sampler (replaced too) asserts that every rank has a sample: one sample on two
+            # ranks would fail there, before the batch sampler gives the sampleless rank a padding step.
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
@@ -231,7 +236,20 @@ class HeteroLifecycle:
         with self._evaluation_step("predict", "predict_dataloaders", args, kwargs) as padding:
             output = super().predict_step(*args, **kwargs)  # type: ignore[misc]
         # A padding step runs for the collectives only: its sample is another rank's prediction.
+        batch_idx, dataloader_idx = step_indices(args, kwargs)
+        if batch_idx is not None:
+            self.core.predictions.step(batch_idx, dataloader_idx, padding)
         return None if padding else output
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        self.core.predictions.start(_compat.trainer_of(self.lightning_module))
+
+    @override
+    def on_predict_end(self) -> None:
+        self.core.predictions.end(_compat.trainer_of(self.lightning_module))
+        super().on_predict_end()  # type: ignore[misc]
 
     @override
     def reduce(self, tensor: Tensor, group: Optional[Any] = None,

@@ -129,6 +129,28 @@ def test_auto_resume_after_crash(uninterrupted: list[dict], monkeypatch: Any) ->
 
 
 @pytest.mark.slow
+def test_auto_resume_from_a_copied_folder_goes_by_recorded_steps(uninterrupted: list[dict], monkeypatch: Any) -> None:
+    """Checkpoints at steps 3..15 copied as `cp -r` does (the times are the copy's), step 3's the newest time: the
+    re-run goes on from step 15, where the checkpoints say training stood."""
+    import shutil
+    import time
+
+    monkeypatch.setattr(rebalance, "gather_measurements", _deterministic_gather(rebalance.gather_measurements))
+    saved, copy = tempfile.mkdtemp(), os.path.join(tempfile.mkdtemp(), "copy")
+    with pytest.raises(Exception, match="killed"):
+        _fit(tempfile.mkdtemp(), ckpt_dir=saved, every=3, extra=(_Crash(16),))
+    shutil.copytree(saved, copy, copy_function=shutil.copy)
+    now = time.time()
+    for name in os.listdir(copy):
+        step = int(name.split("step=")[1].split(".")[0])
+        os.utime(os.path.join(copy, name), (now - step, now - step))  # step 3 written last
+    resumed = _fit(tempfile.mkdtemp(), ckpt_dir=copy, every=3, resume="auto")
+    for r in range(2):
+        assert resumed[r]["indices"] == uninterrupted[r]["indices"][15:]
+        assert max_rel_diff(resumed[r]["params"][-1], uninterrupted[r]["params"][-1]) <= 1e-6
+
+
+@pytest.mark.slow
 def test_checkpoint_after_max_steps_goes_on_mid_epoch(uninterrupted: list[dict], monkeypatch: Any) -> None:
     """Lightning records the epoch a `max_steps` stop interrupted as finished; the strategy reopens it."""
     monkeypatch.setattr(rebalance, "gather_measurements", _deterministic_gather(rebalance.gather_measurements))

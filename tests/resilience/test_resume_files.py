@@ -16,13 +16,14 @@ from lightning_hetero.resilience.resume import resolve_resume
 from lightning_hetero.resilience.state import RankStates
 
 
-def _sharded_checkpoint(path: Any) -> Any:
-    """A sharded checkpoint directory as DCP writes one (a shard, its metadata) with its checksum manifest."""
+def _sharded_checkpoint(path: Any, global_step: int = 4) -> Any:
+    """A sharded checkpoint directory as DCP writes one (a shard, the rest of the checkpoint in ``meta.pt``) with its
+    checksum manifest."""
     from lightning_hetero.resilience.checkpoint import write_manifest
 
     path.mkdir()
     (path / "__0_0.distcp").write_bytes(b"shard bytes" * 100)
-    (path / "meta.pt").write_bytes(b"meta")
+    torch.save({"epoch": 0, "global_step": global_step, "loops": {}}, path / "meta.pt")
     write_manifest(path)
     return path
 
@@ -364,3 +365,109 @@ def test_resume_says_why_it_skips_a_sharded_directory_whose_manifest_was_deleted
     os.unlink(str(older) + ".sha256")
     with pytest.warns(UserWarning, match="skipping .*epoch=0-step=4.ckpt"):
         assert find_resume_checkpoint("auto", [tmp_path]) is None
+
+
+def _copied_with_times_reversed(source: Any, target: Any, names: list[str]) -> None:
+    """``source`` copied as ``cp -r`` / a download does (contents only: every time is the copy's), the first of
+    ``names`` the most recently modified, the last the oldest."""
+    import shutil
+
+    shutil.copytree(source, target, copy_function=shutil.copy)
+    now = time.time()
+    for age, name in enumerate(names):
+        stamp = now - 100 + 10 * (len(names) - age)
+        for root, _, files in os.walk(target):
+            for file in files:
+                if os.path.join(root, file).startswith(str(target / name)):
+                    os.utime(os.path.join(root, file), (stamp, stamp))
+
+
+STEPS = [3, 6, 9, 12, 15]
+
+
+def test_resume_goes_on_from_the_most_progress_when_a_copy_scrambled_the_file_times(tmp_path: Any, caplog: Any) -> None:
+    """A copied folder of checkpoints at steps 3..15 whose times say step 3 is the newest: the resume goes on from
+    step 15 (the progress each file records), says so in one line, and skips a damaged or truncated furthest one,
+    naming it, for the next furthest (not the most recently modified)."""
+    from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
+
+    io = AtomicCheckpointIO()
+    for step in STEPS:
+        io.save_checkpoint({**_ckpt(float(step)), "global_step": step, "epoch": step // 10},
+                           tmp_path / "saved" / f"step={step}.ckpt")
+    copy = tmp_path / "copy"
+    _copied_with_times_reversed(tmp_path / "saved", copy, [f"step={s}.ckpt" for s in STEPS])
+    assert max(os.listdir(copy), key=lambda n: os.path.getmtime(copy / n)).startswith("step=3.ckpt")
+    with caplog.at_level("INFO"):
+        assert find_resume_checkpoint("auto", [copy]) == str(copy / "step=15.ckpt")
+    said = [r.getMessage() for r in caplog.records if "going on from" in r.getMessage()]
+    assert len(said) == 1 and "step=15.ckpt" in said[0] and "global step 15, epoch 1" in said[0], said
+    assert "step=3.ckpt" in said[0] and "global step 3" in said[0]  # the most recently modified, and what it holds
+
+    _overwrite(copy / "step=15.ckpt", os.path.getsize(copy / "step=15.ckpt") // 2, os.urandom(64))
+    with pytest.warns(UserWarning, match="skipping .*step=15.ckpt.*damaged"):
+        assert newest_checkpoint([copy]) == str(copy / "step=12.ckpt")
+    data = (copy / "step=12.ckpt").read_bytes()
+    (copy / "step=12.ckpt").write_bytes(data[: len(data) // 2])  # its progress cannot be read any more
+    with pytest.warns(UserWarning) as warned:
+        assert newest_checkpoint([copy]) == str(copy / "step=9.ckpt")
+    lines = [str(w.message) for w in warned]
+    assert any("step=12.ckpt" in line and "truncated" in line for line in lines), lines
+    assert any("step=15.ckpt" in line and "damaged" in line for line in lines), lines
+
+
+def test_resume_goes_on_from_the_sharded_directory_with_the_most_progress_after_a_copy(tmp_path: Any) -> None:
+    """The same for sharded checkpoint directories: the step their ``meta.pt`` records decides, whatever the times
+    of the copied files (the manifest's included); a damaged shard in the furthest sends the resume to the next."""
+    for step in STEPS:
+        (tmp_path / "saved").mkdir(exist_ok=True)
+        _sharded_checkpoint(tmp_path / "saved" / f"step={step}.ckpt", global_step=step)
+    copy = tmp_path / "copy"
+    _copied_with_times_reversed(tmp_path / "saved", copy, [f"step={s}.ckpt" for s in STEPS])
+    assert newest_checkpoint([copy]) == str(copy / "step=15.ckpt")
+    shard = copy / "step=15.ckpt" / "__0_0.distcp"
+    _overwrite(shard, 5, b"\xff")
+    with pytest.warns(UserWarning, match="skipping .*step=15.ckpt.*__0_0.distcp"):
+        assert newest_checkpoint([copy]) == str(copy / "step=12.ckpt")
+
+
+def test_equal_steps_go_by_epoch_then_file_time(tmp_path: Any) -> None:
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({**_ckpt(1.0), "global_step": 10, "epoch": 1}, tmp_path / "end-of-epoch-0.ckpt")
+    io.save_checkpoint({**_ckpt(1.0), "global_step": 10, "epoch": 0}, tmp_path / "step=10.ckpt")
+    now = time.time()
+    os.utime(tmp_path / "end-of-epoch-0.ckpt", (now - 20, now - 20))
+    assert newest_checkpoint([tmp_path]) == str(tmp_path / "end-of-epoch-0.ckpt")
+    io.save_checkpoint({**_ckpt(1.0), "global_step": 10, "epoch": 1}, tmp_path / "again.ckpt")
+    assert newest_checkpoint([tmp_path]) == str(tmp_path / "again.ckpt")  # the same progress: the newer file
+
+
+_RAN: list[str] = []
+
+
+def _record_call(value: str) -> str:
+    _RAN.append(value)
+    return value
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self) -> tuple:
+        return _record_call, ("ran",)
+
+
+def test_progress_is_read_without_running_code_or_reading_tensors(tmp_path: Any) -> None:
+    """The reader imports nothing the file names (a user's hyperparameter object stays inert) and reads only the
+    archive's pickle; a foreign or damaged file has no progress."""
+    from lightning_hetero.resilience.progress import Progress, recorded_progress
+
+    path = tmp_path / "a.ckpt"
+    torch.save({**_ckpt(1.0), "global_step": 7, "epoch": 2, "hyper_parameters": {"x": _RunsCodeWhenUnpickled()}},
+               path)
+    assert recorded_progress(path) == Progress(global_step=7, epoch=2)
+    assert _RAN == []
+    torch.load(path, weights_only=False)
+    assert _RAN == ["ran"]  # what a full load would have done
+    torch.save({"w": torch.zeros(3)}, tmp_path / "weights.pt")
+    (tmp_path / "notes.ckpt").write_bytes(b"hello")
+    for foreign in (tmp_path / "weights.pt", tmp_path / "notes.ckpt", tmp_path / "missing.ckpt", tmp_path):
+        assert recorded_progress(foreign) is None

@@ -274,7 +274,7 @@ def test_bad_strategy_arguments_name_the_field(kwargs, message):
     assert message in str(err.value)
 
 
-def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1, resume=None):
+def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_steps=-1, resume=None, every=None):
     os.makedirs(out_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())
     torch.manual_seed(0)
@@ -284,7 +284,8 @@ def _fit_fsdp(out_dir, world, capacities, ckpt_dir=None, ckpt_path=None, max_ste
                                   global_batch_size=8)
     callbacks = [Recorder(out_dir)]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max(max_steps, 0), save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every or max(max_steps, 0),
+                                         save_top_k=-1))
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=2, max_steps=max_steps,
                       callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
@@ -330,6 +331,27 @@ def test_resume_auto_goes_on_from_the_newest_sharded_checkpoint(tmp_path):
     again = _fit_fsdp(str(tmp_path / "b"), 2, [3, 1], ckpt_dir=str(tmp_path / "ckpt"), resume="auto")
     assert again[0]["steps"] == whole[0]["steps"] == 16
     assert len(again[0]["params"]) == len(whole[0]["params"]) - 5  # went on from step 5, not from scratch
+    assert max_rel_diff(again[0]["params"][-1], whole[0]["params"][-1]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_resume_auto_from_a_copied_folder_goes_by_recorded_steps(tmp_path):
+    """Sharded checkpoints at steps 2, 4, 6 copied as `cp -r` does (every time the copy's), step 2's the newest: the
+    re-run goes on from step 6, the step the directories' metadata records."""
+    import shutil
+    import time
+
+    whole = _fit_fsdp(str(tmp_path / "whole"), 2, [3, 1])
+    _fit_fsdp(str(tmp_path / "a"), 2, [3, 1], ckpt_dir=str(tmp_path / "ckpt"), max_steps=6, every=2)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "ckpt", copy, copy_function=shutil.copy)
+    now = time.time()
+    for checkpoint in copy.iterdir():
+        step = int(checkpoint.name.split("step=")[1].split(".")[0])
+        for path in (checkpoint, *checkpoint.rglob("*")):
+            os.utime(path, (now - step, now - step))  # step 2 written last
+    again = _fit_fsdp(str(tmp_path / "b"), 2, [3, 1], ckpt_dir=str(copy), resume="auto")
+    assert len(again[0]["params"]) == len(whole[0]["params"]) - 6
     assert max_rel_diff(again[0]["params"][-1], whole[0]["params"][-1]) <= TOLERANCE
 
 

@@ -43,6 +43,20 @@ def test_a_global_batch_larger_than_the_dataset():
     check_training_batch(_sampler(256, 256), "train_dataloader", explicit=True)  # the whole set: fine
 
 
+@pytest.mark.parametrize(("n", "advice"), [
+    (0, r"every epoch would be no batch at all\. Give train_dataloader samples\."),
+    (1, r"at least one sample per rank \(2\): use more samples or fewer ranks"),
+    (2, r"Set `global_batch_size` to 2\."),
+    (5, r"Set `global_batch_size` between 2 \(one sample per rank\) and 5\."),
+])
+def test_the_advice_for_a_global_batch_larger_than_the_dataset_is_one_the_strategy_accepts(n, advice):
+    """An empty (or tiny) training set was told to "Set `global_batch_size` <= 0" (or 1 on 2 ranks), which the
+    argument check (a positive integer) and the share plan (a sample per rank) refuse."""
+    with pytest.raises(ValueError, match=advice) as err:
+        check_training_batch(_sampler(n, 8), "train_dataloader", explicit=True)
+    assert "<=" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_fit_with_a_global_batch_larger_than_the_dataset_stops_at_once(tmp_path):
     with pytest.raises(Exception, match=r"`global_batch_size`=1000000000 is larger than train_dataloader's dataset"):
