@@ -90,8 +90,9 @@ class Recorder(Callback):
             self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        buffers = {name: b.detach().cpu().clone() for name, b in pl_module.named_buffers()}
         torch.save({"params": self.params, "indices": self.indices, "logged": self.logged,
-                    "steps": trainer.global_step},
+                    "steps": trainer.global_step, "buffers": buffers},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 

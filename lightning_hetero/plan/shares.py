@@ -50,6 +50,7 @@ class ShareSchedule:
 
     Changes are keyed to batch indices, so every rank applies one to the same batch; a new epoch starts from the
     latest change. ``cap_shares=False`` ignores memory caps (oversized shares then run as micro-batches).
+    ``min_share``: the fewest samples a rank trains on (2 while BatchNorm layers train on per-rank statistics).
     """
 
     def __init__(self, global_batch_size: int, capacities: Sequence[float], caps: Optional[Sequence[int]] = None,
@@ -59,6 +60,7 @@ class ShareSchedule:
                 f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
                 "every rank needs at least one sample of each global batch."
             )
+        self.min_share = 1
         self.global_batch_size = global_batch_size
         self.world_size = len(capacities)
         self.cap_shares = True
@@ -85,7 +87,8 @@ class ShareSchedule:
         self.changes = [c for c in self.changes if c.first_batch < first_batch]
         self.changes.append(ShareChange(first_batch, tuple(float(c) for c in capacities), tuple(caps) if caps else None))
         self._full_splits.clear()
-        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None)  # fail now, not later
+        # Fail now, not later.
+        split_batch(self.global_batch_size, capacities, caps if self.cap_shares else None, self.min_share)
 
     def roll_to_epoch(self, epoch: int) -> None:
         """A new epoch starts with the latest shares (changes are keyed to batch indices of one epoch)."""
@@ -94,6 +97,19 @@ class ShareSchedule:
             self.changes = [ShareChange(0, latest.capacities, latest.caps)]
             self._full_splits.clear()
             self.epoch = epoch
+
+    def set_min_share(self, min_share: int) -> None:
+        """Give every rank at least ``min_share`` samples of each global batch (2: BatchNorm layers train on each
+        rank's own statistics and cannot train on one sample)."""
+        if self.global_batch_size < min_share * self.world_size:
+            raise ValueError(
+                f"`global_batch_size`={self.global_batch_size} is smaller than {min_share} x the world size "
+                f"{self.world_size}: the model's BatchNorm layers train on each rank's own statistics, which need at "
+                "least 2 samples per rank. Raise the batch size, or set `Trainer(sync_batchnorm=True)` (statistics "
+                "over the global batch; then 1 sample per rank is enough)."
+            )
+        self.min_share = min_share
+        self._full_splits.clear()
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         self.global_batch_size = int(global_batch_size)
@@ -113,9 +129,9 @@ class ShareSchedule:
         if n == self.global_batch_size:
             key = change.first_batch
             if key not in self._full_splits:
-                self._full_splits[key] = split_batch(n, change.capacities, self.caps_of(change))
+                self._full_splits[key] = split_batch(n, change.capacities, self.caps_of(change), self.min_share)
             return self._full_splits[key]
-        return split_batch(n, change.capacities, self.caps_of(change))
+        return split_batch(n, change.capacities, self.caps_of(change), self.min_share)
 
     def state_dict(self) -> list[Any]:
         return [(c.first_batch, list(c.capacities), list(c.caps) if c.caps else None) for c in self.changes]
@@ -143,6 +159,8 @@ class SharePlan:
         # The training loader's schedule (None until it is built) and the evaluation loaders' ones that follow.
         self.schedule: Optional[ShareSchedule] = None
         self.followers: list[ShareSchedule] = []
+        # The fewest samples of a training global batch a rank is given (2 for BatchNorm trained without sync).
+        self.min_share = 1
 
     # -- writers: the lab set-up, profiling, rebalancing, resume -------------------------------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:
