@@ -231,3 +231,22 @@ def fsdp_flags(module: object) -> tuple[bool, bool, bool]:
         return False, False, True
     return (any(g.post_forward_mesh_info is not None for g in groups), all(g.reshard_after_backward for g in groups),
             all(g.reduce_grads for g in groups))
+
+
+# The common base of BatchNorm1d/2d/3d and SyncBatchNorm (running statistics, momentum, the shared forward): torch
+# exports no public one.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
+
+# Lightning's dimension-agnostic BatchNorm, what its own `TorchSyncBatchNorm.revert` gives back: no public name.
+from lightning.pytorch.plugins.layer_sync import _BatchNormXd as BatchNormXd  # noqa: E402
+
+
+def layer_sync(strategy: object) -> "Optional[Any]":
+    """The strategy's layer-sync plugin (``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` in ``plugins``), which
+    the trainer's connector writes to ``_layer_sync``: strategies have no public accessor."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def set_layer_sync(strategy: object, plugin: "Optional[Any]") -> None:
+    """Replace the plugin that Lightning's ``DDPStrategy.setup`` applies and its ``teardown`` reverts."""
+    strategy._layer_sync = plugin  # type: ignore[attr-defined]

@@ -90,8 +90,9 @@ class Recorder(Callback):
             self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        buffers = {name: b.detach().cpu().clone() for name, b in pl_module.named_buffers()}
         torch.save({"params": self.params, "indices": self.indices, "logged": self.logged,
-                    "steps": trainer.global_step},
+                    "steps": trainer.global_step, "buffers": buffers},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -102,14 +103,16 @@ def free_port() -> int:
 
 
 def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_kwargs: Optional[dict] = None,
-                    max_epochs: int = 3, strategy_class: type = HeteroDDPStrategy, **trainer_kwargs: Any) -> list[dict]:
-    """Fit ``model`` over ``world`` forked CPU processes; return each rank's record."""
+                    max_epochs: int = 3, strategy_class: type = HeteroDDPStrategy, accelerator: str = "cpu",
+                    devices: Optional[int] = None, **trainer_kwargs: Any) -> list[dict]:
+    """Fit ``model`` over ``world`` forked processes (CPU; ``accelerator="gpu"`` for CUDA, ``devices`` as Lightning
+    counts them when several ranks share one GPU); return each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
     options: dict = {"observation": {"print_table": False}, "resilience": {"timeout": 120}}
     for key, value in (strategy_kwargs or {}).items():  # a group given here adds to the defaults above
         options[key] = {**options[key], **value} if isinstance(value, dict) and key in options else value
     strategy = strategy_class(start_method="fork", **options)
-    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=max_epochs,
+    trainer = Trainer(accelerator=accelerator, devices=devices or world, strategy=strategy, max_epochs=max_epochs,
                       callbacks=[Recorder(out_dir)], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       **trainer_kwargs)

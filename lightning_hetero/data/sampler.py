@@ -351,8 +351,8 @@ class HeteroBatchSampler(BatchSampler):
                 continue
             mine = self.rank_slice(k, batch)
             self.batches_yielded = k + 1
-            # A padding step re-reads a real sample; its gradient weight (sizes_at) is 0.
-            yield mine if mine else [batch[-1]]
+            # A padding step re-reads real samples (as many as a rank's least share); its gradient weight is 0.
+            yield mine if mine else list(batch[-self.schedule.min_share:])
 
     def __len__(self) -> int:
         return self.sampler.num_batches(self.global_batch_size, self.drop_last)

@@ -104,6 +104,7 @@ class LoaderSplit:
         if map_style:
             check_training_batch(batch_sampler, "train_dataloader", explicit=self.plan.global_batch_size is not None)
         self.train_sampler = batch_sampler
+        batch_sampler.schedule.set_min_share(self.plan.min_share)
         self._attach_costs(batch_sampler, dataloader.dataset)
         batch_sampler.cap_shares = self.micro_batch is None
         # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.

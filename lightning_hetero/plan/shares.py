@@ -56,6 +56,7 @@ class ShareSchedule:
 
     Changes are keyed to batch indices, so every rank applies one to the same batch; a new epoch starts from the
     latest change. ``cap_shares=False`` ignores memory caps (oversized shares then run as micro-batches).
+    ``min_share``: the fewest samples a rank trains on (2 while BatchNorm layers train on per-rank statistics).
     """
 
     def __init__(self, global_batch_size: Optional[int], capacities: Sequence[float],
@@ -65,6 +66,7 @@ class ShareSchedule:
                 f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
                 "every rank needs at least one sample of each global batch."
             )
+        self.min_share = 1
         # None: not yet known (the plan's schedule before the training loader is built).
         self.global_batch_size = global_batch_size
         self.world_size = len(capacities)
@@ -116,6 +118,19 @@ class ShareSchedule:
             self._full_splits.clear()
             self.epoch = epoch
 
+    def set_min_share(self, min_share: int) -> None:
+        """Give every rank at least ``min_share`` samples of each global batch (2: BatchNorm layers train on each
+        rank's own statistics and cannot train on one sample)."""
+        if self.global_batch_size is not None and self.global_batch_size < min_share * self.world_size:
+            raise ValueError(
+                f"`global_batch_size`={self.global_batch_size} is smaller than {min_share} x the world size "
+                f"{self.world_size}: the model's BatchNorm layers train on each rank's own statistics, which need at "
+                "least 2 samples per rank. Raise the batch size, or set `Trainer(sync_batchnorm=True)` (statistics "
+                "over the global batch; then 1 sample per rank is enough)."
+            )
+        self.min_share = min_share
+        self._full_splits.clear()
+
     def set_global_batch_size(self, global_batch_size: int) -> None:
         self.global_batch_size = int(global_batch_size)
         self._full_splits.clear()
@@ -142,7 +157,7 @@ class ShareSchedule:
 
     def _split(self, total: int, change: ShareChange) -> list[int]:
         """Every count split of this schedule: :func:`split_batch` under ``change``."""
-        return split_batch(total, change.capacities, self.caps_of(change))
+        return split_batch(total, change.capacities, self.caps_of(change), self.min_share)
 
     def cut(self, batch_index: int, costs: Sequence[float]) -> list[list[int]]:
         """The positions of global batch ``batch_index`` each rank trains on, given its samples' ``costs``: by
@@ -179,6 +194,8 @@ class SharePlan:
         self._loader_bound = False
         # The evaluation loaders' schedules, which follow every adopted change from their first batch.
         self.followers: list[ShareSchedule] = []
+        # The fewest samples of a training global batch a rank is given (2 for BatchNorm trained without sync).
+        self.min_share = 1
 
     # -- writers: the lab set-up, then profiling, rebalancing and resume through `adopt` ------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:

@@ -54,12 +54,15 @@ def _shortest_step(total: int, weights: Sequence[float], minimum: int) -> list[i
     return shares
 
 
-def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence[int]] = None) -> list[int]:
+def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence[int]] = None,
+                minimum: int = 1) -> list[int]:
     """Cut ``total`` samples into per-rank shares proportional to ``capacities``, rounded for the shortest step.
 
-    With ``total >= len(capacities)`` every rank gets at least one sample. With fewer samples than ranks (only the
-    final partial global batch of an epoch can be that small) the samples go one each to the highest-capacity
-    ranks and the others get 0: they run a zero-weight padding step so every rank runs the same number of steps.
+    With ``total >= minimum * len(capacities)`` every rank gets at least ``minimum`` samples. With fewer (only the
+    final partial global batch of an epoch can be that small) the samples go ``minimum`` each to the
+    highest-capacity ranks (the last of them taking any remainder) and the others get 0: they run a zero-weight
+    padding step so every rank runs the same number of steps. ``minimum=2`` is for BatchNorm layers that train on
+    each rank's own statistics, which cannot train on one sample.
 
     ``caps`` bounds each rank's share (e.g. by memory); what a capped rank cannot take goes to the others.
     """
@@ -67,18 +70,22 @@ def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence
     n = len(weights)
     if total < 0:
         raise ValueError(f"cannot split a negative number of samples ({total}).")
-    if total < n:
+    if total < minimum * n:
         order = sorted(range(n), key=lambda r: (-weights[r], r))
-        chosen = set(order[:total])
-        return [1 if r in chosen else 0 for r in range(n)]
+        chosen = sorted(order[: max(1, total // minimum)]) if total else []
+        shares = [0] * n
+        parts = _shortest_step(total, [weights[r] for r in chosen], minimum=min(minimum, total)) if chosen else []
+        for r, s in zip(chosen, parts):
+            shares[r] = s
+        return shares
     if caps is None:
-        return _shortest_step(total, weights, minimum=1)
+        return _shortest_step(total, weights, minimum=minimum)
 
     limits = [int(c) for c in caps]
     if len(limits) != n:
         raise ValueError(f"`caps` has {len(limits)} entries for {n} ranks.")
-    if any(c < 1 for c in limits):
-        raise ValueError(f"`caps` = {limits}: every rank must fit at least one sample.")
+    if any(c < minimum for c in limits):
+        raise ValueError(f"`caps` = {limits}: every rank must fit at least {minimum} sample(s).")
     if sum(limits) < total:
         raise ValueError(
             f"a global batch of {total} samples does not fit: the ranks hold at most {sum(limits)} "
@@ -90,9 +97,9 @@ def split_batch(total: int, capacities: Sequence[float], caps: Optional[Sequence
     while free:
         free_weights = [weights[r] for r in free]
         trial = (
-            _shortest_step(remaining, free_weights, minimum=1)
-            if remaining >= len(free)
-            else split_batch(remaining, free_weights)
+            _shortest_step(remaining, free_weights, minimum=minimum)
+            if remaining >= minimum * len(free)
+            else split_batch(remaining, free_weights, minimum=minimum)
         )
         over = [r for r, s in zip(free, trial) if s > limits[r]]
         if not over:

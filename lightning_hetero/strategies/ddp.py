@@ -268,6 +268,20 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             return loss
         return loss * loss_weight(share[0], share[1], self.world_size)
 
+    def batchnorm_gradient_weight(self) -> Optional[float]:
+        """b_r / G where the comm hook weights this rank's gradient after backward (the synced BatchNorm layers
+        undo it on their input gradient, :mod:`lightning_hetero.grad.batchnorm`); ``None`` when weighted on the loss."""
+        share = self.core.step.share
+        if self.weighting is None or share is None or share[1] <= 0:
+            return None
+        return share[0] / share[1]
+
+    def batchnorm_sync_refusal(self) -> Optional[str]:
+        if self.periodic is not None:
+            return ("`periodic_sync` trains each host on its own between syncs, so there is no global batch to "
+                    "normalise over; leave BatchNorm unsynced.")
+        return super().batchnorm_sync_refusal()
+
     def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
         """Call ``observer`` as each gradient bucket enters the comm hook (the last call: the backward ended)."""
         if self.weighting is not None:

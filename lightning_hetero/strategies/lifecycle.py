@@ -14,12 +14,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.data.sampler import HeteroBatchSampler
+from lightning_hetero.grad.batchnorm import SyncedBatchNormPlugin, sync_for_strategy
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
@@ -56,6 +58,17 @@ class HeteroLifecycle:
 
     def no_sync(self) -> Any:
         return nullcontext()
+
+    def batchnorm_gradient_weight(self) -> Optional[float]:
+        """The factor a comm hook applies to this rank's gradient after backward (``None``: weighted on the loss)."""
+        return None
+
+    def batchnorm_sync_refusal(self) -> Optional[str]:
+        """Why this job's BatchNorm layers cannot sync across ranks (``None``: they can)."""
+        if self.core.loaders.micro_batch is not None:
+            return ("`data.micro_batch` runs a share in a number of pieces that differs between ranks, so their "
+                    "BatchNorm collectives would not pair up; use one or the other.")
+        return None
 
     # -- public, read-only views -------------------------------------------------------------------------------------
     @property
@@ -160,6 +173,26 @@ class HeteroLifecycle:
         else:
             self.core.lab.init_process_group()
 
+    # -- the model ----------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        # Before Lightning's setup applies the layer sync and then wraps (DDP) or shards (FSDP2) the model.
+        if trainer.state.fn == TrainerFn.FITTING:
+            plan = self.core.plan
+            uneven = (len(set(plan.capacities)) > 1 or self.core.options.rebalance is not None
+                      or self.core.profiler.enabled)
+            plugin, plan.min_share = sync_for_strategy(_compat.layer_sync(self), self.lightning_module,
+                                                       self.world_size, uneven, self.batchnorm_sync_refusal())
+            _compat.set_layer_sync(self, plugin)
+        super().setup(trainer)  # type: ignore[misc]
+
+    def _batchnorm_step(self, padding: bool) -> Any:
+        """Around a training step: the synced BatchNorm layers' statistics over all ranks."""
+        plugin = _compat.layer_sync(self)
+        if not isinstance(plugin, SyncedBatchNormPlugin):
+            return nullcontext()
+        return plugin.sync.step(padding, self.batchnorm_gradient_weight())
+
     # -- data -------------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -176,8 +209,9 @@ class HeteroLifecycle:
         step = self.core.step
         self.core.shares.step_started()
         trainer = _compat.trainer_of(self.lightning_module)
+        padding = step.train_step_size() == 0
         with step.step(step.train_step_size()), discard_padding_step(trainer, self.lightning_module,
-                                                                     padding=step.train_step_size() == 0):
+                                                                     padding=padding), self._batchnorm_step(padding):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:

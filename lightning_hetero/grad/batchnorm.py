@@ -1,0 +1,313 @@
+"""BatchNorm over the global batch when ranks hold unequal shares of it: count-weighted statistics, on any device.
+
+One device normalises each global batch of G samples with its mean and variance. Rank r of a heterogeneous job holds
+b_r of them, so a BatchNorm layer left alone normalises over b_r samples (over 6 and 2 where one device uses 8) and
+cannot train on one. :class:`SyncedBatchNorm` computes what one device computes:
+
+- forward: each rank's count, per-channel mean and M2 (sum of squared deviations) go into one all-reduce; the
+  global mean and variance follow by Chan's pairwise combination (sound in fp32, unlike a sum of squares), every
+  rank normalises with them, and the running statistics take the unbiased global variance (G' / (G' - 1) with G'
+  the values per channel over all ranks), so running_mean, running_var and num_batches_tracked are one device's on
+  every rank;
+- backward: each rank's per-channel sums of dy and dy·x̂ go into one all-reduce, as torch's ``SyncBatchNorm`` does,
+  and each rank's input gradient is the global batch's; the layer's own weight and bias gradients stay local (the
+  data-parallel reduction sums them).
+
+Why the per-rank loss weighting stays exact when BatchNorm couples the ranks. Rank r back-propagates
+L'_r = (b_r·W/G)·mean_r(ℓ) = (W/G)·Σ_{i∈r} ℓ_i, so Σ_r L'_r = W·L, with L the one device's mean loss over the global
+batch. With global statistics every rank's forward is the one device's forward on its own samples, and the synced
+backward hands each rank exactly its samples' part of ∇(Σ_s L'_s): a rank's input gradient carries the terms of every
+rank's loss through the all-reduced sums. The parameter gradients of all ranks therefore add up to ∇(W·L), and the
+averaging all-reduce (DDP) or reduce-scatter (FSDP) divides by W: ∇L, one device's gradient. The argument needs
+every rank's loss weight to be applied *before* the coupling, on the loss. Where a comm hook weights each rank's
+gradient by h_r = b_r/G *after* backward (compression, a user hook), the ranks' parameter gradients would mix the
+losses before h_r is applied; so the layer scales the incoming dy by h_r before the reductions and divides the input
+gradient by h_r afterwards (``gradient_weight``), which makes the hook's product the gradient of Σ_r h_r·L_r again.
+
+A padding step (a rank without a sample of its own in the last global batch) re-reads a sample to keep the
+collectives in step; it counts as 0 samples here, so it changes no statistic. Outside a training step (profiling,
+evaluation, ``eval()``) the layer is a plain BatchNorm: no collective.
+
+Example::
+
+    plugin = SyncedBatchNormPlugin()
+    model = plugin.apply(model)  # every BatchNorm layer of the model syncs while `with plugin.sync.step(...)` is open
+    with plugin.sync.step(padding=False, gradient_weight=None):
+        loss = model(x).mean()   # forward: global statistics; backward (even after the block): global sums
+    model = plugin.revert(model)  # plain BatchNorm1d/2d/3d again, for checkpoints and export
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_hetero._compat import BatchNormBase, BatchNormXd
+
+
+class BatchNormSync:
+    """What the synced layers of one model read while a training step runs: the group, padding, the hook weight.
+
+    ``active`` is True only inside :meth:`step`: profiling runs each rank's steps on its own, and a collective there
+    would wait for ranks that never join it.
+    """
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        self.group = group
+        self.active = False
+        self.padding = False
+        self.gradient_weight: Optional[float] = None
+
+    @contextmanager
+    def step(self, padding: bool, gradient_weight: Optional[float]) -> Iterator[None]:
+        """Sync the forwards inside (their backwards sync whenever they run). ``gradient_weight``: the factor a comm
+        hook applies to this rank's gradient after backward (``None``: the weight is on the loss)."""
+        self.active, self.padding, self.gradient_weight = True, padding, gradient_weight
+        try:
+            yield
+        finally:
+            self.active, self.padding, self.gradient_weight = False, False, None
+
+    def syncs(self) -> bool:
+        return self.active and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+
+def _reduced_dims(x: Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+def _per_channel(v: Tensor, x: Tensor) -> Tensor:
+    """A (C,) tensor shaped to broadcast over ``x`` (N, C, ...)."""
+    return v.reshape([1, -1] + [1] * (x.dim() - 2))
+
+
+def global_moments(x: Tensor, count_local: bool, group: Optional[Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """(values per channel over all ranks, global mean, global biased variance), in ``x``'s dtype (fp32 or more).
+
+    One all-reduce of a (W, 2C + 1) table in which each rank fills its own row (count, mean, M2) and leaves the others
+    0, so the sum is exact; the rows are then combined in order, the same arithmetic on every rank.
+    """
+    channels, world, rank = x.shape[1], dist.get_world_size(group), dist.get_rank(group)
+    per_channel = x.numel() // max(channels, 1)
+    table = x.new_zeros(world, 2 * channels + 1)
+    if count_local and per_channel > 0:
+        dims = _reduced_dims(x)
+        mean = x.mean(dim=dims)
+        table[rank, 0] = per_channel
+        table[rank, 1 : channels + 1] = mean
+        table[rank, channels + 1 :] = ((x - _per_channel(mean, x)) ** 2).sum(dim=dims)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+    count, mean, m2 = table.new_zeros(()), table.new_zeros(channels), table.new_zeros(channels)
+    for row in table:
+        n = row[0]
+        if n == 0:
+            continue
+        total = count + n
+        delta = row[1 : channels + 1] - mean
+        mean = mean + delta * (n / total)
+        m2 = m2 + row[channels + 1 :] + delta * delta * (count * n / total)
+        count = total
+    return count, mean, m2 / count.clamp_min(1)
+
+
+class _SyncedBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                sync: BatchNormSync) -> tuple[Tensor, Tensor, Tensor]:
+        compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        count, mean, var = global_moments(compute, not sync.padding, sync.group)
+        if count <= 1:
+            # One device raises the same for a global batch of one sample; every rank sees the same count.
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
+                             f"(this rank's input size {list(x.shape)})")
+        invstd = torch.rsqrt(var + eps)
+        xhat = (compute - _per_channel(mean, compute)) * _per_channel(invstd, compute)
+        y = xhat
+        if weight is not None:
+            y = y * _per_channel(weight.to(compute.dtype), compute)
+        if bias is not None:
+            y = y + _per_channel(bias.to(compute.dtype), compute)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.sync_count, ctx.group = count, sync.group
+        ctx.padding, ctx.gradient_weight = sync.padding, sync.gradient_weight
+        ctx.has_bias = bias is not None
+        ctx.input_dtype = x.dtype
+        unbiased = var * count / (count - 1)
+        ctx.mark_non_differentiable(mean, unbiased)
+        return y.to(x.dtype), mean, unbiased
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+        xhat, invstd, weight = ctx.saved_tensors
+        dy = dy.to(xhat.dtype)
+        dims = _reduced_dims(xhat)
+        # The layer's own parameters: this rank's part, summed over ranks by the data-parallel reduction.
+        grad_weight = (dy * xhat).sum(dim=dims) if weight is not None else None
+        grad_bias = dy.sum(dim=dims) if ctx.has_bias else None
+        scale = 1.0 if ctx.gradient_weight is None else float(ctx.gradient_weight)
+        own = 0.0 if ctx.padding else scale
+        channels = xhat.shape[1]
+        sums = torch.cat([(dy * own).sum(dim=dims), (dy * own * xhat).sum(dim=dims)]) if xhat.numel() else \
+            xhat.new_zeros(2 * channels)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+        mean_dy, mean_dy_xhat = sums[:channels] / ctx.sync_count, sums[channels:] / ctx.sync_count
+        if own == 0.0:
+            # A padding step, or a rank whose gradient a hook multiplies by 0: nothing of it may reach the model.
+            grad_x = torch.zeros_like(xhat)
+        else:
+            gain = invstd if weight is None else invstd * weight.to(xhat.dtype)
+            grad_x = _per_channel(gain, xhat) * (
+                dy * own - _per_channel(mean_dy, xhat) - xhat * _per_channel(mean_dy_xhat, xhat)) / own
+        return (grad_x.to(ctx.input_dtype),
+                None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(weight.dtype if weight is not None else dy.dtype),
+                None, None)
+
+
+class SyncedBatchNorm(BatchNormBase):
+    """A BatchNorm layer (1-D over (N, C) or (N, C, L), 2-D, 3-D) whose training statistics are the global batch's
+    while its :class:`BatchNormSync` is active (see the module docstring); a plain BatchNorm otherwise.
+
+    Made in place from an existing layer by :class:`SyncedBatchNormPlugin` (its parameters, buffers and hooks are the
+    same objects), and turned back the same way.
+    """
+
+    sync: BatchNormSync
+    original_class: type
+
+    @override
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    @override
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not (self.training and self.sync.syncs()):
+            return super().forward(input)
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        factor = self.momentum
+        if factor is None:  # a cumulative moving average, as torch's BatchNorm
+            factor = 1.0 / float(self.num_batches_tracked) if self.num_batches_tracked is not None else 0.0
+        y, mean, unbiased = _SyncedBatchNormFunction.apply(input, self.weight, self.bias, self.eps, self.sync)
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        return y
+
+
+def batchnorm_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's BatchNorm layers (any ``_BatchNorm``: 1-D, 2-D, 3-D, torch's ``SyncBatchNorm``, ours)."""
+    return [m for m in model.modules() if isinstance(m, BatchNormBase)]
+
+
+class SyncedBatchNormPlugin(LayerSync):
+    """``Trainer(sync_batchnorm=True)`` under the heterogeneous strategies: every BatchNorm layer becomes a
+    :class:`SyncedBatchNorm` on any device (torch's ``SyncBatchNorm`` runs on CUDA only, counts a padding step's
+    re-read sample, and cannot undo a comm hook's per-rank weight).
+
+    The layers are changed in place (their class only), so parameters, buffers, hooks and the optimizer's references
+    stay the same objects, whether or not the model is sharded afterwards; :meth:`revert` gives each its own class
+    back (torch's ``SyncBatchNorm`` becomes Lightning's plain ``_BatchNormXd``, as Lightning's revert does).
+    """
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        self.sync = BatchNormSync(group)
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        for layer in batchnorm_layers(model):
+            if isinstance(layer, SyncedBatchNorm):
+                continue
+            original = type(layer)
+            layer.__class__ = _synced_class(original)
+            layer.sync = self.sync
+            layer.original_class = original
+        return model
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        for layer in batchnorm_layers(model):
+            if not isinstance(layer, SyncedBatchNorm):
+                continue
+            original = layer.original_class
+            if original is nn.SyncBatchNorm:
+                original = BatchNormXd
+            layer.__class__ = _reverted_class(type(layer), original)
+            del layer.sync, layer.original_class
+        return model
+
+
+def _synced_class(original: type) -> type:
+    """``SyncedBatchNorm`` for a plain layer; for a layer whose class sharding made (FSDP2 makes
+    ``FSDPBatchNorm2d(FSDPModule, BatchNorm2d)``), the same mix with ``SyncedBatchNorm`` in the layer's place."""
+    bases = tuple(b for b in original.__bases__ if not issubclass(b, BatchNormBase))
+    if not bases:
+        return SyncedBatchNorm
+    return _mixed(f"Synced{original.__name__}", bases + (SyncedBatchNorm,), original)
+
+
+def _reverted_class(current: type, original: type) -> type:
+    """The layer's own class back; where sharding mixed a class in after the conversion, that mix with the layer's
+    own class in place of ``SyncedBatchNorm``."""
+    if current is SyncedBatchNorm or current is _synced_class(original):
+        return original
+    bases = tuple(b for b in current.__bases__ if not issubclass(b, SyncedBatchNorm))
+    return _mixed(current.__name__.replace(SyncedBatchNorm.__name__, original.__name__), bases + (original,), current)
+
+
+_MIXED: dict[tuple[type, ...], type] = {}
+
+
+def _mixed(name: str, bases: tuple[type, ...], model: type) -> type:
+    """One class per set of bases, with ``model``'s own class attributes (e.g. FSDP2's ``__deepcopy__``)."""
+    if bases not in _MIXED:
+        own = {k: v for k, v in vars(model).items() if k not in ("__dict__", "__weakref__")}
+        _MIXED[bases] = type(name, bases, own)
+    return _MIXED[bases]
+
+
+def sync_for_strategy(current: Optional[LayerSync], model: nn.Module, world_size: int, uneven: bool,
+                      refusal: Optional[str]) -> tuple[Optional[LayerSync], int]:
+    """The layer sync a heterogeneous strategy applies, and the fewest samples a rank may train on.
+
+    ``Trainer(sync_batchnorm=True)`` (Lightning's ``TorchSyncBatchNorm``) becomes :class:`SyncedBatchNormPlugin`; a
+    user's own ``LayerSync`` is kept. Without one, a model with BatchNorm layers on several ranks is told once
+    (:func:`warn_unsynced`) and every rank gets at least 2 samples. ``refusal``: why this job cannot sync its
+    BatchNorm layers (raised as a ``ValueError`` when sync was asked for).
+    """
+    if type(current) is TorchSyncBatchNorm or isinstance(current, SyncedBatchNormPlugin):
+        if refusal is not None:
+            raise ValueError(f"`Trainer(sync_batchnorm=True)`: {refusal}")
+        return (current if isinstance(current, SyncedBatchNormPlugin) else SyncedBatchNormPlugin()), 1
+    if current is None and world_size > 1 and warn_unsynced(model, uneven):
+        return None, 2
+    return current, 1
+
+
+def warn_unsynced(model: nn.Module, uneven: bool) -> bool:
+    """Say once (rank 0) that a model's BatchNorm layers train on per-rank statistics; True when it has any.
+
+    Said whether or not the shares are uneven now: profiling, rebalancing and every epoch's last partial global
+    batch make them uneven later (``uneven`` only picks the wording).
+    """
+    layers = batchnorm_layers(model)
+    if not layers:
+        return False
+    when = "(the shares are uneven)" if uneven else "whenever the shares are uneven (an epoch's last partial batch)"
+    rank_zero_warn(
+        f"lightning_hetero: the model has {len(layers)} BatchNorm layer(s) that normalise over each rank's own "
+        f"share of the global batch, so their statistics, running averages and the weights differ from one "
+        f"device's {when}. `Trainer(sync_batchnorm=True)` makes them exact (statistics over the global batch, "
+        "weighted by each rank's count, on CPU and GPU). Until then every rank trains on at least 2 samples of each "
+        "global batch (BatchNorm cannot train on one)."
+    )
+    return True
