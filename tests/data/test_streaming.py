@@ -168,6 +168,28 @@ def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path, route, 
 
 
 @pytest.mark.slow
+def test_shard_mode_under_periodic_sync_weights_what_each_rank_holds(tmp_path):
+    """Periodic sync weighs each rank by every rank's samples of the step: in shard mode those are what the ranks
+    hold (a rank past its shard's end has none), not a split of their sum. H = 1 with averaging is exact sync (plain
+    SGD: the hosts' weights change from step to step, which momentum kept per host would not follow)."""
+    from tests.grad.test_periodic import HOSTS
+
+    class PlainSGDModel(StreamModel):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    seed_everything(0)
+    model = PlainSGDModel({"sized": False, "weights": [3, 1, 1]}, n=50, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 3, {
+        "capacities": [3, 1, 2], "emulate": HOSTS, "periodic_sync": {"every": 1, "outer": "average"},
+        "data": {"stream_mode": "shard"}}, max_epochs=2)
+    # Shards of 30, 10, 10 at 6, 2, 4 a step: rank 2's third step has 2 samples, then it pads for two steps.
+    batches = _shard_steps(records, Stream(50, weights=[3, 1, 1]), [6, 2, 4], epochs=2)
+    check_against_reference(records, reference_model, batches, epochs=2)
+
+
+@pytest.mark.slow
 def test_exact_mode_refuses_a_stream_that_differs_across_ranks(tmp_path):
     with pytest.raises(Exception, match="ranks read different streams.*stream_mode='shard'"):
         fit_distributed(StreamModel({"weights": [1, 1]}, n=16), str(tmp_path), 2, {"capacities": [1, 1]},
