@@ -151,11 +151,17 @@ def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epo
             else:
                 loss = model.loss((dataset.x[idx], dataset.y[idx], idx))
             (loss / accumulate).backward()
-            if (k + 1) % accumulate == 0 or k + 1 == len(epoch_batches):
+            if steps_optimizer(k, len(epoch_batches), accumulate):
                 optimizer.step()
                 optimizer.zero_grad()
             params.append(flat_params(model))
     return params, batches
+
+
+def steps_optimizer(k: int, epoch_batches: int, accumulate: int) -> bool:
+    """Whether Lightning steps the optimizer after batch ``k`` of an epoch of ``epoch_batches``: at the end of every
+    ``accumulate_grad_batches`` window and of the epoch."""
+    return (k + 1) % accumulate == 0 or k + 1 == epoch_batches
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -70,3 +70,21 @@ def test_gradient_accumulation_equals_one_process(tmp_path):
     for step, expected in enumerate(ref_params):
         assert torch.equal(records[0]["params"][step], records[1]["params"][step])
         assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6
+
+
+def test_gradient_accumulation_through_a_comm_hook_equals_one_process(tmp_path):
+    """Through the weighting comm hook (here torch's averaging `allreduce_hook`) each micro-step's loss carries its
+    own weight: 61 samples end each epoch in a window of a full batch (split 6/2) and a batch of 5 (4/1)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seed_everything(0)
+    model = TinyModel("sgd", n=61)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1],
+                                                        "ddp_comm_hook": default_hooks.allreduce_hook},
+                              max_epochs=3, accumulate_grad_batches=2)
+    ref_params, _ = reference_run(reference_model, 2, [3, 1], 3, accumulate=2)
+    assert records[0]["steps"] == 12 and len(ref_params) == 24  # 8 micro-batches an epoch, 4 optimizer steps
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6, step

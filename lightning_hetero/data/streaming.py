@@ -69,8 +69,8 @@ class _StreamOrder(GlobalOrder):
 
 
 class StreamSplitter(HeteroBatchSampler):
-    """The share schedule of a stream (the plan's) and the sizes of the batches drawn so far (what the gradient
-    weight reads)."""
+    """The share schedule of a stream (the plan's) and every rank's samples in the batches drawn so far (what the
+    gradient weights read)."""
 
     def __init__(self, schedule: ShareSchedule, rank: int, mode: StreamMode, seed: int,
                  read_samples: Callable[[], list[Any]], num_batches: Optional[int]) -> None:
@@ -78,21 +78,23 @@ class StreamSplitter(HeteroBatchSampler):
                          drop_last=False, schedule=schedule)
         self.mode = mode
         self.num_batches = num_batches  # known when the stream has a length (exact mode)
-        self._sizes: dict[int, tuple[int, int]] = {}
+        self._sizes: dict[int, list[int]] = {}
 
-    def record(self, batch_index: int, local: int, total: int) -> None:
-        self._sizes[batch_index] = (local, total)
+    def record(self, batch_index: int, rank_sizes: list[int]) -> None:
+        """Every rank's samples in global batch ``batch_index``, as the ranks hold them."""
+        self._sizes[batch_index] = list(rank_sizes)
         for old in [k for k in self._sizes if k < batch_index - 8]:  # Lightning prefetches one batch ahead
             del self._sizes[old]
         self.batches_yielded = batch_index + 1
 
-    def sizes_at(self, batch_index: int) -> tuple[int, int]:
+    def rank_sizes_at(self, batch_index: int, by_cost: Optional[bool] = None) -> list[float]:
+        # In shard mode the ranks' samples are what each stream had left, not a split of their sum.
         if batch_index in self._sizes:
-            return self._sizes[batch_index]
-        return super().sizes_at(batch_index)
+            return list(self._sizes[batch_index])
+        return super().rank_sizes_at(batch_index, by_cost)
 
     def global_batch_len(self, batch_index: int) -> int:
-        return self._sizes.get(batch_index, (0, self.global_batch_size))[1]
+        return sum(self._sizes[batch_index]) if batch_index in self._sizes else self.global_batch_size
 
     def global_batches(self) -> list[list[int]]:
         raise TypeError("a stream has no indices: iterate its HeteroStreamLoader")
@@ -167,7 +169,7 @@ class HeteroStreamLoader(DataLoader):
         samples = self._samples()
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
-        last = None  # this rank's last sample: what a padding step re-reads
+        last = None  # this rank's last sample: what a padding step re-reads in shard mode
         for k in range(start):  # resumed mid-epoch: re-read what was trained on
             for last in islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank]):
                 pass
@@ -205,13 +207,10 @@ class HeteroStreamLoader(DataLoader):
                     "while other "
                     "ranks' are not; give every rank at least one sample per epoch."
                 )
-            total = counts[0] if exact else sum(counts)
-            if mine:
-                last = mine[-1]
-            elif last is None:
-                last = batch[-1]  # exact mode: a padding step of the epoch's first (tiny) batch
-            s.record(k, len(mine), total)
-            # A padding step (no sample left for this rank) re-reads one sample; its weight is 0.
+            # A padding step (no sample for this rank) re-reads one sample, of its own global batch in exact mode
+            # (as map-style padding does), its last one in shard mode; its weight is 0.
+            last = mine[-1] if mine else batch[-1] if exact else last
+            s.record(k, s.split_at(k, count) if exact else counts)
             yield self.user_collate(mine if mine else [last])
             k += 1
 

@@ -2,8 +2,8 @@
 
 Each is a tiny function of ``(state, bucket)`` with a state object, registered with ``register_comm_hook`` (as torch's
 ``ddp_comm_hooks/default_hooks.py``); PowerSGD has its own module, :mod:`~lightning_hetero.grad.powersgd_hook`. Every
-hook *averages*: the weighting hook (weighting.py) hands it the bucket already scaled by b_r · W / G, so the residuals
-of error feedback hold weighted gradients and dividing by W gives the global mean.
+hook *averages*: the bucket arrives already scaled by b_r · W / G (each micro-step's loss carried its weight, see
+weighting.py), so the residuals of error feedback hold weighted gradients and dividing by W gives the global mean.
 """
 
 from contextlib import nullcontext

@@ -4,13 +4,14 @@ With unequal per-rank batches, the gradient of the mean loss over the global bat
 
     g = Σ_r (b_r / G) · g_r        (g_r: rank r's gradient of its own mean loss over b_r samples)
 
-while plain DDP computes (1/W) Σ_r g_r, which over-weights the small batches of slow ranks. The hook here scales
-each rank's bucket by b_r / G before a sum all-reduce. Any torch comm hook that *averages* (all of torch's
-``ddp_comm_hooks`` do) composes: the bucket is scaled by b_r · W / G and the inner hook divides by W.
+while plain DDP computes (1/W) Σ_r g_r, which over-weights the small batches of slow ranks. Each micro-step's loss is
+multiplied by its own weight (:attr:`WeightingState.loss_factor`): b_r / G when the hook here sums over ranks, or
+b_r · W / G when it hands the bucket to an averaging torch comm hook (all of torch's ``ddp_comm_hooks`` average).
 
-With gradient accumulation the hook fires once per optimizer step, on the sum of the micro-steps' gradients
-(Lightning divides each by the number of micro-steps); the weight is then Σ_k b_rk / Σ_k G_k over the window,
-exact whenever the micro-batches are full.
+The weight goes on the loss, not on the bucket, because of gradient accumulation: the hook fires once per optimizer
+step, on the sum of the micro-steps' gradients, and one factor for that sum is exact only when every micro-step has
+the same b_rk / G_k. A window holding an epoch's short last batch (split unlike a full one, or a padding step) or a
+share change does not.
 """
 
 from typing import Any, Callable, Optional
@@ -36,7 +37,7 @@ def loss_weight(local_samples: float, global_samples: float, world_size: int) ->
 
 
 class WeightingState:
-    """This rank's share of the current optimizer step, plus the hook it hands the weighted bucket to.
+    """This rank's gradient weight in the current micro-step, plus the hook it hands the gradient to.
 
     ``inner_hook`` is any averaging comm hook (``None``: a plain sum all-reduce on ``process_group``).
     ``bucket_observers`` are called as each bucket enters the hook: DDP calls it once the bucket's gradients are all
@@ -55,8 +56,8 @@ class WeightingState:
         self.process_group = process_group
         self.inner_hook = inner_hook
         self.inner_state = inner_state
-        self.local_samples = 0
-        self.global_samples = 0
+        # b_r / G of the current micro-step; None until a micro-step of this optimizer step is counted.
+        self.step_weight: Optional[float] = None
         self.bucket_observers: list[Callable[[], None]] = []
 
     def observe(self, observer: Callable[[], None], observe: bool = True) -> None:
@@ -66,37 +67,44 @@ class WeightingState:
         elif not observe and observer in self.bucket_observers:
             self.bucket_observers.remove(observer)
 
-    def add_step(self, local_samples: int, global_samples: int) -> None:
-        """Count one micro-step's samples (this rank's, all ranks') into the current optimizer step."""
-        self.local_samples += local_samples
-        self.global_samples += global_samples
+    def add_step(self, local_samples: float, global_samples: float) -> None:
+        """Count the next micro-step of the current optimizer step: this rank's samples, all ranks' (its weight).
+        A micro-step without samples anywhere is averaged, as plain DDP."""
+        self.step_weight = local_samples / global_samples if global_samples > 0 else 1.0 / self.world_size
 
     def reset(self) -> None:
         """Start a new optimizer step (called after each optimizer step)."""
-        self.local_samples = 0
-        self.global_samples = 0
+        self.step_weight = None
 
     @property
     def weight(self) -> float:
-        """b_r / G of the current optimizer step; 1 / W before any step was counted (plain DDP averaging)."""
-        if self.global_samples == 0:
-            return 1.0 / self.world_size
-        return self.local_samples / self.global_samples
+        """b_r / G of the current micro-step; 1 / W before any was counted (plain DDP averaging)."""
+        return 1.0 / self.world_size if self.step_weight is None else self.step_weight
+
+    @property
+    def loss_factor(self) -> float:
+        """What the current micro-step's loss is multiplied by: b_r / G for the hook's sum, b_r · W / G for an
+        averaging inner hook; 1 before any step was counted (the hook then averages, as plain DDP)."""
+        if self.step_weight is None:
+            return 1.0
+        return self.step_weight * self.world_size if self.inner_hook is not None else self.step_weight
 
 
 def weighted_allreduce_hook(state: WeightingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Scale this rank's gradient by b_r / G and sum over ranks, or hand it to an averaging inner hook.
+    """Sum the weighted gradients over ranks, or hand them to an averaging inner hook.
 
     Example::
         >>> state = WeightingState(world_size=dist.get_world_size())
         >>> ddp_model.register_comm_hook(state, weighted_allreduce_hook)
-        >>> # before each backward: state.add_step(local_batch, global_batch); after each optimizer step: reset()
+        >>> # each micro-step: state.add_step(local_batch, global_batch); (loss * state.loss_factor).backward()
+        >>> # after each optimizer step: state.reset()
     """
     for observe in state.bucket_observers:
         observe()
     buffer = bucket.buffer()
     if state.inner_hook is None:
-        buffer.mul_(state.weight)
+        if state.step_weight is None:  # nothing weighted the losses: average, as plain DDP
+            buffer.div_(state.world_size)
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         # The all-reduce works in place, so the buffer is the result (a rehearsal's fake group's future holds none).
         return (
@@ -104,5 +112,4 @@ def weighted_allreduce_hook(state: WeightingState, bucket: dist.GradBucket) -> t
             .get_future()
             .then(lambda fut: buffer)
         )
-    buffer.mul_(state.weight * state.world_size)
     return state.inner_hook(state.inner_state, bucket)

@@ -129,7 +129,10 @@ def evaluation_padding(loaders: Any, batch_idx: Optional[int], dataloader_idx: i
         loaders = [loaders]
     if dataloader_idx >= len(loaders):
         return False
-    sampler = _compat.unwrap_index_batch_sampler(getattr(loaders[dataloader_idx], "batch_sampler", None))
+    loader = loaders[dataloader_idx]
+    # A stream loader's splitter knows its padding steps; its torch batch sampler only counts samples.
+    sampler = getattr(loader, "splitter", None) or _compat.unwrap_index_batch_sampler(
+        getattr(loader, "batch_sampler", None))
     is_padding = getattr(sampler, "is_padding", None)
     return bool(is_padding(batch_idx)) if is_padding is not None else False
 

@@ -3,8 +3,9 @@
 The composition, in the order a fit meets it: (1) the process group, the lab and (2) the loaders come from the
 :class:`~lightning_hetero.strategies.core.HeteroCore`; (3) the model (:meth:`_setup_model`): one device steps aside
 from DDP, several ranks wrap it in DDP (over each host only with ``periodic_sync``); (4) exact weighting, rank r's
-gradient counting b_r / G: with nothing compressed and no user hook each loss is scaled by b_r·W/G and DDP's C++
-all-reduce averages (:meth:`weigh_loss`); otherwise a comm hook scales each bucket (:meth:`_register_ddp_hooks`).
+gradient counting b_r / G: each micro-step's loss is scaled by its weight (:meth:`weigh_loss`), b_r·W/G for DDP's
+C++ all-reduce when nothing is compressed and no user hook is set, else the factor of the weighting comm hook that
+reduces the gradient (:meth:`_register_ddp_hooks`).
 """
 
 from contextlib import nullcontext
@@ -262,10 +263,13 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             self.weighting.add_step(*self.core.step.share)
 
     def weigh_loss(self, loss: Tensor) -> Tensor:
-        """b_r·W/G times the loss when DDP's built-in all-reduce averages (no comm hook): exactly Σ_r (b_r/G) g_r."""
+        """Each micro-step's loss times its own weight, so the reduced gradient is exactly Σ_r (b_r/G) g_r: b_r·W/G
+        when DDP's built-in all-reduce averages, the weighting hook's factor when it reduces."""
         share = self.core.step.share
-        if self.weighting is not None or share is None or self.world_size == 1:
+        if share is None or self.world_size == 1:
             return loss
+        if self.weighting is not None:
+            return loss * self.weighting.loss_factor
         return loss * loss_weight(share[0], share[1], self.world_size)
 
     def batchnorm_gradient_weight(self) -> Optional[float]:

@@ -12,28 +12,36 @@ from lightning.pytorch import seed_everything
 from torch.utils.data import BatchSampler, DataLoader, Sampler, WeightedRandomSampler
 
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
-from tests.helpers import IndexedDataset, TinyModel, fit_distributed, flat_params, max_rel_diff
+from tests.helpers import IndexedDataset, TinyModel, fit_distributed, flat_params, max_rel_diff, steps_optimizer
 
 
 def _weights(n: int) -> torch.Tensor:
     return torch.linspace(0.1, 2.0, n)
 
 
-def reference_on_batches(model: TinyModel, batches: list[list[int]]) -> list[torch.Tensor]:
-    """One process trained on the given global batches (mean loss over each); params after each step."""
+def reference_on_batches(model: TinyModel, batches: list[list[int]], accumulate: int = 1,
+                         epochs: int = 1) -> list[torch.Tensor]:
+    """One process trained on the given global batches (mean loss over each); params after each batch.
+
+    ``accumulate`` steps the optimizer every that many batches of an epoch (``epochs`` of equal length) and at its
+    end, each batch's loss divided by it, as Lightning's ``accumulate_grad_batches`` does.
+    """
     dataset = IndexedDataset(model.hparams.n)
     optimizer = model.configure_optimizers()
+    per_epoch = len(batches) // epochs
     params = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         idx = torch.tensor(batch)
-        model.loss((dataset.x[idx], dataset.y[idx], idx)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        (model.loss((dataset.x[idx], dataset.y[idx], idx)) / accumulate).backward()
+        if steps_optimizer(i % per_epoch, per_epoch, accumulate):
+            optimizer.step()
+            optimizer.zero_grad()
         params.append(flat_params(model))
     return params
 
 
-def check_against_reference(records: list[dict], reference_model: TinyModel, expected_batches: list[list[int]]) -> None:
+def check_against_reference(records: list[dict], reference_model: TinyModel, expected_batches: list[list[int]],
+                            accumulate: int = 1, epochs: int = 1) -> None:
     world = len(records)
     assert {len(r["indices"]) for r in records} == {len(expected_batches)}  # equal step counts
     for step, batch in enumerate(expected_batches):
@@ -42,7 +50,7 @@ def check_against_reference(records: list[dict], reference_model: TinyModel, exp
         assert set(batch) <= set(taken) and len(batch) <= len(taken) <= len(batch) + world, f"step {step}"
         for r in range(1, world):
             assert torch.equal(records[r]["params"][step], records[0]["params"][step])
-    ref = reference_on_batches(reference_model, expected_batches)
+    ref = reference_on_batches(reference_model, expected_batches, accumulate, epochs)
     diff = max(max_rel_diff(records[0]["params"][s], ref[s]) for s in range(len(ref)))
     print(f"{len(ref)} steps, {world} ranks: max rel diff to one process {diff:.2e}")
     assert diff <= 1e-6, diff

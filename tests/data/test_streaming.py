@@ -2,6 +2,7 @@
 
 import copy
 import glob
+import math
 import os
 from typing import Any, Optional
 
@@ -9,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import seed_everything
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
+from lightning_hetero.plan.split import split_batch
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed
 from tests.data.test_sampler_sources import check_against_reference
 
@@ -84,29 +88,52 @@ def test_exact_mode_equals_one_process_on_the_stream(tmp_path, sized):
     check_against_reference(records, reference_model, batches)
 
 
+# Loader batch 8: global batches of 8 x W. Each stream ends in a partial global batch split unlike a full one
+# ([5, 1], a padding step [1, 1, 0], [2, 1]) that shares an accumulation window of 2 with a full batch.
+UNEQUAL_STREAMS = [([3, 1], 54), ([5, 2, 1], 74), ([7, 1], 51)]
+# How the gradient is weighted: the loss (DDP's built-in all-reduce, FSDP's reduce-scatter) or the weighting comm hook
+# (any comm hook, compression, the CPU emulator's slowdown, periodic sync).
+WEIGHTING_ROUTES = {
+    "ddp": ({}, HeteroDDPStrategy),
+    "ddp-comm-hook": ({"ddp_comm_hook": default_hooks.allreduce_hook}, HeteroDDPStrategy),
+    "fsdp": ({}, HeteroFSDPStrategy),
+}
+
+
 @pytest.mark.slow
-def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path):
-    """Each rank streams its own shard (rank 0: 60 %, rank 1: 40 %) at shares 6/2 per step: rank 1 runs out first
-    and pads with zero-weight steps until rank 0 is done; every sample once, steps equal, parameters exact."""
+@pytest.mark.parametrize(("route", "accumulate"), [("ddp", 1), ("ddp", 2), ("ddp-comm-hook", 1),
+                                                   ("ddp-comm-hook", 2), ("fsdp", 2)])
+@pytest.mark.parametrize(("capacities", "n"), UNEQUAL_STREAMS, ids=[str(c) for c, _ in UNEQUAL_STREAMS])
+def test_exact_mode_at_unequal_shares_equals_one_process(tmp_path, capacities, n, route, accumulate):
+    """3 epochs of a stream in exact mode equal one process on its global batches of G = 8 x W samples."""
+    world, epochs = len(capacities), 3
+    options, strategy_class = WEIGHTING_ROUTES[route]
     seed_everything(0)
-    model = StreamModel({"sized": False, "weights": [3, 2]}, n=40, batch_size=4)
+    model = StreamModel(n=n, batch_size=8)
     reference_model = copy.deepcopy(model)
-    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "data": {"stream_mode": "shard"}},
-                              max_epochs=2)
-    stream = Stream(40, weights=[3, 2])
-    batches, step = [], 0
-    for epoch in range(2):
+    records = fit_distributed(model, str(tmp_path), world, {"capacities": capacities, **options},
+                              max_epochs=epochs, strategy_class=strategy_class, accumulate_grad_batches=accumulate)
+    g = 8 * world
+    batches = [order[i:i + g] for order in _epoch_orders(n, epochs) for i in range(0, n, g)]
+    assert [len(b) for b in records[0]["indices"][:4]] == [split_batch(g, capacities)[0]] * 3 + [
+        split_batch(n % g, capacities)[0] or 1]
+    check_against_reference(records, reference_model, batches, accumulate, epochs)
+
+
+def _shard_steps(records: list[dict], stream: Stream, shares: list[int], epochs: int) -> list[list[int]]:
+    """Per step, the samples all ranks trained on in shard mode, checked: rank r takes the next ``shares[r]`` of its
+    own shard each step and, once its shard is used up, pads (one re-read sample) until every rank's is."""
+    world, batches, step = len(shares), [], 0
+    for epoch in range(epochs):
         stream.set_epoch(epoch)
-        shards = [stream.order(0), stream.order(1)]
-        assert len(shards[0]) == 24 and len(shards[1]) == 16
-        taken = [[], []]
-        # rank 0 takes 6 a step (4 steps), rank 1 takes 2 a step (8 steps): 8 steps, rank 0 pads for 4.
-        for k in range(8):
+        shards = [stream.order(r) for r in range(world)]
+        taken: list[list[int]] = [[] for _ in range(world)]
+        for _ in range(max(math.ceil(len(shard) / share) for shard, share in zip(shards, shares))):
             real = []
-            for r, share in ((0, 6), (1, 2)):
+            for r in range(world):
                 got = records[r]["indices"][step]
                 if len(taken[r]) < len(shards[r]):
-                    assert got == shards[r][len(taken[r]):len(taken[r]) + share]
+                    assert got == shards[r][len(taken[r]):len(taken[r]) + shares[r]]
                     taken[r] += got
                     real += got
                 else:
@@ -114,7 +141,52 @@ def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path):
             batches.append(real)
             step += 1
         assert taken == shards
-    check_against_reference(records, reference_model, batches)
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("route", "accumulate", "n"), [("ddp", 1, 40), ("ddp", 2, 42), ("ddp-comm-hook", 2, 42),
+                                                        ("fsdp", 2, 42)])
+def test_shard_mode_weights_the_union_and_pads_exhausted_ranks(tmp_path, route, accumulate, n):
+    """Each rank streams its own shard (rank 0: 60 %, rank 1: 40 %) at shares 6/2 per step: rank 0 runs out first
+    and pads with zero-weight steps until rank 1 is done; every sample once, steps equal, parameters exact."""
+    options, strategy_class = WEIGHTING_ROUTES[route]
+    seed_everything(0)
+    model = StreamModel({"sized": False, "weights": [3, 2]}, n=n, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "data": {"stream_mode": "shard"},
+                                                        **options},
+                              max_epochs=2, strategy_class=strategy_class, accumulate_grad_batches=accumulate)
+    stream = Stream(n, weights=[3, 2])
+    # 40: shards of 24 and 16, rank 0 takes 6 a step (4 steps), rank 1 takes 2 (8 steps): rank 0 pads for 4.
+    # 42: 25 and 17 in 9 steps; rank 0's fifth step holds 1 sample and shares an accumulation window with a padding
+    # step.
+    assert [len(stream.order(r)) for r in range(2)] == {40: [24, 16], 42: [25, 17]}[n]
+    batches = _shard_steps(records, stream, [6, 2], epochs=2)
+    assert len(batches) == {40: 16, 42: 18}[n]
+    check_against_reference(records, reference_model, batches, accumulate, epochs=2)
+
+
+@pytest.mark.slow
+def test_shard_mode_under_periodic_sync_weights_what_each_rank_holds(tmp_path):
+    """Periodic sync weighs each rank by every rank's samples of the step: in shard mode those are what the ranks
+    hold (a rank past its shard's end has none), not a split of their sum. H = 1 with averaging is exact sync (plain
+    SGD: the hosts' weights change from step to step, which momentum kept per host would not follow)."""
+    from tests.grad.test_periodic import HOSTS
+
+    class PlainSGDModel(StreamModel):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    seed_everything(0)
+    model = PlainSGDModel({"sized": False, "weights": [3, 1, 1]}, n=50, batch_size=4)
+    reference_model = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 3, {
+        "capacities": [3, 1, 2], "emulate": HOSTS, "periodic_sync": {"every": 1, "outer": "average"},
+        "data": {"stream_mode": "shard"}}, max_epochs=2)
+    # Shards of 30, 10, 10 at 6, 2, 4 a step: rank 2's third step has 2 samples, then it pads for two steps.
+    batches = _shard_steps(records, Stream(50, weights=[3, 1, 1]), [6, 2, 4], epochs=2)
+    check_against_reference(records, reference_model, batches, epochs=2)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MeanMetric
 
 from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
@@ -156,13 +156,14 @@ class IndexRecorder(BasePredictionWriter):
         self._save(trainer)
 
 
-def run(model: LoggingModel, out_dir: str, capacities: list[float], strategy_class: type, stage: str) -> list[dict]:
+def run(model: LoggingModel, out_dir: str, capacities: list[float], strategy_class: type, stage: str,
+        data: Optional[dict] = None) -> list[dict]:
     """One ``stage`` (fit, validate, test or predict) over forked CPU ranks; each rank's record."""
     os.environ["MASTER_PORT"] = str(free_port())
     logger = RecordingLogger()
     recorder = IndexRecorder(out_dir, logger)
     strategy = strategy_class(start_method="fork", capacities=capacities, observation={"print_table": False},
-                              resilience={"timeout": 120})
+                              resilience={"timeout": 120}, data=data)
     trainer = Trainer(accelerator="cpu", devices=len(capacities), strategy=strategy, max_epochs=1,
                       callbacks=[recorder], logger=logger, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -273,6 +274,38 @@ def test_logged_values_equal_one_process(tmp_path, stage, strategy_class, capaci
     evaluated = "val" if stage in ("fit", "validate") else "test"
     padding_unavoidable = n_eval < -(-n_eval // (batch_size * len(capacities))) * len(capacities)
     check_stage(records, evaluated, eval_losses, n_eval, on_step, exactly_once=not padding_unavoidable)
+
+
+class OrderedStream(IterableDataset):
+    """A dataset's samples in index order, as a stream."""
+
+    def __init__(self, data: IndexedDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data)))
+
+
+class StreamLoggingModel(LoggingModel):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(OrderedStream(IndexedDataset(self.n_eval, seed=1)), batch_size=self.batch_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream_mode", ["exact", "shard"])
+def test_a_validation_stream_padding_step_counts_nowhere(tmp_path, stream_mode):
+    """9 samples in global batches of 4 at [3, 1]: the last holds one, so rank 1 runs a padding step on a re-read
+    sample, which must count in no logged value. Shard mode: the stream does not shard itself, so each rank reads
+    all 9, rank 0 at 3 a step, rank 1 at 1 a step, and rank 0 pads for 6 steps."""
+    model = StreamLoggingModel(n_train=8, n_eval=9, batch_size=2, on_step=True)
+    records = run(model, str(tmp_path), [3, 1], HeteroDDPStrategy, "validate", data={"stream_mode": stream_mode})
+    losses = losses_of(model, IndexedDataset(9, seed=1))
+    if stream_mode == "exact":
+        check_stage(records, "val", losses, 9, on_step=True, exactly_once=False)
+        return
+    truth = reference(losses, list(range(9)) * 2)
+    for name in ("mean", "sum", "count"):
+        assert epoch_values(records, f"val_{name}_epoch") == pytest.approx([truth[name]] * 2, rel=1e-5), name
 
 
 @pytest.mark.parametrize("capacities", [[1, 1], [3, 1], [5, 2, 1], [10, 1], [1, 1, 1, 1]])
