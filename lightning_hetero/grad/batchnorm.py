@@ -19,10 +19,8 @@ batch. With global statistics every rank's forward is the one device's forward o
 backward hands each rank exactly its samples' part of ∇(Σ_s L'_s): a rank's input gradient carries the terms of every
 rank's loss through the all-reduced sums. The parameter gradients of all ranks therefore add up to ∇(W·L), and the
 averaging all-reduce (DDP) or reduce-scatter (FSDP) divides by W: ∇L, one device's gradient. The argument needs
-every rank's loss weight to be applied *before* the coupling, on the loss. Where a comm hook weights each rank's
-gradient by h_r = b_r/G *after* backward (compression, a user hook), the ranks' parameter gradients would mix the
-losses before h_r is applied; so the layer scales the incoming dy by h_r before the reductions and divides the input
-gradient by h_r afterwards (``gradient_weight``), which makes the hook's product the gradient of Σ_r h_r·L_r again.
+every rank's loss weight to be applied *before* the coupling, on the loss; the strategy does so on every path, a comm
+hook's too (:mod:`lightning_hetero.grad.weighting`), so the layer itself never weights anything.
 
 A padding step (a rank without a sample of its own in the last global batch) re-reads a sample to keep the
 collectives in step; it counts as 0 samples here, so it changes no statistic. Outside a training step (profiling,
@@ -32,7 +30,7 @@ Example::
 
     plugin = SyncedBatchNormPlugin()
     model = plugin.apply(model)  # every BatchNorm layer of the model syncs while `with plugin.sync.step(...)` is open
-    with plugin.sync.step(padding=False, gradient_weight=None):
+    with plugin.sync.step(padding=False):
         loss = model(x).mean()   # forward: global statistics; backward (even after the block): global sums
     model = plugin.revert(model)  # plain BatchNorm1d/2d/3d again, for checkpoints and export
 """
@@ -52,7 +50,7 @@ from lightning_hetero._compat import BatchNormBase, BatchNormXd
 
 
 class BatchNormSync:
-    """What the synced layers of one model read while a training step runs: the group, padding, the hook weight.
+    """What the synced layers of one model read while a training step runs: the group and whether this step pads.
 
     ``active`` is True only inside :meth:`step`: profiling runs each rank's steps on its own, and a collective there
     would wait for ranks that never join it.
@@ -62,17 +60,15 @@ class BatchNormSync:
         self.group = group
         self.active = False
         self.padding = False
-        self.gradient_weight: Optional[float] = None
 
     @contextmanager
-    def step(self, padding: bool, gradient_weight: Optional[float]) -> Iterator[None]:
-        """Sync the forwards inside (their backwards sync whenever they run). ``gradient_weight``: the factor a comm
-        hook applies to this rank's gradient after backward (``None``: the weight is on the loss)."""
-        self.active, self.padding, self.gradient_weight = True, padding, gradient_weight
+    def step(self, padding: bool) -> Iterator[None]:
+        """Sync the forwards inside (their backwards sync whenever they run); a padding step counts 0 samples."""
+        self.active, self.padding = True, padding
         try:
             yield
         finally:
-            self.active, self.padding, self.gradient_weight = False, False, None
+            self.active, self.padding = False, False
 
     def syncs(self) -> bool:
         return self.active and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -135,7 +131,7 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
             y = y + _per_channel(bias.to(compute.dtype), compute)
         ctx.save_for_backward(xhat, invstd, weight)
         ctx.sync_count, ctx.group = count, sync.group
-        ctx.padding, ctx.gradient_weight = sync.padding, sync.gradient_weight
+        ctx.padding = sync.padding
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
         unbiased = var * count / (count - 1)
@@ -150,20 +146,21 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
         # The layer's own parameters: this rank's part, summed over ranks by the data-parallel reduction.
         grad_weight = (dy * xhat).sum(dim=dims) if weight is not None else None
         grad_bias = dy.sum(dim=dims) if ctx.has_bias else None
-        scale = 1.0 if ctx.gradient_weight is None else float(ctx.gradient_weight)
-        own = 0.0 if ctx.padding else scale
         channels = xhat.shape[1]
-        sums = torch.cat([(dy * own).sum(dim=dims), (dy * own * xhat).sum(dim=dims)]) if xhat.numel() else \
-            xhat.new_zeros(2 * channels)
+        # A padding step's re-read sample adds nothing to the global sums (but still joins the all-reduce).
+        if ctx.padding or not xhat.numel():
+            sums = xhat.new_zeros(2 * channels)
+        else:
+            sums = torch.cat([dy.sum(dim=dims), (dy * xhat).sum(dim=dims)])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
         mean_dy, mean_dy_xhat = sums[:channels] / ctx.sync_count, sums[channels:] / ctx.sync_count
-        if own == 0.0:
-            # A padding step, or a rank whose gradient a hook multiplies by 0: nothing of it may reach the model.
+        if ctx.padding:
+            # Nothing of a padding step may reach the model.
             grad_x = torch.zeros_like(xhat)
         else:
             gain = invstd if weight is None else invstd * weight.to(xhat.dtype)
             grad_x = _per_channel(gain, xhat) * (
-                dy * own - _per_channel(mean_dy, xhat) - xhat * _per_channel(mean_dy_xhat, xhat)) / own
+                dy - _per_channel(mean_dy, xhat) - xhat * _per_channel(mean_dy_xhat, xhat))
         return (grad_x.to(ctx.input_dtype),
                 None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(weight.dtype if weight is not None else dy.dtype),

@@ -272,14 +272,6 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
             return loss * self.weighting.loss_factor
         return loss * loss_weight(share[0], share[1], self.world_size)
 
-    def batchnorm_gradient_weight(self) -> Optional[float]:
-        """b_r / G where the comm hook weights this rank's gradient after backward (the synced BatchNorm layers
-        undo it on their input gradient, :mod:`lightning_hetero.grad.batchnorm`); ``None`` when weighted on the loss."""
-        share = self.core.step.share
-        if self.weighting is None or share is None or share[1] <= 0:
-            return None
-        return share[0] / share[1]
-
     def batchnorm_sync_refusal(self) -> Optional[str]:
         if self.periodic is not None:
             return ("`periodic_sync` trains each host on its own between syncs, so there is no global batch to "

@@ -59,10 +59,6 @@ class HeteroLifecycle:
     def no_sync(self) -> Any:
         return nullcontext()
 
-    def batchnorm_gradient_weight(self) -> Optional[float]:
-        """The factor a comm hook applies to this rank's gradient after backward (``None``: weighted on the loss)."""
-        return None
-
     def batchnorm_sync_refusal(self) -> Optional[str]:
         """Why this job's BatchNorm layers cannot sync across ranks (``None``: they can)."""
         if self.core.loaders.micro_batch is not None:
@@ -191,7 +187,7 @@ class HeteroLifecycle:
         plugin = _compat.layer_sync(self)
         if not isinstance(plugin, SyncedBatchNormPlugin):
             return nullcontext()
-        return plugin.sync.step(padding, self.batchnorm_gradient_weight())
+        return plugin.sync.step(padding)
 
     # -- data -------------------------------------------------------------------------------------------------------
     @override

@@ -44,8 +44,8 @@ def _largest(difference: torch.Tensor) -> float:
 def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, out: Any) -> None:
     """Rank ``rank`` of ``len(counts)``: each layer of LAYERS synced, on its slice of one batch, against torch's layer
     on the whole batch. The loss is each sample's output times a fixed random tensor, as a mean over the batch.
-    ``hook_weighted``: rank r's loss is its own mean and its gradients are scaled by b_r/G and summed afterwards (a
-    comm hook); otherwise its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce)."""
+    ``hook_weighted``: rank r's loss is scaled by b_r/G and the gradients summed (the weighting comm hook); otherwise
+    its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce)."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         world = len(counts)
@@ -67,17 +67,17 @@ def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, 
             plugin.apply(model)
             name = f"{cls.__name__}{tail}{kwargs}"
             share = counts[rank] / total
-            # What makes this rank's gradients one device's: averaged over W (DDP), or weighted b_r/G (a hook).
-            factor = share if hook_weighted else 1 / world
+            # What makes the ranks' gradients one device's: averaged over W (DDP), or summed (the weighting hook).
+            factor = 1.0 if hook_weighted else 1 / world
             for step in range(2):  # two steps: the running statistics and the cumulative momentum move twice
                 x_ref = x.clone().requires_grad_()
                 y_ref = reference(x_ref)
                 ((y_ref * probe).sum() / total).backward()
                 x_mine = x[mine].clone().requires_grad_()
-                with plugin.sync.step(padding=counts[rank] == 0, gradient_weight=share if hook_weighted else None):
+                with plugin.sync.step(padding=counts[rank] == 0):
                     y = layer(x_mine)
                 mean_loss = (y * probe[mine]).sum() / max(counts[rank], 1)
-                (mean_loss if hook_weighted else mean_loss * share * world).backward()
+                (mean_loss * share * (1 if hook_weighted else world)).backward()
                 errors[f"{name} step {step} forward"] = _largest(y - y_ref[mine])
                 errors[f"{name} step {step} input grad"] = _largest(
                     x_mine.grad * factor - x_ref.grad[mine])
@@ -259,7 +259,7 @@ def test_sync_batchnorm_equals_one_process(tmp_path, strategy_class, capacities)
 
 @pytest.mark.slow
 def test_sync_batchnorm_is_exact_with_a_comm_hook_weighting(tmp_path):
-    """A comm hook weights each rank's gradient after backward; the synced layer undoes that weight inside."""
+    """Under a comm hook each micro-step's loss carries b_r/G and the hook sums: exact with synced statistics too."""
     params, buffers = fit_against_one_process(tmp_path, HeteroDDPStrategy, [5, 2, 1], sync=True,
                                               strategy_kwargs={"ddp_comm_hook": default_hooks.allreduce_hook})
     assert params <= TOLERANCE and buffers <= TOLERANCE
