@@ -252,7 +252,7 @@ def run_rank(job: RankJob) -> RankResult:
 
     import lightning_hetero  # noqa: F401  (registers the strategy names)
     from lightning_hetero._compat import init_fake_process_group
-    from lightning_hetero.grad.sharding import default_blocks
+    from lightning_hetero.plan.blocks import default_blocks
 
     world = len(job.lab)
     device = torch.device("cuda", 0) if job.accelerator == "gpu" else torch.device("cpu")

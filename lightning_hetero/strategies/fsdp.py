@@ -62,16 +62,15 @@ from lightning_hetero.data.microbatch import micro_limits
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     check_ties,
-    default_blocks,
     device_mesh,
     gathered_across_micro_batches,
     is_sharded,
     mixed_precision,
     set_gradient_sync,
     shard_module,
-    tied_parameters,
 )
 from lightning_hetero.grad.weighting import loss_weight
+from lightning_hetero.plan.blocks import default_blocks, tied_parameters
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
     MemoryFitError,
