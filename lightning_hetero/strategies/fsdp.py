@@ -399,15 +399,6 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             return loss
         return loss * loss_weight(share[0], share[1], self.world_size)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_spawn", "spawn"),
-                                   ("hetero_fsdp_fork", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"Sharded (FSDP2) training over unequal GPUs, {start_method}")
-
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     for name, value in state_dict.items():

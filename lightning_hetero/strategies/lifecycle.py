@@ -27,6 +27,7 @@ from lightning_hetero.observe.metrics import discard_padding_step, evaluation_pa
 from lightning_hetero.view import name_running_strategy
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.registry import entry
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
 
@@ -56,6 +57,17 @@ class HeteroLifecycle:
 
     def no_sync(self) -> Any:
         return nullcontext()
+
+    # -- registration --------------------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the names of this strategy's line in :mod:`lightning_hetero.registry` (its ``strategy_name``)
+        with Lightning's registry, one per launcher variant."""
+        listed = entry(cls.strategy_name)  # type: ignore[attr-defined]
+        for name, start_method in listed.variants():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, start_method=start_method,
+                                           description=f"{listed.description}, start '{start_method}'")
 
     # -- public, read-only views -------------------------------------------------------------------------------------
     @property
