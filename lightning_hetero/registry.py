@@ -9,11 +9,10 @@ Lightning import, so the command line starts fast and every layer may read it.
 A new strategy is one module (``strategies/<name>.py``, see docs/development.md) and one line here::
 
     StrategyEntry("hetero_hybrid", "lightning_hetero.strategies.hybrid.HeteroHybridStrategy",
-                  "Pipeline stages within a host, data parallel across hosts", sharded=False),
+                  "Pipeline stages within a host, data parallel across hosts"),
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 # Registry name suffix → Lightning launcher start method.
 LAUNCHERS: tuple[tuple[str, str], ...] = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
@@ -28,15 +27,12 @@ class StrategyEntry:
         name: the registry name (``Trainer(strategy=name)``), the class's ``strategy_name``.
         class_path: where LightningCLI finds the class (``trainer.strategy.class_path``).
         description: one line for Lightning's registry.
-        sharded: the model is sharded across ranks (the options a sharded strategy refuses apply, see
-            :func:`~lightning_hetero.config.sharded_refusals`).
         launchers: (name suffix, start method) of each variant registered.
     """
 
     name: str
     class_path: str
     description: str
-    sharded: bool
     launchers: tuple[tuple[str, str], ...] = LAUNCHERS
 
     def variants(self) -> tuple[tuple[str, str], ...]:
@@ -46,9 +42,8 @@ class StrategyEntry:
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("hetero_ddp", "lightning_hetero.HeteroDDPStrategy", "Capacity-weighted DDP for mixed GPUs",
-                  sharded=False, launchers=LAUNCHERS + NOTEBOOK),
-    StrategyEntry("hetero_fsdp", "lightning_hetero.HeteroFSDPStrategy", "Sharded (FSDP2) training over unequal GPUs",
-                  sharded=True),
+                  launchers=LAUNCHERS + NOTEBOOK),
+    StrategyEntry("hetero_fsdp", "lightning_hetero.HeteroFSDPStrategy", "Sharded (FSDP2) training over unequal GPUs"),
 )
 
 
@@ -63,8 +58,3 @@ def entry(name: str) -> StrategyEntry:
         if candidate.name == name:
             return candidate
     raise ValueError(f"strategy {name!r} is not one of {names()}.")
-
-
-def entry_of_class_path(class_path: str) -> Optional[StrategyEntry]:
-    """The entry whose ``class_path`` is ``class_path`` (``None``: not one of the package's spellings)."""
-    return next((candidate for candidate in STRATEGIES if candidate.class_path == class_path), None)

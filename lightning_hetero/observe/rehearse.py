@@ -36,7 +36,7 @@ from lightning_hetero.config import sharded_refusals
 from lightning_hetero.lab.emulation import (PRESETS, EmulationSpec, Emulator, alone, job_link_class, parse_emulate,
                                             start_emulation)
 from lightning_hetero.lab.rehearsal import REHEARSE_ENV, host_device
-from lightning_hetero.registry import entry, entry_of_class_path, names
+from lightning_hetero.registry import entry, names
 
 GIB = 2**30
 # Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
@@ -231,14 +231,15 @@ def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     if not init_args:
         return {}
     module, _, name = target.rpartition(".")
-    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    strategy_class = getattr(importlib.import_module(module), name)
+    accepted = inspect.signature(strategy_class).parameters
     options = dict(vars(init_args)) if not isinstance(init_args, dict) else dict(init_args)
     dropped = sorted(k for k in options if k not in accepted)
     if dropped:
         print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
     capacities = options.get("capacities")
     refused = sorted(sharded_refusals(capacities if isinstance(capacities, str) else None, options.get("rebalance"))
-                     if getattr(entry_of_class_path(target), "sharded", False) else ())
+                     if getattr(strategy_class, "sharded", False) else ())
     if refused:
         print(f"rehearsal: {name} refuses the config's strategy options {refused} as set: left out", flush=True)
     return {k: v for k, v in options.items() if k in accepted and k not in refused}

@@ -259,6 +259,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     """
 
     strategy_name = "hetero_fsdp"
+    sharded = True
 
     def __init__(
         self,
@@ -298,7 +299,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin, sharded=True)
+                                        precision_plugin, sharded=self.sharded)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         # Every rank's measured peak (CUDA; None elsewhere) after the first steps.

@@ -49,6 +49,11 @@ class HeteroLifecycle:
     """
 
     core: HeteroCore
+    # The name of the strategy's line in lightning_hetero/registry.py.
+    strategy_name: str
+    # The model's parameters are sharded across ranks: its forward and backward issue collectives, and the options
+    # a sharded strategy refuses (`config.sharded_refusals`) are refused.
+    sharded: bool = False
 
     # -- what the parallelism supplies ------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -63,7 +68,7 @@ class HeteroLifecycle:
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register the names of this strategy's line in :mod:`lightning_hetero.registry` (its ``strategy_name``)
         with Lightning's registry, one per launcher variant."""
-        listed = entry(cls.strategy_name)  # type: ignore[attr-defined]
+        listed = entry(cls.strategy_name)
         for name, start_method in listed.variants():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, start_method=start_method,
