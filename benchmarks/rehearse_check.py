@@ -13,12 +13,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hetero.observe.rehearse import honesty_check  # noqa: E402
+from lightning_hetero.registry import names  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--lab", required=True)
-    parser.add_argument("--strategy", choices=["hetero_ddp", "hetero_fsdp"])
+    parser.add_argument("--strategy", choices=names())
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="rehearsal-check")
     args = parser.parse_args()

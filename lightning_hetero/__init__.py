@@ -1,9 +1,11 @@
 """lightning-hetero: capacity-weighted data parallelism for mixed GPUs, as a PyTorch Lightning strategy.
 
-Importing the package registers ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) and
-``"hetero_fsdp"`` (and ``_spawn`` / ``_fork``) with Lightning's strategy registry, so ``Trainer(strategy="hetero_ddp")``
-works.
+Importing the package registers every strategy of :mod:`lightning_hetero.registry` with Lightning's strategy
+registry: ``"hetero_ddp"`` (and ``_spawn`` / ``_fork`` / ``_notebook`` variants) and ``"hetero_fsdp"`` (and ``_spawn``
+/ ``_fork``), so ``Trainer(strategy="hetero_ddp")`` works.
 """
+
+import importlib
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -25,9 +27,13 @@ from lightning_hetero.plan.split import split_batch
 from lightning_hetero.strategies.ddp import HeteroDDPStrategy
 from lightning_hetero.strategies.fsdp import HeteroFSDPStrategy
 from lightning_hetero.plan.memory import MemoryPolicy
+from lightning_hetero.registry import STRATEGIES
 
-HeteroDDPStrategy.register_strategies(StrategyRegistry)
-HeteroFSDPStrategy.register_strategies(StrategyRegistry)
+for _entry in STRATEGIES:
+    # A class path names the package itself ("lightning_hetero.HeteroDDPStrategy": imported above) or its module.
+    _module, _, _class = _entry.class_path.rpartition(".")
+    getattr(importlib.import_module(_module), _class).register_strategies(StrategyRegistry)
+del _entry, _module, _class
 
 __version__ = "0.2.0"
 

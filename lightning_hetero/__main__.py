@@ -10,6 +10,8 @@
 import argparse
 from typing import Optional
 
+from lightning_hetero.registry import names
+
 
 def main(argv: Optional[list[str]] = None) -> None:
     # Raw: the usage lines of the description stay one per line.
@@ -30,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "--lab: per rehearsed rank, default 6)")
     doctor.add_argument("--lab", help="rehearse the --model config on this lab, one rank at a time on this machine: "
                         "preset names ('A100-80GB,RTX3090,RTX3090') or a JSON list of profiles")
-    doctor.add_argument("--strategy", choices=["hetero_ddp", "hetero_fsdp"], help="with --lab: the strategy to "
+    doctor.add_argument("--strategy", choices=names(), help="with --lab: the strategy to "
                         "rehearse when the config's is not one of ours")
     doctor.add_argument("--out", help="with --lab: the folder for rehearsal.log/.json/.png (default ./rehearsal-TIME)")
     report = commands.add_parser(

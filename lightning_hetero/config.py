@@ -174,7 +174,8 @@ class Resilience:
 
     Args:
         timeout: seconds a collective may wait, a rank may make no progress, or a rank may take to join, before every
-            rank fails naming the cause (rank, host, device, step, phase). See :mod:`lightning_hetero.resilience.faults`.
+            rank fails naming the cause (rank, host, device, step, phase). See
+            :mod:`lightning_hetero.resilience.watchdog`.
         resume: ``"auto"``: ``fit`` without ``ckpt_path`` goes on from the newest checkpoint in the ``dirpath`` of the
             trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
             in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last

@@ -11,10 +11,6 @@ from typing import Optional
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_hetero"
 
-# Pairs known to import each other, each with the change that removes it (none left).
-KNOWN_CYCLES: set[frozenset[str]] = set()
-
-
 def _module_name(path: pathlib.Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -108,10 +104,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {v: {w for w in ws if frozenset({v, w}) not in KNOWN_CYCLES} for v, ws in graph.items()}
-
-
 def test_the_graph_sees_lazy_and_relative_imports():
     """The parser finds a function-level import, a relative one, and skips TYPE_CHECKING blocks."""
     source = (
@@ -127,7 +119,7 @@ def test_the_graph_sees_lazy_and_relative_imports():
 
 
 def test_no_import_cycles():
-    found = cycles(_without_known(import_graph()))
+    found = cycles(import_graph())
     assert not found, "import cycles between modules: " + "; ".join(" <-> ".join(c) for c in found)
 
 
@@ -152,14 +144,15 @@ def test_compression_configs_import_no_hook_or_runtime():
         "lightning_hetero.grad.compression_config"]
 
 
-# The layers from the bottom up: a module imports modules of its own layer and of the layers below, never above.
-# The package root's modules first (the options, the rule language, the strategy view, the private-API adapter);
-# resilience is infrastructure the lab set-up, the loader split and the step use (rendezvous, watchdog, checkpoint
-# files); the package itself ("") and its command line sit on top.
+# The layers from the bottom up: a module imports modules of its own layer and of the layers below, never above, and
+# no import is excused. The package root's modules first (the options, the strategy list, the rule language, the
+# strategy view, the private-API adapter); the lab (devices, the process group: its rendezvous and its teardown);
+# resilience (the fault watchdog, checkpoint files, pre-emption), which the loader split and the step use; the share
+# plan (the model's blocks included); the package itself ("") and its command line on top.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"_compat", "config", "rules", "view"}),
-    frozenset({"resilience"}),
+    frozenset({"_compat", "config", "registry", "rules", "view"}),
     frozenset({"lab"}),
+    frozenset({"resilience"}),
     frozenset({"plan"}),
     frozenset({"observe"}),
     frozenset({"data"}),
@@ -167,21 +160,6 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"strategies"}),
     frozenset({"", "__main__"}),
 )
-
-# Imports against that order, each with its reason.
-LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("lightning_hetero.observe.doctor", "lightning_hetero"):
-        "`doctor --model`'s LightningCLI entry imports the package to register the strategy names (function level)",
-    ("lightning_hetero.observe.rehearse", "lightning_hetero"):
-        "a rehearsed rank's LightningCLI imports the package to register the strategy names (function level, in the "
-        "rank's own process)",
-    ("lightning_hetero.observe.rehearse", "lightning_hetero.grad.sharding"):
-        "the rehearsal names the blocks Lightning's FSDPStrategy wraps with the sharding's own block finder (function "
-        "level)",
-    ("lightning_hetero.plan.memory", "lightning_hetero.grad.sharding"):
-        "a per-block memory plan counts the blocks FSDP2 shards: the tie-aware block finder (`top_level_blocks`) lives "
-        "with the sharding it must agree with",
-}
 
 
 def layer_of(module: str) -> int:
@@ -206,9 +184,6 @@ def test_the_layer_check_sees_an_upward_import():
 
 
 def test_subpackages_import_downwards_only():
-    """Subpackages form one-way layers (no subpackage-level cycle), apart from the listed exceptions."""
+    """Subpackages form one-way layers: no subpackage-level cycle, no exception."""
     upward = upward_imports(import_graph())
-    unexplained = [pair for pair in upward if pair not in LAYER_EXCEPTIONS]
-    assert not unexplained, "imports from a higher layer: " + "; ".join(f"{m} -> {t}" for m, t in unexplained)
-    stale = sorted(set(LAYER_EXCEPTIONS) - set(upward))
-    assert not stale, f"listed exceptions that no longer occur (remove them): {stale}"
+    assert not upward, "imports from a higher layer: " + "; ".join(f"{m} -> {t}" for m, t in upward)

@@ -36,7 +36,7 @@ Example::
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -308,3 +308,10 @@ def warn_unsynced(model: nn.Module, uneven: bool) -> bool:
         "global batch (BatchNorm cannot train on one)."
     )
     return True
+
+
+def synced_statistics(layer_sync: Optional[LayerSync], padding: bool) -> AbstractContextManager:
+    """Around a training step: the synced BatchNorm layers' statistics over all ranks (nothing without our plugin)."""
+    if not isinstance(layer_sync, SyncedBatchNormPlugin):
+        return nullcontext()
+    return layer_sync.sync.step(padding)

@@ -33,16 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 import lightning_hetero._compat as _compat
 from lightning_hetero._compat import checkpoint_module_in_place, fsdp_flags
-
-
-def default_blocks(module: nn.Module) -> tuple[type[nn.Module], ...]:
-    """Block classes to shard when none are given: the entries of every ``nn.ModuleList`` (transformer layers), else
-    every module that holds parameters of its own (``Linear``, ``Embedding``, convolutions ...)."""
-    listed = {type(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
-    if listed:
-        return tuple(sorted(listed, key=lambda t: t.__qualname__))
-    own = {type(m) for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))}
-    return tuple(sorted(own, key=lambda t: t.__qualname__))
+from lightning_hetero.plan.blocks import block_units, outermost, tied_parameters
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -91,25 +82,6 @@ def own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-def _block_units(module: nn.Module, blocks: tuple[type[nn.Module], ...],
-                 ties: Sequence[tuple[str, ...]]) -> list[nn.Module]:
-    # A block holding only some users of a tied parameter would shard it apart from the others: such a block is left
-    # to the block (or root) that holds all of them, where FSDP2 keeps the parameter one.
-    return [m for name, m in module.named_modules() if m is not module and isinstance(m, blocks)
-            and not _splits_a_tie(name, ties)]
-
-
-def _outermost(units: Sequence[nn.Module]) -> list[nn.Module]:
-    nested = {id(inner) for block in units for inner in block.modules() if inner is not block}
-    return [m for m in units if id(m) not in nested]
-
-
-def top_level_blocks(module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[nn.Module]:
-    """The modules of ``blocks`` classes that :func:`shard_module` shards and that are not inside another one, in
-    module order (the forward order of a layer list): the units a memory plan counts ("the first k blocks")."""
-    return _outermost(_block_units(module, blocks, tied_parameters(module)))
-
-
 BlockCount = Union[bool, int]
 
 
@@ -131,13 +103,13 @@ def shard_module(
 ) -> nn.Module:
     """Shard ``module`` in place: ``fully_shard`` each block (inner first) and the root. ``checkpoint`` / ``offload``:
     ``True`` for every block, ``False`` for none, or a count: the first that many top-level blocks
-    (:func:`top_level_blocks`) recompute their activations in the backward / keep their shard, gradients and optimizer
-    state in host memory (blocks inside one inherit its choice). The root's own parameters (embeddings, heads) are
-    offloaded only when every block is. A module the user already sharded keeps its blocks; only the root is added
-    if missing."""
+    (:func:`~lightning_hetero.plan.blocks.top_level_blocks`) recompute their activations in the backward / keep
+    their shard, gradients and optimizer state in host memory (blocks inside one inherit its choice). The root's own
+    parameters (embeddings, heads) are offloaded only when every block is. A module the user already sharded keeps
+    its blocks; only the root is added if missing."""
     ties = tied_parameters(module)
-    units = _block_units(module, blocks, ties) if not is_sharded(module) else []
-    top = _outermost(units)
+    units = block_units(module, blocks, ties) if not is_sharded(module) else []
+    top = outermost(units)
     checkpointed, offloaded = _first(checkpoint, len(top)), _first(offload, len(top))
     inside = {id(m) for m in units}
 
@@ -165,15 +137,6 @@ def shard_module(
     return module
 
 
-def tied_parameters(module: nn.Module) -> list[tuple[str, ...]]:
-    """The names of each parameter reachable under more than one name (tied weights, e.g. an output head sharing
-    the embedding's weight), one tuple per parameter."""
-    names: dict[int, list[str]] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    return [tuple(group) for group in names.values() if len(group) > 1]
-
-
 def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
     """Raise if sharding made two parameters of one that was tied (each would train apart from the other)."""
     for names in ties:
@@ -183,11 +146,6 @@ def check_ties(module: nn.Module, ties: Sequence[tuple[str, ...]]) -> None:
                 f"the tied parameters {list(names)} were sharded apart and would train as {len(found)} different "
                 f"parameters: shard the modules that share a parameter in one `fully_shard` call (e.g. "
                 f"`fully_shard([embedding, head])` or only the module that holds both).")
-
-
-def _splits_a_tie(block_name: str, ties: Sequence[tuple[str, ...]]) -> bool:
-    prefix = block_name + "."
-    return any(0 < sum(name.startswith(prefix) for name in names) < len(names) for names in ties)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:

@@ -25,9 +25,9 @@ from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning,
 from lightning_hetero.lab.rehearsal import lab_devices, rehearsal, rehearsed_summaries
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.lab.shared_gpu import binds_device
+from lightning_hetero.lab.clean_exit import destroy_process_groups_at_exit
 from lightning_hetero.lab.link_pacing import LinkPacer
-from lightning_hetero.resilience.clean_exit import destroy_process_groups_at_exit
-from lightning_hetero.resilience.faults import rendezvous
+from lightning_hetero.lab.rendezvous import rendezvous
 from lightning_hetero.view import StrategyView
 
 

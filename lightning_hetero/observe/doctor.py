@@ -240,8 +240,8 @@ def _generic_cli() -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
-    import lightning_hetero  # noqa: F401  (registers the strategy names)
-
+    # A registry name in the config (`strategy: hetero_ddp`) resolves: running this module imported the package first,
+    # which registered its strategies.
     LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                  save_config_callback=None)
 

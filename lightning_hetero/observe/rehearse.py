@@ -36,9 +36,9 @@ from lightning_hetero.config import sharded_refusals
 from lightning_hetero.lab.emulation import (PRESETS, EmulationSpec, Emulator, alone, job_link_class, parse_emulate,
                                             start_emulation)
 from lightning_hetero.lab.rehearsal import REHEARSE_ENV, host_device
+from lightning_hetero.registry import entry, names
 
 GIB = 2**30
-STRATEGIES = {"hetero_ddp": "lightning_hetero.HeteroDDPStrategy", "hetero_fsdp": "lightning_hetero.HeteroFSDPStrategy"}
 # Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
 # P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
 LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
@@ -231,14 +231,15 @@ def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     if not init_args:
         return {}
     module, _, name = target.rpartition(".")
-    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    strategy_class = getattr(importlib.import_module(module), name)
+    accepted = inspect.signature(strategy_class).parameters
     options = dict(vars(init_args)) if not isinstance(init_args, dict) else dict(init_args)
     dropped = sorted(k for k in options if k not in accepted)
     if dropped:
         print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
     capacities = options.get("capacities")
     refused = sorted(sharded_refusals(capacities if isinstance(capacities, str) else None, options.get("rebalance"))
-                     if target == STRATEGIES["hetero_fsdp"] else ())
+                     if getattr(strategy_class, "sharded", False) else ())
     if refused:
         print(f"rehearsal: {name} refuses the config's strategy options {refused} as set: left out", flush=True)
     return {k: v for k, v in options.items() if k in accepted and k not in refused}
@@ -250,9 +251,8 @@ def run_rank(job: RankJob) -> RankResult:
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    import lightning_hetero  # noqa: F401  (registers the strategy names)
     from lightning_hetero._compat import init_fake_process_group
-    from lightning_hetero.grad.sharding import default_blocks
+    from lightning_hetero.plan.blocks import default_blocks
 
     world = len(job.lab)
     device = torch.device("cuda", 0) if job.accelerator == "gpu" else torch.device("cpu")
@@ -286,7 +286,7 @@ def run_rank(job: RankJob) -> RankResult:
                 trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
             if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
                 raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
-                                 "`--strategy hetero_ddp|hetero_fsdp`.")
+                                 f"`--strategy {'|'.join(names())}`.")
             strategy.init_args.emulate = job.lab
 
         def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -613,8 +613,8 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     and returns the report."""
     if not os.path.isfile(config):
         raise ValueError(f"`--model`={config!r} is not a file.")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ValueError(f"`--strategy`={strategy!r} must be one of {sorted(STRATEGIES)}.")
+    if strategy is not None and strategy not in names():
+        raise ValueError(f"`--strategy`={strategy!r} must be one of {sorted(names())}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < WARMUP_STEPS + 2:
         raise ValueError(f"`--steps`={steps!r} must be an integer >= {WARMUP_STEPS + 2}.")
     lab = parse_lab(lab_text)
@@ -642,7 +642,7 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
             for rank in range(len(lab)):
                 job = RankJob(config=config, mode=mode, rank=rank, lab=lab, steps=steps,
                               out=os.path.join(scratch, f"{mode}-rank{rank}.json"),
-                              strategy=STRATEGIES[strategy] if strategy else None, accelerator=accelerator)
+                              strategy=entry(strategy).class_path if strategy else None, accelerator=accelerator)
                 log.write(f"\n===== {mode} rank {rank} ({card_label(lab[rank])}) =====\n")
                 log.flush()
                 result = launch_rank(job, timeout, log)
@@ -742,7 +742,7 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     rehearsed = [RankResult(**r) for r in report["hetero"]]
     rehearsed += [RankResult("hetero", r, card_label(lab[r]), error="not rehearsed (rank 0 failed)")
                   for r in range(len(rehearsed), len(lab))]
-    chosen = STRATEGIES[strategy] if strategy else None
+    chosen = entry(strategy).class_path if strategy else None
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="hetero-rehearse-check-") as scratch, \
             open(os.path.join(out_dir, "check.log"), "w") as log:

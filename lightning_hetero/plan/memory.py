@@ -37,9 +37,9 @@ from typing import Any, Literal, Optional, Union, get_args
 import torch
 from torch import nn
 
-from lightning_hetero.grad.sharding import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.rules import RankRules
 
 MemoryMode = Literal["keep", "checkpoint", "offload", "checkpoint_offload"]

@@ -16,9 +16,9 @@ from typing import Any, Optional
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Resilience
 from lightning_hetero.resilience.checkpoint import check_trainer_checkpoint, reopen_interrupted_epoch
-from lightning_hetero.resilience.faults import FaultMonitor
 from lightning_hetero.resilience.preemption import PreemptionHandler
 from lightning_hetero.resilience.state import RandomState, RankStates
+from lightning_hetero.resilience.watchdog import FaultMonitor
 from lightning_hetero.view import StrategyView
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from lightning_hetero._compat import FIT_FUNCTION_NAME, SubprocessScriptLauncher
 from lightning_hetero.resilience.checkpoint import find_resume_checkpoint
-from lightning_hetero.resilience.faults import ReportingLauncher
+from lightning_hetero.resilience.launcher import ReportingLauncher
 from lightning_hetero.resilience.preemption import forwarding_signals
 
 

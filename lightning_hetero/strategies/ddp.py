@@ -313,12 +313,3 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     def comm_bytes_last_step(self) -> Optional[int]:
         """Bytes this rank handed to gradient collectives in the last optimizer step (None: no hook counts them)."""
         return self.compression.bytes_last_step if self.compression is not None else None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("hetero_ddp", "popen"), ("hetero_ddp_spawn", "spawn"),
-                                   ("hetero_ddp_fork", "fork"), ("hetero_ddp_notebook", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"Capacity-weighted DDP for mixed GPUs, start '{start_method}'")

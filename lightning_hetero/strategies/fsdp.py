@@ -62,16 +62,15 @@ from lightning_hetero.data.microbatch import micro_limits
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     check_ties,
-    default_blocks,
     device_mesh,
     gathered_across_micro_batches,
     is_sharded,
     mixed_precision,
     set_gradient_sync,
     shard_module,
-    tied_parameters,
 )
 from lightning_hetero.grad.weighting import loss_weight
+from lightning_hetero.plan.blocks import default_blocks, tied_parameters
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
     MemoryFitError,
@@ -260,6 +259,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     """
 
     strategy_name = "hetero_fsdp"
+    sharded = True
 
     def __init__(
         self,
@@ -299,7 +299,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin, sharded=True)
+                                        precision_plugin, sharded=self.sharded)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
         # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
@@ -399,15 +399,6 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         if share is None or self.world_size == 1:
             return loss
         return loss * loss_weight(share[0], share[1], self.world_size)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_spawn", "spawn"),
-                                   ("hetero_fsdp_fork", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"Sharded (FSDP2) training over unequal GPUs, {start_method}")
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

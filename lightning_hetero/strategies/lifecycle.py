@@ -21,7 +21,7 @@ from typing_extensions import override
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.data.sampler import HeteroBatchSampler
-from lightning_hetero.grad.batchnorm import SyncedBatchNormPlugin, sync_for_strategy
+from lightning_hetero.grad.batchnorm import sync_for_strategy, synced_statistics
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
@@ -29,6 +29,7 @@ from lightning_hetero.observe.metrics import discard_padding_step, evaluation_pa
 from lightning_hetero.view import name_running_strategy
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.registry import entry
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
 
@@ -50,6 +51,11 @@ class HeteroLifecycle:
     """
 
     core: HeteroCore
+    # The name of the strategy's line in lightning_hetero/registry.py.
+    strategy_name: str
+    # The model's parameters are sharded across ranks: its forward and backward issue collectives, and the options
+    # a sharded strategy refuses (`config.sharded_refusals`) are refused.
+    sharded: bool = False
 
     # -- what the parallelism supplies ------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -65,6 +71,17 @@ class HeteroLifecycle:
             return ("`data.micro_batch` runs a share in a number of pieces that differs between ranks, so their "
                     "BatchNorm collectives would not pair up; use one or the other.")
         return None
+
+    # -- registration --------------------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the names of this strategy's line in :mod:`lightning_hetero.registry` (its ``strategy_name``)
+        with Lightning's registry, one per launcher variant."""
+        listed = entry(cls.strategy_name)
+        for name, start_method in listed.variants():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, start_method=start_method,
+                                           description=f"{listed.description}, start '{start_method}'")
 
     # -- public, read-only views -------------------------------------------------------------------------------------
     @property
@@ -182,13 +199,6 @@ class HeteroLifecycle:
             _compat.set_layer_sync(self, plugin)
         super().setup(trainer)  # type: ignore[misc]
 
-    def _batchnorm_step(self, padding: bool) -> Any:
-        """Around a training step: the synced BatchNorm layers' statistics over all ranks."""
-        plugin = _compat.layer_sync(self)
-        if not isinstance(plugin, SyncedBatchNormPlugin):
-            return nullcontext()
-        return plugin.sync.step(padding)
-
     # -- data -------------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -207,7 +217,7 @@ class HeteroLifecycle:
         trainer = _compat.trainer_of(self.lightning_module)
         padding = step.train_step_size() == 0
         with step.step(step.train_step_size()), discard_padding_step(trainer, self.lightning_module,
-                                                                     padding=padding), self._batchnorm_step(padding):
+                                                                     padding=padding), synced_statistics(_compat.layer_sync(self), padding):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:

@@ -123,7 +123,8 @@ def test_sharded_blocks_return_no_view_so_fsdp2_does_not_warn(tmp_path) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_hetero.grad.sharding import default_blocks, shard_module
+    from lightning_hetero.grad.sharding import shard_module
+    from lightning_hetero.plan.blocks import default_blocks
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

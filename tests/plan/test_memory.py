@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_hetero import HeteroFSDPStrategy
 from lightning_hetero._compat import fsdp_offloads
-from lightning_hetero.grad.sharding import device_mesh, shard_module, top_level_blocks
+from lightning_hetero.grad.sharding import device_mesh, shard_module
+from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.plan.memory import (
     GIB,

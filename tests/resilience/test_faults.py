@@ -22,8 +22,9 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.resilience import faults
-from lightning_hetero.resilience.faults import _pid_dead, is_peer_failure
+from lightning_hetero.resilience import diagnosis
+from lightning_hetero.resilience.diagnosis import is_peer_failure
+from lightning_hetero.resilience.diagnosis import pid_dead as _pid_dead
 from tests.helpers import IndexedDataset, TinyModel, free_port
 
 TIMEOUT = 5.0  # the strategy's timeout in these jobs
@@ -102,7 +103,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fault: str, fault
     if accelerator == "gpu":  # one card per "node"
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     if fault.endswith("_remote"):  # as if every rank were on its own host: no pid to look at, only the beats
-        faults._pid_dead = lambda pid: False
+        diagnosis.pid_dead = lambda pid: False
         fault = fault[: -len("_remote")]
     def fit(epochs: int) -> None:
         trainer = Trainer(accelerator=accelerator, devices=1, num_nodes=world, max_epochs=epochs, logger=False,

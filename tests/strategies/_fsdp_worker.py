@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_hetero.grad.sharding import default_blocks, device_mesh, set_gradient_sync, shard_module
+from lightning_hetero.grad.sharding import device_mesh, set_gradient_sync, shard_module
+from lightning_hetero.plan.blocks import default_blocks
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.resilience.sharded import full_model_state, load_sharded, save_sharded
 

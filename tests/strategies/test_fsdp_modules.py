@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from lightning_hetero import HeteroFSDPStrategy
 from lightning_hetero._compat import fsdp_offloads
-from lightning_hetero.grad.sharding import check_ties, tied_parameters
+from lightning_hetero.grad.sharding import check_ties
+from lightning_hetero.plan.blocks import tied_parameters
 from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
 
 TOLERANCE = 1e-6  # the DDP strategy's tolerance against one process

@@ -27,7 +27,7 @@ def test_process_groups_are_destroyed_at_exit(tmp_path) -> None:
     the interpreter's last Python code."""
     import torch.distributed as dist
 
-    from lightning_hetero.resilience.clean_exit import destroy_process_groups
+    from lightning_hetero.lab.clean_exit import destroy_process_groups
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -1,0 +1,60 @@
+"""The package's strategies, one line each: the one list that Lightning's registry, the command line and the
+rehearsal read.
+
+Importing ``lightning_hetero`` registers every entry's ``name`` and its launcher variants with Lightning's strategy
+registry, so ``Trainer(strategy="hetero_ddp_spawn")`` works; ``python -m lightning_hetero doctor --lab ...
+--strategy NAME`` offers the names; LightningCLI configs spell the class as ``class_path``. Plain data: no torch or
+Lightning import, so the command line starts fast and every layer may read it.
+
+A new strategy is one module (``strategies/<name>.py``, see docs/development.md) and one line here::
+
+    StrategyEntry("hetero_hybrid", "lightning_hetero.strategies.hybrid.HeteroHybridStrategy",
+                  "Pipeline stages within a host, data parallel across hosts"),
+"""
+
+from dataclasses import dataclass
+
+# Registry name suffix → Lightning launcher start method.
+LAUNCHERS: tuple[tuple[str, str], ...] = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
+NOTEBOOK: tuple[tuple[str, str], ...] = (("_notebook", "fork"),)
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One strategy of the package.
+
+    Args:
+        name: the registry name (``Trainer(strategy=name)``), the class's ``strategy_name``.
+        class_path: where LightningCLI finds the class (``trainer.strategy.class_path``).
+        description: one line for Lightning's registry.
+        launchers: (name suffix, start method) of each variant registered.
+    """
+
+    name: str
+    class_path: str
+    description: str
+    launchers: tuple[tuple[str, str], ...] = LAUNCHERS
+
+    def variants(self) -> tuple[tuple[str, str], ...]:
+        """(registry name, start method) of every variant: ``("hetero_ddp_spawn", "spawn")``."""
+        return tuple((self.name + suffix, start_method) for suffix, start_method in self.launchers)
+
+
+STRATEGIES: tuple[StrategyEntry, ...] = (
+    StrategyEntry("hetero_ddp", "lightning_hetero.HeteroDDPStrategy", "Capacity-weighted DDP for mixed GPUs",
+                  launchers=LAUNCHERS + NOTEBOOK),
+    StrategyEntry("hetero_fsdp", "lightning_hetero.HeteroFSDPStrategy", "Sharded (FSDP2) training over unequal GPUs"),
+)
+
+
+def names() -> list[str]:
+    """Every entry's name, in the order above."""
+    return [entry.name for entry in STRATEGIES]
+
+
+def entry(name: str) -> StrategyEntry:
+    """The entry of ``name`` (a ``ValueError`` naming the choices for another)."""
+    for candidate in STRATEGIES:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"strategy {name!r} is not one of {names()}.")
