@@ -404,7 +404,18 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     for name, value in state_dict.items():
         if isinstance(value, DTensor):
-            state_dict[name] = value.full_tensor()
+            state_dict[name] = _full_tensor(value)
+
+
+def _full_tensor(value: DTensor) -> Tensor:
+    """The whole tensor, also after teardown moved the shards to the CPU while the mesh is a CUDA one (NCCL cannot
+    gather CPU tensors): such a shard is gathered on the mesh's device and the result comes back to the CPU."""
+    mesh = value.device_mesh
+    if value.device.type == mesh.device_type:
+        return value.full_tensor()
+    local = value.to_local().to(torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device()))
+    moved = DTensor.from_local(local, mesh, value.placements, shape=value.shape, stride=value.stride())
+    return moved.full_tensor().to(value.device)
 
 
 def _check_blocks(blocks: Optional[list[str]]) -> Optional[tuple[str, ...]]:
