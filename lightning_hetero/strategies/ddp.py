@@ -286,11 +286,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            out = super().optimizer_step(*args, **kwargs)
-        finally:
-            if self.weighting is not None:
-                self.weighting.reset()
+        # The weighting keeps the batch's weight: manual optimization may run another backward in this batch.
+        out = super().optimizer_step(*args, **kwargs)
         if self.periodic is not None:  # every H steps: the outer step between hosts
             self.periodic.after_optimizer_step()
         if self.compression is not None:
