@@ -273,7 +273,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         return loss * loss_weight(share[0], share[1], self.world_size)
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
-        if self.periodic is not None:
+        # One host leaves periodic sync inactive: DDP then syncs every rank each step, and so may BatchNorm.
+        if self.periodic is not None and self.periodic.active:
             return ("`periodic_sync` trains each host on its own between syncs, so there is no global batch to "
                     "normalise over; leave BatchNorm unsynced.")
         return super().batchnorm_sync_refusal()

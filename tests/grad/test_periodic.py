@@ -338,3 +338,21 @@ def test_periodic_sync_from_yaml(entry):
     strategy = parser.instantiate_classes(config).strategy
     assert strategy.periodic.config == PeriodicSync(every=8, outer="average")
     assert "every: 8" in parser.dump(config)  # round trip
+
+
+def test_batchnorm_sync_is_refused_only_while_periodic_sync_is_active():
+    strategy = HeteroDDPStrategy(periodic_sync={"every": 4})
+    assert strategy.periodic is not None and not strategy.periodic.active
+    assert strategy.batchnorm_sync_refusal() is None
+    strategy.periodic.active = True  # two hosts or more, as `setup` finds them
+    assert "periodic_sync" in (strategy.batchnorm_sync_refusal() or "")
+
+
+@pytest.mark.slow
+def test_one_host_syncs_batchnorm_exactly_with_periodic_sync_set(tmp_path):
+    """One host: periodic sync stays inactive, every step is an exact sync over all ranks, BatchNorm's too."""
+    from tests.grad.test_batchnorm import TOLERANCE, fit_against_one_process
+
+    params, buffers = fit_against_one_process(tmp_path, HeteroDDPStrategy, [3, 1], sync=True,
+                                              strategy_kwargs={"periodic_sync": {"every": 2}})
+    assert params <= TOLERANCE and buffers <= TOLERANCE
