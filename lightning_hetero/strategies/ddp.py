@@ -157,8 +157,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.compression_request = parse_compression(compression)  # "auto" is resolved at setup, per fit
         if self.compression_request is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
-        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices, cluster_environment,
-                               checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
+        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
@@ -178,9 +178,9 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        host_link = self.core.lab.link_pacer(len(self.lab.hosts))
         self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.groups,
-                                                               self.root_device, self.core.lab.link_pacer(len(self.lab.hosts)),
-                                                               self.lightning_module)
+                                                               self.root_device, host_link, self.lightning_module)
         self.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
             self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
