@@ -2,8 +2,9 @@
 
 Three DDP setups train the same model on identical batches, each for ``--steps`` timed steps after a warm-up:
 ``builtin`` (no hook: DDP's C++ all-reduce), ``torch-python`` (torch's ``default_hooks.allreduce_hook``) and
-``weighted`` (``lightning_hetero.weighted_allreduce_hook`` at the weight of an equal split). Prints ms/step and the
-ratio to ``builtin``; writes ``hook_overhead.json`` under ``--out``.
+``weighted`` (``lightning_hetero.weighted_allreduce_hook`` as ``HeteroDDPStrategy`` uses it: each step counts its
+split, the loss is multiplied by the hook's ``loss_factor`` and the hook sums; an equal split here). Prints ms/step
+and the ratio to ``builtin``; writes ``hook_overhead.json`` under ``--out``.
 
     python benchmarks/hook_overhead.py --out "$OUT"
 """
@@ -41,11 +42,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     for setup in SETUPS:
         torch.manual_seed(0)
         model = DistributedDataParallel(GPT(cfg).cuda(rank), device_ids=[rank])
+        state = None
         if setup == "torch-python":
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         elif setup == "weighted":
             state = WeightingState(world)
-            state.add_step(args.batch, args.batch * world)
             model.register_comm_hook(state, weighted_allreduce_hook)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), device=rank)
@@ -56,6 +57,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(tokens[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+            if state is not None:
+                # As the strategy does each batch: count the split, weight the loss; the hook then sums.
+                state.add_step(args.batch, args.batch * world)
+                loss = loss * state.loss_factor
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

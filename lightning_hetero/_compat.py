@@ -44,7 +44,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa:
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa: E402
     _orthogonalize_gram_schmidt as powersgd_orthogonalize_gram_schmidt,
 )
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress as powersgd_should_compress  # noqa: E402,E501
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (  # noqa: E402
+    _should_compress as powersgd_should_compress,
+)
 
 # A DataLoader's constructor arguments as the user wrote them: Lightning records them while its `*_dataloader` hooks
 # run (the same record its own sampler injection re-instantiates from); there is no public accessor.
@@ -55,7 +57,8 @@ def recorded_loader_arguments(dataloader: object) -> "Optional[tuple[tuple, dict
     """``(args, kwargs, positional names)`` Lightning recorded for ``dataloader``, or ``None``."""
     if not all(hasattr(dataloader, name) for name in _SAVED):
         return None
-    return tuple(getattr(dataloader, _SAVED[0])), dict(getattr(dataloader, _SAVED[1])), tuple(getattr(dataloader, _SAVED[2]))
+    args, kwargs, names = (getattr(dataloader, name) for name in _SAVED)
+    return tuple(args), dict(kwargs), tuple(names)
 
 
 # Re-instantiate an object of a class Lightning wrapped, replaying the attribute assignments it recorded after
@@ -75,7 +78,9 @@ def prediction_records(trainer: Any) -> "list[list[list]]":
 
 def unwrap_index_batch_sampler(batch_sampler: object) -> object:
     """The batch sampler inside the prediction loop's index wrapper (it exposes it under a private name only)."""
-    return getattr(batch_sampler, "_batch_sampler") if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
+    if isinstance(batch_sampler, IndexBatchSamplerWrapper):
+        return getattr(batch_sampler, "_batch_sampler")
+    return batch_sampler
 
 
 # Lightning's process launchers (popen script re-execution, spawn/fork), subclassed to resolve `resume` before `fit`

@@ -176,10 +176,11 @@ class Resilience:
         timeout: seconds a collective may wait, a rank may make no progress, or a rank may take to join, before every
             rank fails naming the cause (rank, host, device, step, phase). See
             :mod:`lightning_hetero.resilience.watchdog`.
-        resume: ``"auto"``: ``fit`` without ``ckpt_path`` goes on from the newest checkpoint in the ``dirpath`` of the
-            trainer's ``ModelCheckpoint`` callbacks (none there: a fresh start); a directory: the newest checkpoint
-            in it. A re-run of the same command (or ``torchrun --max-restarts``) then continues where the last
-            checkpoint stood, also on a different number or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
+        resume: ``"auto"``: ``fit`` without ``ckpt_path`` goes on from the verified checkpoint recording the most
+            training progress (global step, then epoch) in the ``dirpath`` of the trainer's ``ModelCheckpoint``
+            callbacks (none there: a fresh start); a directory: that checkpoint in it. A re-run of the same command
+            (or ``torchrun --max-restarts``) then continues where that checkpoint stood, also on a different number
+            or kind of devices. ``None``: Lightning's ``ckpt_path`` only.
         nonfinite: a non-finite loss or gradient: ``"ignore"`` (plain DDP: no check, no cost), ``"skip"`` the step on
             every rank, warning with the rank(s) and step, or ``"stop"`` every rank before the update, naming them.
             ``skip``/``stop`` add a :class:`~lightning_hetero.grad.nonfinite.NonFiniteCheck` callback (one read of a

@@ -88,3 +88,51 @@ def test_gradient_accumulation_through_a_comm_hook_equals_one_process(tmp_path):
     for step, expected in enumerate(ref_params):
         assert torch.equal(records[0]["params"][step], records[1]["params"][step])
         assert max_rel_diff(records[0]["params"][step], expected) <= 1e-6, step
+
+
+class _TwoOptimizers(TinyModel):
+    """Manual optimization with two optimizers, each stepping after its own backward (the GAN pattern)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def step_losses(self, batch):
+        # The second loss is read after the first optimizer stepped, as Lightning runs it.
+        yield self.loss(batch)
+        yield self.loss(batch) * 2
+
+    def training_step(self, batch, batch_idx):
+        for optimizer, loss in zip(self.optimizers(), self.step_losses(batch)):
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["loss", "comm hook"])
+def test_manual_optimization_with_two_optimizers_equals_one_process(tmp_path, route):
+    """Every backward of a batch carries the batch's weight, also the one after the first optimizer step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from tests.helpers import IndexedDataset, flat_params
+
+    seed_everything(0)
+    model = _TwoOptimizers(n=40)
+    reference = copy.deepcopy(model)
+    hook = {"ddp_comm_hook": default_hooks.allreduce_hook} if route == "comm hook" else {}
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], **hook}, max_epochs=1)
+
+    dataset = IndexedDataset(40)
+    optimizers = reference.configure_optimizers()
+    for step in range(len(records[0]["indices"])):
+        idx = torch.tensor(records[0]["indices"][step] + records[1]["indices"][step])
+        for optimizer, loss in zip(optimizers, reference.step_losses((dataset.x[idx], dataset.y[idx], idx))):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert torch.equal(records[0]["params"][step], records[1]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], flat_params(reference)) <= 1e-6, step

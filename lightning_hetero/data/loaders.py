@@ -40,7 +40,8 @@ def global_order(sampler: object, num_samples: int, loader_name: str) -> GlobalO
         sampler, seed = base, sampler.seed
     if type(sampler) is SequentialSampler:
         return GlobalOrder(num_samples, shuffle=False, seed=seed)
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == num_samples:  # type: ignore
+    if (type(sampler) is RandomSampler and not sampler.replacement
+            and sampler.num_samples == num_samples):  # type: ignore
         return GlobalOrder(num_samples, shuffle=True, seed=seed)
     if not isinstance(sampler, Iterable):
         raise ValueError(f"{loader_name}: the sampler {type(sampler).__name__} is not iterable.")

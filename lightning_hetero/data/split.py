@@ -194,7 +194,8 @@ def _stream_loader_settings(dataloader: DataLoader) -> dict[str, Any]:
     """A stream loader's worker, memory and collation settings (what its rebuilt loader keeps)."""
     names = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
              "generator", "persistent_workers", "pin_memory_device", "in_order")
-    kwargs: dict[str, Union[int, Any]] = {name: getattr(dataloader, name) for name in names if hasattr(dataloader, name)}
+    kwargs: dict[str, Union[int, Any]] = {
+        name: getattr(dataloader, name) for name in names if hasattr(dataloader, name)}
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     return kwargs

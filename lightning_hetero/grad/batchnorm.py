@@ -50,14 +50,14 @@ from lightning_hetero._compat import BatchNormBase, BatchNormXd
 
 
 class BatchNormSync:
-    """What the synced layers of one model read while a training step runs: the group and whether this step pads.
+    """What the synced layers of one model read: whether a training step runs and whether it pads. They sync over
+    every rank (the default group), which together hold the global batch.
 
     ``active`` is True only inside :meth:`step`: profiling runs each rank's steps on its own, and a collective there
     would wait for ranks that never join it.
     """
 
-    def __init__(self, group: Optional[Any] = None) -> None:
-        self.group = group
+    def __init__(self) -> None:
         self.active = False
         self.padding = False
 
@@ -71,7 +71,7 @@ class BatchNormSync:
             self.active, self.padding = False, False
 
     def syncs(self) -> bool:
-        return self.active and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+        return self.active and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _reduced_dims(x: Tensor) -> list[int]:
@@ -83,13 +83,13 @@ def _per_channel(v: Tensor, x: Tensor) -> Tensor:
     return v.reshape([1, -1] + [1] * (x.dim() - 2))
 
 
-def global_moments(x: Tensor, count_local: bool, group: Optional[Any]) -> tuple[Tensor, Tensor, Tensor]:
+def global_moments(x: Tensor, count_local: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(values per channel over all ranks, global mean, global biased variance), in ``x``'s dtype (fp32 or more).
 
     One all-reduce of a (W, 2C + 1) table in which each rank fills its own row (count, mean, M2) and leaves the others
     0, so the sum is exact; the rows are then combined in order, the same arithmetic on every rank.
     """
-    channels, world, rank = x.shape[1], dist.get_world_size(group), dist.get_rank(group)
+    channels, world, rank = x.shape[1], dist.get_world_size(), dist.get_rank()
     per_channel = x.numel() // max(channels, 1)
     table = x.new_zeros(world, 2 * channels + 1)
     if count_local and per_channel > 0:
@@ -98,7 +98,7 @@ def global_moments(x: Tensor, count_local: bool, group: Optional[Any]) -> tuple[
         table[rank, 0] = per_channel
         table[rank, 1 : channels + 1] = mean
         table[rank, channels + 1 :] = ((x - _per_channel(mean, x)) ** 2).sum(dim=dims)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM)
     count, mean, m2 = table.new_zeros(()), table.new_zeros(channels), table.new_zeros(channels)
     for row in table:
         n = row[0]
@@ -117,7 +117,7 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                 sync: BatchNormSync) -> tuple[Tensor, Tensor, Tensor]:
         compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        count, mean, var = global_moments(compute, not sync.padding, sync.group)
+        count, mean, var = global_moments(compute, not sync.padding)
         if count <= 1:
             # One device raises the same for a global batch of one sample; every rank sees the same count.
             raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
@@ -130,7 +130,7 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
         if bias is not None:
             y = y + _per_channel(bias.to(compute.dtype), compute)
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.sync_count, ctx.group = count, sync.group
+        ctx.sync_count = count
         ctx.padding = sync.padding
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
@@ -152,7 +152,7 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
             sums = xhat.new_zeros(2 * channels)
         else:
             sums = torch.cat([dy.sum(dim=dims), (dy * xhat).sum(dim=dims)])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         mean_dy, mean_dy_xhat = sums[:channels] / ctx.sync_count, sums[channels:] / ctx.sync_count
         if ctx.padding:
             # Nothing of a padding step may reach the model.
@@ -208,16 +208,16 @@ def batchnorm_layers(model: nn.Module) -> list[nn.Module]:
 
 class SyncedBatchNormPlugin(LayerSync):
     """``Trainer(sync_batchnorm=True)`` under the heterogeneous strategies: every BatchNorm layer becomes a
-    :class:`SyncedBatchNorm` on any device (torch's ``SyncBatchNorm`` runs on CUDA only, counts a padding step's
-    re-read sample, and cannot undo a comm hook's per-rank weight).
+    :class:`SyncedBatchNorm` on any device (torch's ``SyncBatchNorm`` runs on CUDA only and counts a padding step's
+    re-read sample).
 
     The layers are changed in place (their class only), so parameters, buffers, hooks and the optimizer's references
     stay the same objects, whether or not the model is sharded afterwards; :meth:`revert` gives each its own class
     back (torch's ``SyncBatchNorm`` becomes Lightning's plain ``_BatchNormXd``, as Lightning's revert does).
     """
 
-    def __init__(self, group: Optional[Any] = None) -> None:
-        self.sync = BatchNormSync(group)
+    def __init__(self) -> None:
+        self.sync = BatchNormSync()
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:

@@ -1,8 +1,8 @@
 """Periodic cross-host sync (local SGD / DiLoCo): exact inside each host every step, hosts combined every H steps.
 
-Inside a host, DDP runs on the host's process group and the weighting hook scales rank r's gradient by
-b_r / B_host (B_host: the host's samples of the global batch): each host trains exactly like one device on its share
-of every global batch. Nothing crosses hosts per step. Every ``every`` optimizer steps the hosts combine their
+Inside a host, DDP runs on the host's process group and the weighting hook sums; rank r's loss is scaled by
+b_r / B_host (B_host: the host's samples of the global batch), so each host trains exactly like one device on its
+share of every global batch. Nothing crosses hosts per step. Every ``every`` optimizer steps the hosts combine their
 parameter deltas since the last outer step, Δ_h = θ_0 − θ_h, weighted by the samples each host trained on in the
 period (S_h / S):
 
@@ -156,8 +156,8 @@ class PeriodicCrossHostSync:
         """Learn the hosts and this rank's groups. ``pacer``: the emulated link between hosts, if any."""
         self._rank = rank
         if len(lab.hosts) < 2:
-            rank_zero_warn(f"{running_strategy()}: `periodic_sync` needs two or more hosts; with one host every step is "
-                           "an exact sync and `periodic_sync` does nothing.")
+            rank_zero_warn(f"{running_strategy()}: `periodic_sync` needs two or more hosts; with one host every step "
+                           "is an exact sync and `periodic_sync` does nothing.")
             self.active = False
             return
         self.active = True

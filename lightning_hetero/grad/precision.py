@@ -92,7 +92,8 @@ def parse_precision_policy(value: Optional[PrecisionPolicyArg]) -> Optional[Prec
         return value
     if isinstance(value, str):
         if value not in PRECISION_RULES:
-            raise ValueError(f"`precision_policy`={value!r} is not one of {PRECISION_RULES}, a mapping or a PrecisionPolicy.")
+            raise ValueError(
+                f"`precision_policy`={value!r} is not one of {PRECISION_RULES}, a mapping or a PrecisionPolicy.")
         return PrecisionPolicy(rules={"*": value})  # type: ignore[dict-item]
     if isinstance(value, Mapping):
         return PrecisionPolicy(rules=dict(value))
@@ -121,7 +122,8 @@ def resolve_rank_precision(policy: PrecisionPolicy, device: DeviceInfo) -> str:
             return "32-true"
         return "bf16-mixed" if _bf16_capable(device) else "16-mixed"
     if rule == "bf16-mixed" and not _bf16_capable(device):
-        where = f"rank {device.rank} ({device.name!r} on {device.host}, cc {device.capability[0]}.{device.capability[1]})"
+        major, minor = device.capability
+        where = f"rank {device.rank} ({device.name!r} on {device.host}, cc {major}.{minor})"
         raise ValueError(
             f"`precision_policy` asks {where} for 'bf16-mixed', but bf16 needs compute capability >= 8.0; "
             "use '16-mixed' (loss-scaled fp16) or 'auto' for this device."

@@ -10,8 +10,9 @@ all-gather and the reduce-scatter (``MixedPrecisionPolicy``).
 
 Capacity weighting needs nothing from FSDP: each rank scales its loss by b_r · W / G and FSDP's averaging
 reduce-scatter (÷ W) leaves Σ_r (b_r / G) g_r, the gradient of the mean loss over the global batch (see
-:func:`~lightning_hetero.grad.weighting.loss_weight`). ``set_gradient_divide_factor`` cannot do it: its factor is applied after the sum on backends
-without ``PREMUL_SUM`` (gloo), so a per-rank factor would scale the others' gradients too.
+:func:`~lightning_hetero.grad.weighting.loss_weight`). ``set_gradient_divide_factor`` cannot do it: its factor is
+applied after the sum on backends without ``PREMUL_SUM`` (gloo), so a per-rank factor would scale the others'
+gradients too.
 
 Example::
 

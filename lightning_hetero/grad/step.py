@@ -2,8 +2,9 @@
 
 :class:`StepShare` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`. At every training batch it
 reads the split the sampler used for it (hence the plan's schedule) and keeps ``(b_r, G)``, which a strategy turns
-into exact gradient weighting its own way (:func:`~lightning_hetero.grad.weighting.loss_weight` on the loss, or a DDP comm hook); inside a step,
-means over ranks are weighted by each rank's batch size.
+into exact gradient weighting on each micro-step's loss (:func:`~lightning_hetero.grad.weighting.loss_weight`, or
+the factor of a DDP comm hook's :class:`~lightning_hetero.grad.weighting.WeightingState`); inside a step, means over
+ranks are weighted by each rank's batch size.
 
 Example::
 

@@ -56,7 +56,8 @@ class WeightingState:
         self.process_group = process_group
         self.inner_hook = inner_hook
         self.inner_state = inner_state
-        # b_r / G of the current micro-step; None until a micro-step of this optimizer step is counted.
+        # b_r / G of the current batch; None until the first is counted. It holds for every backward of the batch
+        # (manual optimization may step several optimizers in one) until the next batch's replaces it.
         self.step_weight: Optional[float] = None
         self.bucket_observers: list[Callable[[], None]] = []
 
@@ -68,18 +69,9 @@ class WeightingState:
             self.bucket_observers.remove(observer)
 
     def add_step(self, local_samples: float, global_samples: float) -> None:
-        """Count the next micro-step of the current optimizer step: this rank's samples, all ranks' (its weight).
-        A micro-step without samples anywhere is averaged, as plain DDP."""
+        """Count the next micro-step (a training batch): this rank's samples, all ranks' (its weight). A micro-step
+        without samples anywhere is averaged, as plain DDP."""
         self.step_weight = local_samples / global_samples if global_samples > 0 else 1.0 / self.world_size
-
-    def reset(self) -> None:
-        """Start a new optimizer step (called after each optimizer step)."""
-        self.step_weight = None
-
-    @property
-    def weight(self) -> float:
-        """b_r / G of the current micro-step; 1 / W before any was counted (plain DDP averaging)."""
-        return 1.0 / self.world_size if self.step_weight is None else self.step_weight
 
     @property
     def loss_factor(self) -> float:
@@ -97,7 +89,6 @@ def weighted_allreduce_hook(state: WeightingState, bucket: dist.GradBucket) -> t
         >>> state = WeightingState(world_size=dist.get_world_size())
         >>> ddp_model.register_comm_hook(state, weighted_allreduce_hook)
         >>> # each micro-step: state.add_step(local_batch, global_batch); (loss * state.loss_factor).backward()
-        >>> # after each optimizer step: state.reset()
     """
     for observe in state.bucket_observers:
         observe()

@@ -5,8 +5,8 @@ support, suggested capacities, peer-to-peer access between GPU pairs (flaky on s
 needs ``NCCL_P2P_DISABLE=1``), and the NCCL settings in the environment.
 
 ``doctor --model CONFIG`` also trains the config's model for a few steps on this machine with a
-:class:`~lightning_hetero.observe.monitor.HeteroMonitor`, so the lab table (shares, batch per card) and the monitor's summary
-(compute, wait, data and communication per card) show what each card will do before a real run.
+:class:`~lightning_hetero.observe.monitor.HeteroMonitor`, so the lab table (shares, batch per card) and the monitor's
+summary (compute, wait, data and communication per card) show what each card will do before a real run.
 """
 
 import json
@@ -45,7 +45,8 @@ def diagnose() -> dict[str, Any]:
             {
                 **d.as_dict(),
                 "bf16_hardware": has_bf16_hardware(d),
-                "suggested_precision": "bf16-mixed" if has_bf16_hardware(d) else ("16-mixed" if d.type == "cuda" else "32-true"),
+                "suggested_precision": ("bf16-mixed" if has_bf16_hardware(d)
+                                        else "16-mixed" if d.type == "cuda" else "32-true"),
                 "peak_tflops": peak_tflops(d, dtype),
             }
         )
@@ -99,7 +100,7 @@ def main(as_json: bool = False) -> None:
     print(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
-# -- GPU pairs and the links between hosts ------------------------------------------------------------------------------
+# -- GPU pairs and the links between hosts ---------------------------------------------------------------------------
 def gpu_pair_links(count: int) -> list[dict[str, Any]]:
     """Peer-to-peer access of every GPU pair and, with ``nvidia-ml-py`` installed, how they are connected (NVLink
     lane count, or the PCIe topology level NVML reports)."""

@@ -1,7 +1,7 @@
 """``python -m lightning_hetero report LOGDIR``: a PNG of where every rank's time went, from a monitored run.
 
-Reads the ``hetero_monitor.jsonl`` that :class:`~lightning_hetero.observe.monitor.HeteroMonitor` writes into the logger's
-``log_dir`` (the newest one under ``LOGDIR``; one JSON object per logged window) and draws, with matplotlib:
+Reads the ``hetero_monitor.jsonl`` that :class:`~lightning_hetero.observe.monitor.HeteroMonitor` writes into the
+logger's ``log_dir`` (the newest one under ``LOGDIR``; one JSON object per logged window) and draws, with matplotlib:
 
 - per rank, the timeline of a step: compute, wait for other ranks, data loading and exposed communication (ms per
   step, stacked, against the optimizer step);

@@ -1,4 +1,4 @@
-"""Checkpoint files that survive crashes, clear errors for bad ones, and finding the newest one to resume from.
+"""Checkpoint files that survive crashes, clear errors for bad ones, and the one to resume from (the furthest).
 
 * :class:`AtomicCheckpointIO` (the strategy's default ``CheckpointIO``): a local checkpoint is written to a temporary
   file *in the same directory*, flushed to disk (``fsync``) and renamed over the target (``os.replace``), so a crash
@@ -67,7 +67,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with crash-safe, checksummed local writes, and verified loads with readable errors."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathType,
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or not _compat.is_local_path(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         path = os.fspath(path)

@@ -1,9 +1,10 @@
-"""``resilience.resume``: a re-run of the same command goes on from the newest checkpoint.
+"""``resilience.resume``: a re-run of the same command goes on from the checkpoint recording the most progress.
 
-The newest checkpoint is resolved in each process before ``Trainer.fit`` selects its checkpoint, and handed to Lightning
-through the public ``trainer.ckpt_path``; an explicit ``fit(ckpt_path=...)`` wins. The resolution runs in Lightning's own
-launchers (subclassed here, so every launch path goes through it: the popen launcher also runs under torchrun and
-SLURM, where it starts no processes).
+That checkpoint (global step, then epoch: :func:`~lightning_hetero.resilience.checkpoint.choose_checkpoint`) is
+resolved in each process before ``Trainer.fit`` selects its checkpoint, and handed to Lightning through the public
+``trainer.ckpt_path``; an explicit ``fit(ckpt_path=...)`` wins. The resolution runs in Lightning's own launchers
+(subclassed here, so every launch path goes through it: the popen launcher also runs under torchrun and SLURM, where
+it starts no processes).
 """
 
 import inspect
@@ -16,7 +17,8 @@ from lightning_hetero.resilience.preemption import forwarding_signals
 
 
 def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
-    """The newest checkpoint ``resume`` points at (``"auto"``: the ``ModelCheckpoint`` directories), or ``None``."""
+    """The checkpoint recording the most progress where ``resume`` points (``"auto"``: the ``ModelCheckpoint``
+    directories), or ``None``."""
     if resume is None:
         return None
     if resume == "auto":
@@ -32,7 +34,7 @@ def checkpoint_to_resume(resume: Optional[str], trainer: Any) -> Optional[str]:
 
 
 def resolve_resume(resume: Optional[str], function: Callable, args: tuple, kwargs: dict, trainer: Any) -> bool:
-    """Before ``fit`` runs: point ``trainer.ckpt_path`` at the newest checkpoint unless ``fit`` was given one.
+    """Before ``fit`` runs: point ``trainer.ckpt_path`` at the furthest checkpoint unless ``fit`` was given one.
     True when it did (the caller resets it after ``fit``, so a later ``test`` is not pointed at it)."""
     if resume is None or trainer is None or getattr(function, "__name__", "") != FIT_FUNCTION_NAME:
         return False

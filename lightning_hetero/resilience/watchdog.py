@@ -157,8 +157,9 @@ class RankRecord:
     strong: bool = False
     # The watchdog found the training thread stuck: it cannot raise, the watchdog ends the process.
     stuck: bool = False
-    # The beats this rank published (either side publishes).
+    # The beats this rank published. Both threads publish, so the count moves under its lock (`+=` is not atomic).
     seq: int = 0
+    seq_lock: threading.Lock = field(default_factory=threading.Lock)
     # Every rank's last read state, and each peer's (beat seq, local time it last changed).
     peers: dict[int, dict] = field(default_factory=dict)
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
@@ -172,7 +173,9 @@ class RankRecord:
 
 def publish(record: RankRecord, board: FaultBoard) -> None:
     """One beat: the rank's state, with the training thread's stack position when its phase is slow."""
-    record.seq += 1
+    with record.seq_lock:
+        record.seq += 1
+        seq = record.seq
     stalled = round(time.monotonic() - record.progress, 1)
     state = record.state()
     place = ""
@@ -180,7 +183,7 @@ def publish(record: RankRecord, board: FaultBoard) -> None:
         frame = thread_frame(record.trainer_thread)
         place = where(frame, record.phase)[0]
         state["phase"] = record.reader.phase_of(frames(frame=frame)) or state["phase"]  # e.g. the first batch's fetch
-    board.publish({**state, "seq": record.seq, "stalled": stalled, "where": place})
+    board.publish({**state, "seq": seq, "stalled": stalled, "where": place})
 
 
 def diagnose(record: RankRecord, board: FaultBoard) -> tuple[Optional[str], bool]:

@@ -157,8 +157,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.compression_request = parse_compression(compression)  # "auto" is resolved at setup, per fit
         if self.compression_request is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
-        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices, cluster_environment,
-                               checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
+        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
@@ -178,9 +178,9 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        host_link = self.core.lab.link_pacer(len(self.lab.hosts))
         self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.groups,
-                                                               self.root_device, self.core.lab.link_pacer(len(self.lab.hosts)),
-                                                               self.lightning_module)
+                                                               self.root_device, host_link, self.lightning_module)
         self.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
             self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
@@ -273,7 +273,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         return loss * loss_weight(share[0], share[1], self.world_size)
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
-        if self.periodic is not None:
+        # One host leaves periodic sync inactive: DDP then syncs every rank each step, and so may BatchNorm.
+        if self.periodic is not None and self.periodic.active:
             return ("`periodic_sync` trains each host on its own between syncs, so there is no global batch to "
                     "normalise over; leave BatchNorm unsynced.")
         return super().batchnorm_sync_refusal()
@@ -286,11 +287,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            out = super().optimizer_step(*args, **kwargs)
-        finally:
-            if self.weighting is not None:
-                self.weighting.reset()
+        # The weighting keeps the batch's weight: manual optimization may run another backward in this batch.
+        out = super().optimizer_step(*args, **kwargs)
         if self.periodic is not None:  # every H steps: the outer step between hosts
             self.periodic.after_optimizer_step()
         if self.compression is not None:

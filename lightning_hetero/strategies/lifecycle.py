@@ -216,8 +216,12 @@ class HeteroLifecycle:
         self.core.shares.step_started()
         trainer = _compat.trainer_of(self.lightning_module)
         padding = step.train_step_size() == 0
-        with step.step(step.train_step_size()), discard_padding_step(trainer, self.lightning_module,
-                                                                     padding=padding), synced_statistics(_compat.layer_sync(self), padding):
+        layer_sync = _compat.layer_sync(self)
+        with (
+            step.step(step.train_step_size()),
+            discard_padding_step(trainer, self.lightning_module, padding=padding),
+            synced_statistics(layer_sync, padding),
+        ):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:

@@ -27,7 +27,7 @@ from lightning_hetero.grad.compression_config import parse_compression
 from lightning_hetero.grad.powersgd_hook import PowerSGDHookState, powersgd_hook
 from tests.helpers import Recorder, free_port
 
-CAPACITIES = [3, 1]  # unequal shares: the weighting hook scales the two ranks' buckets differently
+CAPACITIES = [3, 1]  # unequal shares: the two ranks' losses carry different weights before the compression hook
 GLOBAL_BATCH = 128  # 96 + 32 samples; 15 steps per epoch over the 1797 digits
 
 

@@ -95,7 +95,8 @@ def test_one_host_warns_and_stays_inactive():
     assert periodic.process_group_for_ddp() is None and not periodic.periodic_now
     weighting = WeightingState(2)
     periodic.weigh_step(weighting, [3, 1])
-    assert weighting.weight == 0.25 and weighting.process_group is None  # b_r / G, as without periodic sync
+    # The loss factor of the weighting hook's sum, b_r / G, as without periodic sync.
+    assert weighting.loss_factor == 0.25 and weighting.process_group is None
     assert periodic.after_optimizer_step() is False
     assert periodic.describe(lab) == ["every step (one host)"] * 2
 
@@ -134,8 +135,7 @@ def _outer_worker(rank: int, port: int, out_dir: str, wire: str, overlap: bool =
     weighting = WeightingState(2)
     for step in range(4):
         periodic.weigh_step(weighting, [9, 3] if step % 2 else [3, 1])  # host a trains on 3/4 of every batch
-        assert weighting.weight == 1.0 and weighting.process_group is not None  # b_r / B_host, inside the host
-        weighting.reset()
+        assert weighting.loss_factor == 1.0 and weighting.process_group is not None  # b_r / B_host, inside the host
         if step % 2 == 0:
             anchors.append(torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()]))
         with torch.no_grad():  # an "inner step" that differs per host
@@ -338,3 +338,21 @@ def test_periodic_sync_from_yaml(entry):
     strategy = parser.instantiate_classes(config).strategy
     assert strategy.periodic.config == PeriodicSync(every=8, outer="average")
     assert "every: 8" in parser.dump(config)  # round trip
+
+
+def test_batchnorm_sync_is_refused_only_while_periodic_sync_is_active():
+    strategy = HeteroDDPStrategy(periodic_sync={"every": 4})
+    assert strategy.periodic is not None and not strategy.periodic.active
+    assert strategy.batchnorm_sync_refusal() is None
+    strategy.periodic.active = True  # two hosts or more, as `setup` finds them
+    assert "periodic_sync" in (strategy.batchnorm_sync_refusal() or "")
+
+
+@pytest.mark.slow
+def test_one_host_syncs_batchnorm_exactly_with_periodic_sync_set(tmp_path):
+    """One host: periodic sync stays inactive, every step is an exact sync over all ranks, BatchNorm's too."""
+    from tests.grad.test_batchnorm import TOLERANCE, fit_against_one_process
+
+    params, buffers = fit_against_one_process(tmp_path, HeteroDDPStrategy, [3, 1], sync=True,
+                                              strategy_kwargs={"periodic_sync": {"every": 2}})
+    assert params <= TOLERANCE and buffers <= TOLERANCE
