@@ -169,10 +169,12 @@ class HeteroStreamLoader(DataLoader):
         samples = self._samples()
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
-        last = None  # this rank's last sample: what a padding step re-reads in shard mode
+        # A padding step re-reads as many samples as a rank's least share (BatchNorm trains on no fewer); in shard
+        # mode, this rank's last ones.
+        pad = s.schedule.min_share
+        last: list[Any] = []
         for k in range(start):  # resumed mid-epoch: re-read what was trained on
-            for last in islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank]):
-                pass
+            last = (last + list(islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank])))[-pad:]
         k = start
         while True:
             if exact:
@@ -188,7 +190,7 @@ class HeteroStreamLoader(DataLoader):
             if exact:
                 check = _fingerprint(batch) if k == start else 0
             else:
-                check = int(not mine and last is None)
+                check = int(not mine and not last)
             rows = self._exchange(count, check)
             counts = [c for c, _ in rows]
             if exact and (len(set(counts)) > 1 or len({f for _, f in rows}) > 1):
@@ -207,11 +209,11 @@ class HeteroStreamLoader(DataLoader):
                     "while other "
                     "ranks' are not; give every rank at least one sample per epoch."
                 )
-            # A padding step (no sample for this rank) re-reads one sample, of its own global batch in exact mode
-            # (as map-style padding does), its last one in shard mode; its weight is 0.
-            last = mine[-1] if mine else batch[-1] if exact else last
+            # A padding step (no sample for this rank) re-reads samples of its own global batch in exact mode (as
+            # map-style padding does), this rank's last ones in shard mode; its weight is 0.
+            last = (batch if exact else last + mine)[-pad:]
             s.record(k, s.split_at(k, count) if exact else counts)
-            yield self.user_collate(mine if mine else [last])
+            yield self.user_collate(mine if mine else last)
             k += 1
 
     def __len__(self) -> int:
