@@ -166,7 +166,7 @@ class HeteroStreamLoader(DataLoader):
         if isinstance(self.dataset, CapacityShards):  # before workers copy the dataset
             shares = split_batch(self.dataset.virtual_world, s.change_at(s.start_batch).capacities)
             self.dataset.assign(shares, s.rank)
-        samples = self._samples()
+        samples = _Lookahead(self._samples())
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
         # A padding step re-reads as many samples as a rank's least share (BatchNorm trains on no fewer); in shard
@@ -184,7 +184,7 @@ class HeteroStreamLoader(DataLoader):
                 mine = s.rank_slice(k, batch) if batch else []
                 count = len(batch)
             else:
-                mine = list(islice(samples, s.split_at(k)[s.rank]))
+                mine = _take_with_tail(samples, s.split_at(k)[s.rank], pad)
                 count = len(mine)
             # Exact mode checks the first batch's contents; shard mode flags a rank with nothing at all to train on.
             if exact:
@@ -220,6 +220,33 @@ class HeteroStreamLoader(DataLoader):
         if self.splitter.num_batches is None:
             raise TypeError("the number of global batches of this stream is not known")
         return self.splitter.num_batches
+
+
+def _take_with_tail(samples: "_Lookahead", count: int, least: int) -> list[Any]:
+    """Shard mode: the next ``count`` samples of a rank's own stream, and with them the stream's last ones when fewer
+    than ``least`` would be left for a step of their own (BatchNorm trains on no fewer). No sample is dropped; the
+    step's weight counts the samples taken."""
+    taken = list(islice(samples, count))
+    if least > 1 and len(taken) == count:
+        ahead = samples.peek(least)
+        if 0 < len(ahead) < least:
+            taken += list(islice(samples, len(ahead)))
+    return taken
+
+
+class _Lookahead(Iterator[Any]):
+    """An iterator that can look a few items ahead."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self._items = items
+        self._ahead: list[Any] = []
+
+    def peek(self, n: int) -> list[Any]:
+        self._ahead.extend(islice(self._items, max(0, n - len(self._ahead))))
+        return self._ahead[:n]
+
+    def __next__(self) -> Any:
+        return self._ahead.pop(0) if self._ahead else next(self._items)
 
 
 def _fingerprint(samples: list[Any]) -> int:
