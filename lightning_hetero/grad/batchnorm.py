@@ -24,7 +24,8 @@ hook's too (:mod:`lightning_hetero.grad.weighting`), so the layer itself never w
 
 A padding step (a rank without a sample of its own in the last global batch) re-reads a sample to keep the
 collectives in step; it counts as 0 samples here, so it changes no statistic. Outside a training step (profiling,
-evaluation, ``eval()``) the layer is a plain BatchNorm: no collective.
+evaluation, ``eval()``) the layer is a plain BatchNorm: no collective. Activation checkpointing's recomputation
+normalises with the statistics of the forward it repeats, without a collective (see :class:`BatchNormSync`).
 
 Example::
 
