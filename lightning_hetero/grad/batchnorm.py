@@ -309,7 +309,8 @@ class SyncedBatchNormPlugin(LayerSync):
 def _synced_class(original: type) -> type:
     """The class a BatchNorm layer has while synced.
 
-    - torch's and Lightning's own classes: ``SyncedBatchNorm``;
+    - torch's and Lightning's own classes, and subclasses of torch's ``SyncBatchNorm`` (whose CUDA-only forward
+      would come first): ``SyncedBatchNorm``;
     - a user's subclass (``class MyNorm(nn.BatchNorm2d)``): ``SyncedMyNorm(MyNorm, SyncedBatchNorm)``, so its own
       methods stay and its ``forward``'s ``super().forward(x)`` is the synced one (a ``forward`` that never calls it
       stays per-rank: :func:`_warn_own_forward` says so);
@@ -320,7 +321,7 @@ def _synced_class(original: type) -> type:
     if bases:
         norms = tuple(_synced_class(b) for b in original.__bases__ if issubclass(b, BatchNormBase))
         return _mixed(f"Synced{original.__name__}", bases + norms, original)
-    if _is_library_class(original):
+    if _is_library_class(original) or issubclass(original, nn.SyncBatchNorm):
         return SyncedBatchNorm
     _warn_own_forward(original)
     return _mixed(f"Synced{original.__name__}", (original, SyncedBatchNorm), None)
