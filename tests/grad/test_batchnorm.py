@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from lightning.pytorch import seed_everything
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from torch import nn
@@ -41,11 +42,14 @@ def _largest(difference: torch.Tensor) -> float:
     return float(difference.abs().max()) if difference.numel() else 0.0
 
 
-def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, out: Any) -> None:
+def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, out: Any,
+                  checkpointed: bool = False) -> None:
     """Rank ``rank`` of ``len(counts)``: each layer of LAYERS synced, on its slice of one batch, against torch's layer
     on the whole batch. The loss is each sample's output times a fixed random tensor, as a mean over the batch.
     ``hook_weighted``: rank r's loss is scaled by b_r/G and the gradients summed (the weighting comm hook); otherwise
-    its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce)."""
+    its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce). ``checkpointed``: even ranks run the
+    layer under activation checkpointing (rank 0 non-reentrant, rank 2 reentrant), so it is recomputed in their
+    backward while the other ranks keep its activations."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         world = len(counts)
@@ -75,7 +79,10 @@ def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, 
                 ((y_ref * probe).sum() / total).backward()
                 x_mine = x[mine].clone().requires_grad_()
                 with plugin.sync.step(padding=counts[rank] == 0):
-                    y = layer(x_mine)
+                    if checkpointed and rank % 2 == 0:
+                        y = torch.utils.checkpoint.checkpoint(layer, x_mine, use_reentrant=rank == 2)
+                    else:
+                        y = layer(x_mine)
                 mean_loss = (y * probe[mine]).sum() / max(counts[rank], 1)
                 (mean_loss * share * (1 if hook_weighted else world)).backward()
                 errors[f"{name} step {step} forward"] = _largest(y - y_ref[mine])
@@ -106,11 +113,11 @@ def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, 
             dist.destroy_process_group()
 
 
-def _run_layers(counts: list[int], hook_weighted: bool) -> dict[str, float]:
+def _run_layers(counts: list[int], hook_weighted: bool, checkpointed: bool = False) -> dict[str, float]:
     context = multiprocessing.get_context("fork")
     out = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_layer_worker, args=(r, counts, port, hook_weighted, out))
+    processes = [context.Process(target=_layer_worker, args=(r, counts, port, hook_weighted, out, checkpointed))
                  for r in range(len(counts))]
     for p in processes:
         p.start()
@@ -134,6 +141,17 @@ def test_synced_layer_equals_batchnorm_on_the_whole_batch(counts, hook_weighted)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-5, (worst, errors[worst])
     assert any("running_var" in k for k in errors) and any("param grad" in k for k in errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("counts", [[6, 2], [5, 2, 1]], ids=str)
+def test_a_recomputed_synced_layer_equals_batchnorm_on_the_whole_batch(counts):
+    """Activation checkpointing recomputes the layer in the backward, outside the step's sync: it ran as a plain
+    BatchNorm there (CheckpointError, a second running-statistics update). Only some ranks recompute, so the
+    recomputation must not communicate."""
+    errors = _run_layers(counts, hook_weighted=False, checkpointed=True)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, (worst, errors[worst])
 
 
 def test_a_single_sample_over_all_ranks_fails_like_one_device():
