@@ -255,3 +255,12 @@ def layer_sync(strategy: object) -> "Optional[Any]":
 def set_layer_sync(strategy: object, plugin: "Optional[Any]") -> None:
     """Replace the plugin that Lightning's ``DDPStrategy.setup`` applies and its ``teardown`` reverts."""
     strategy._layer_sync = plugin  # type: ignore[attr-defined]
+
+
+def in_backward() -> bool:
+    """True while this thread runs an autograd backward: a module's forward called then is activation
+    checkpointing's recomputation (``torch.utils.checkpoint``, FSDP's ``checkpoint``), which torch does not flag
+    publicly. The engine's current graph task is -1 outside a backward."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1

@@ -51,13 +51,39 @@ def micro_limits(spec: Optional[Union[str, tuple[int, ...]]], caps: Optional[Seq
     return [min(e, int(c)) for e, c in zip(explicit, caps)]
 
 
-def chunk_sizes(batch_size: int, limit: Optional[int]) -> list[int]:
-    """``ceil(batch_size / limit)`` sizes differing by at most one (larger first), summing to ``batch_size``."""
+def chunk_sizes(batch_size: int, limit: Optional[int], minimum: int = 1) -> list[int]:
+    """``ceil(batch_size / limit)`` sizes differing by at most one (larger first), summing to ``batch_size``.
+
+    None is below ``minimum`` (2 for BatchNorm layers trained on each rank's own statistics) where ``batch_size`` is
+    not: that holds for every batch once ``limit >= 2 * minimum - 1`` (:func:`check_micro_limits`), and a
+    ``ValueError`` says so otherwise.
+    """
     if limit is None or batch_size <= limit:
         return [batch_size]
     k = math.ceil(batch_size / limit)
     base, extra = divmod(batch_size, k)
+    if base < minimum:
+        raise ValueError(f"a share of {batch_size} samples cannot run as micro-batches of {minimum} to {limit} "
+                         f"samples: {check_micro_limits.__name__} refuses such a limit at set-up.")
     return [base + 1] * extra + [base] * (k - extra)
+
+
+def check_micro_limits(limits: Sequence[Optional[int]], minimum: int) -> None:
+    """Every share of at least ``minimum`` samples splits into micro-batches of ``minimum`` to ``limit`` samples iff
+    ``limit >= 2 * minimum - 1`` (at ``minimum`` 2 and ``limit`` 2, a share of 3 runs as [2, 1]); else a
+    ``ValueError`` naming ``data.micro_batch`` and the way out."""
+    if minimum <= 1:
+        return
+    least = 2 * minimum - 1
+    short = [r for r, m in enumerate(limits) if m is not None and m < least]
+    if short:
+        raise ValueError(
+            f"`data.micro_batch`: rank(s) {short} run at most {[limits[r] for r in short]} samples per forward/backward"
+            f" (the explicit limit or the memory cap), but the model's BatchNorm layers train on each rank's own "
+            f"statistics and need at least {minimum} samples in every micro-batch, so a share of {least} could not "
+            f"be split. Set `data.micro_batch` to at least {least}, or leave `data.micro_batch` off (a rank's "
+            "whole share in one forward/backward)."
+        )
 
 
 def slice_batch(batch: Any, start: int, end: int, batch_size: int) -> Any:

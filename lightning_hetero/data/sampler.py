@@ -388,14 +388,17 @@ def check_training_batch(sampler: HeteroBatchSampler, loader_name: str, explicit
     epoch = "no batch at all" if n == 0 else (
         "no batch at all (drop_last=True)" if sampler.drop_last else f"one batch of {n}")
     if explicit:
-        # Advice the next check accepts: a global batch has at least one sample per rank.
+        # Advice the next check accepts: a global batch has at least the schedule's least share per rank (2 for
+        # BatchNorm layers trained without sync).
+        least = sampler.schedule.min_share
+        lowest, per_rank = least * world, "one sample" if least == 1 else f"{least} samples"
         if n == 0:
             advice = f"Give {loader_name} samples."
-        elif n < world:
-            advice = f"A global batch has at least one sample per rank ({world}): use more samples or fewer ranks."
+        elif n < lowest:
+            advice = f"A global batch has at least {per_rank} per rank ({world}): use more samples or fewer ranks."
         else:
-            advice = f"Set `global_batch_size` to {n}." if n == world else (
-                f"Set `global_batch_size` between {world} (one sample per rank) and {n}.")
+            advice = f"Set `global_batch_size` to {n}." if n == lowest else (
+                f"Set `global_batch_size` between {lowest} ({per_rank} per rank) and {n}.")
         raise ValueError(
             f"`global_batch_size`={sampler.global_batch_size} is larger than {loader_name}'s dataset ({n} samples): "
             f"every epoch would be {epoch}. {advice}"

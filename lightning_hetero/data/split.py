@@ -20,7 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options, parse_micro_batch
 from lightning_hetero.data.loaders import global_order, global_seed, rebuild_loader
-from lightning_hetero.data.microbatch import micro_limits
+from lightning_hetero.data.microbatch import check_micro_limits, micro_limits
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler, check_training_batch, for_evaluation
 from lightning_hetero.data.streaming import build_stream_loader, stream_global_batch
 from lightning_hetero.data.tokens import dataset_costs, resolve_cost_fn
@@ -104,7 +104,6 @@ class LoaderSplit:
         if map_style:
             check_training_batch(batch_sampler, "train_dataloader", explicit=self.plan.global_batch_size is not None)
         self.train_sampler = batch_sampler
-        batch_sampler.schedule.set_min_share(self.plan.min_share)
         self._attach_costs(batch_sampler, dataloader.dataset)
         batch_sampler.cap_shares = self.micro_batch is None
         # Before the loader's first batch is drawn: restored or profiled shares apply from batch 0.
@@ -186,6 +185,7 @@ class LoaderSplit:
         if module is not None and not module.automatic_optimization:
             raise ValueError("`data.micro_batch` needs automatic optimization: a manual-optimization `training_step` "
                              "steps its own optimizer and cannot be split into micro-batches.")
+        check_micro_limits(limits, self.plan.min_share)
         self.micro_limit = limits[self.view.global_rank]
         self.lab.add_columns({"micro-batch": ["-" if m is None else str(m) for m in limits]})
 

@@ -166,13 +166,15 @@ class HeteroStreamLoader(DataLoader):
         if isinstance(self.dataset, CapacityShards):  # before workers copy the dataset
             shares = split_batch(self.dataset.virtual_world, s.change_at(s.start_batch).capacities)
             self.dataset.assign(shares, s.rank)
-        samples = self._samples()
+        samples = _Lookahead(self._samples())
         start, s.start_batch = s.start_batch, 0
         exact = s.mode == "exact"
-        last = None  # this rank's last sample: what a padding step re-reads in shard mode
+        # A padding step re-reads as many samples as a rank's least share (BatchNorm trains on no fewer); in shard
+        # mode, this rank's last ones.
+        pad = s.schedule.min_share
+        last: list[Any] = []
         for k in range(start):  # resumed mid-epoch: re-read what was trained on
-            for last in islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank]):
-                pass
+            last = (last + list(islice(samples, s.global_batch_size if exact else s.split_at(k)[s.rank])))[-pad:]
         k = start
         while True:
             if exact:
@@ -182,13 +184,13 @@ class HeteroStreamLoader(DataLoader):
                 mine = s.rank_slice(k, batch) if batch else []
                 count = len(batch)
             else:
-                mine = list(islice(samples, s.split_at(k)[s.rank]))
+                mine = _take_with_tail(samples, s.split_at(k)[s.rank], pad)
                 count = len(mine)
             # Exact mode checks the first batch's contents; shard mode flags a rank with nothing at all to train on.
             if exact:
                 check = _fingerprint(batch) if k == start else 0
             else:
-                check = int(not mine and last is None)
+                check = int(not mine and not last)
             rows = self._exchange(count, check)
             counts = [c for c, _ in rows]
             if exact and (len(set(counts)) > 1 or len({f for _, f in rows}) > 1):
@@ -207,17 +209,44 @@ class HeteroStreamLoader(DataLoader):
                     "while other "
                     "ranks' are not; give every rank at least one sample per epoch."
                 )
-            # A padding step (no sample for this rank) re-reads one sample, of its own global batch in exact mode
-            # (as map-style padding does), its last one in shard mode; its weight is 0.
-            last = mine[-1] if mine else batch[-1] if exact else last
+            # A padding step (no sample for this rank) re-reads samples of its own global batch in exact mode (as
+            # map-style padding does), this rank's last ones in shard mode; its weight is 0.
+            last = (batch if exact else last + mine)[-pad:]
             s.record(k, s.split_at(k, count) if exact else counts)
-            yield self.user_collate(mine if mine else [last])
+            yield self.user_collate(mine if mine else last)
             k += 1
 
     def __len__(self) -> int:
         if self.splitter.num_batches is None:
             raise TypeError("the number of global batches of this stream is not known")
         return self.splitter.num_batches
+
+
+def _take_with_tail(samples: "_Lookahead", count: int, least: int) -> list[Any]:
+    """Shard mode: the next ``count`` samples of a rank's own stream, and with them the stream's last ones when fewer
+    than ``least`` would be left for a step of their own (BatchNorm trains on no fewer). No sample is dropped; the
+    step's weight counts the samples taken."""
+    taken = list(islice(samples, count))
+    if least > 1 and len(taken) == count:
+        ahead = samples.peek(least)
+        if 0 < len(ahead) < least:
+            taken += list(islice(samples, len(ahead)))
+    return taken
+
+
+class _Lookahead(Iterator[Any]):
+    """An iterator that can look a few items ahead."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self._items = items
+        self._ahead: list[Any] = []
+
+    def peek(self, n: int) -> list[Any]:
+        self._ahead.extend(islice(self._items, max(0, n - len(self._ahead))))
+        return self._ahead[:n]
+
+    def __next__(self) -> Any:
+        return self._ahead.pop(0) if self._ahead else next(self._items)
 
 
 def _fingerprint(samples: list[Any]) -> int:

@@ -24,7 +24,8 @@ hook's too (:mod:`lightning_hetero.grad.weighting`), so the layer itself never w
 
 A padding step (a rank without a sample of its own in the last global batch) re-reads a sample to keep the
 collectives in step; it counts as 0 samples here, so it changes no statistic. Outside a training step (profiling,
-evaluation, ``eval()``) the layer is a plain BatchNorm: no collective.
+evaluation, ``eval()``) the layer is a plain BatchNorm: no collective. Activation checkpointing's recomputation
+normalises with the statistics of the forward it repeats, without a collective (see :class:`BatchNormSync`).
 
 Example::
 
@@ -35,9 +36,10 @@ Example::
     model = plugin.revert(model)  # plain BatchNorm1d/2d/3d again, for checkpoints and export
 """
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,32 +48,75 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+import lightning_hetero._compat as _compat
 from lightning_hetero._compat import BatchNormBase, BatchNormXd
 
 
+class Moments(NamedTuple):
+    """One synced forward's statistics: what its backward and its recomputation read."""
+
+    count: Tensor  # values per channel over all ranks
+    mean: Tensor
+    var: Tensor  # biased
+    padding: bool  # this rank's input was a padding step's (counted as 0 samples)
+
+
 class BatchNormSync:
-    """What the synced layers of one model read: whether a training step runs and whether it pads. They sync over
-    every rank (the default group), which together hold the global batch.
+    """What the synced layers of one model read while a training step runs: whether this step pads, and the statistics
+    of each synced forward since the step began. They sync over every rank (the default group), which together hold
+    the global batch.
 
     ``active`` is True only inside :meth:`step`: profiling runs each rank's steps on its own, and a collective there
     would wait for ranks that never join it.
+
+    Activation checkpointing runs a block's forward again inside the backward (after the step's context has closed,
+    or inside it under manual optimization). That recomputation must not communicate: the ranks' memory plans differ,
+    so one rank may recompute a block another keeps, and a collective there would not pair up. It normalises with the
+    statistics its first forward computed (kept per layer, in call order, until the next step) and leaves the running
+    statistics alone (the first forward updated them), so it recomputes exactly what the first forward computed.
     """
 
     def __init__(self) -> None:
         self.active = False
         self.padding = False
+        self._recorded: dict[int, deque[tuple[torch.Size, Moments]]] = {}
 
     @contextmanager
     def step(self, padding: bool) -> Iterator[None]:
         """Sync the forwards inside (their backwards sync whenever they run); a padding step counts 0 samples."""
         self.active, self.padding = True, padding
+        self._recorded.clear()
         try:
             yield
         finally:
             self.active, self.padding = False, False
 
     def syncs(self) -> bool:
-        return self.active and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return self.active and self.spans_ranks()
+
+    def spans_ranks(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def record(self, layer: nn.Module, shape: torch.Size, moments: Moments) -> None:
+        """A synced forward's statistics, for the layer's recomputation in the backward (if any)."""
+        self._recorded.setdefault(id(layer), deque()).append((shape, moments))
+
+    def forget(self, layer: nn.Module) -> None:
+        """A plain forward of ``layer`` (outside a step): its recomputation is plain too."""
+        self._recorded.pop(id(layer), None)
+
+    def replay(self, layer: nn.Module, shape: torch.Size) -> Optional[Moments]:
+        """The statistics of ``layer``'s oldest forward not yet recomputed (``None``: it ran plain)."""
+        queue = self._recorded.get(id(layer))
+        if not queue:
+            return None
+        recorded, moments = queue.popleft()
+        if recorded != shape:
+            raise RuntimeError(
+                f"a synced BatchNorm layer is recomputed (activation checkpointing) on an input of shape {list(shape)} "
+                f"where its forward saw {list(recorded)}: recomputations must follow the forwards' order per layer."
+            )
+        return moments
 
 
 def _reduced_dims(x: Tensor) -> list[int]:
@@ -112,16 +157,24 @@ def global_moments(x: Tensor, count_local: bool) -> tuple[Tensor, Tensor, Tensor
     return count, mean, m2 / count.clamp_min(1)
 
 
+def synced_moments(x: Tensor, padding: bool) -> Moments:
+    """The global batch's statistics of ``x`` (one all-reduce; see :func:`global_moments`)."""
+    with torch.no_grad():
+        compute = x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
+        count, mean, var = global_moments(compute, not padding)
+    if count <= 1:
+        # One device raises the same for a global batch of one sample; every rank sees the same count.
+        raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
+                         f"(this rank's input size {list(x.shape)})")
+    return Moments(count, mean, var, padding)
+
+
 class _SyncedBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                sync: BatchNormSync) -> tuple[Tensor, Tensor, Tensor]:
+                moments: Moments) -> Tensor:
         compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        count, mean, var = global_moments(compute, not sync.padding)
-        if count <= 1:
-            # One device raises the same for a global batch of one sample; every rank sees the same count.
-            raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
-                             f"(this rank's input size {list(x.shape)})")
+        count, mean, var = moments.count, moments.mean, moments.var
         invstd = torch.rsqrt(var + eps)
         xhat = (compute - _per_channel(mean, compute)) * _per_channel(invstd, compute)
         y = xhat
@@ -131,15 +184,13 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
             y = y + _per_channel(bias.to(compute.dtype), compute)
         ctx.save_for_backward(xhat, invstd, weight)
         ctx.sync_count = count
-        ctx.padding = sync.padding
+        ctx.padding = moments.padding
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
-        unbiased = var * count / (count - 1)
-        ctx.mark_non_differentiable(mean, unbiased)
-        return y.to(x.dtype), mean, unbiased
+        return y.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
         xhat, invstd, weight = ctx.saved_tensors
         dy = dy.to(xhat.dtype)
         dims = _reduced_dims(xhat)
@@ -164,7 +215,7 @@ class _SyncedBatchNormFunction(torch.autograd.Function):
         return (grad_x.to(ctx.input_dtype),
                 None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(weight.dtype if weight is not None else dy.dtype),
-                None, None)
+                None, None, None)
 
 
 class SyncedBatchNorm(BatchNormBase):
@@ -186,17 +237,29 @@ class SyncedBatchNorm(BatchNormBase):
     @override
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        if not (self.training and self.sync.syncs()):
+        sync = self.sync
+        if self.training and sync.spans_ranks() and _compat.in_backward():
+            # Activation checkpointing's recomputation: the first forward's statistics, no collective, no update.
+            moments = sync.replay(self, input.shape)
+            if moments is not None:
+                return _SyncedBatchNormFunction.apply(input, self.weight, self.bias, self.eps, moments)
+            return super().forward(input)
+        if not (self.training and sync.syncs()):
+            sync.forget(self)
             return super().forward(input)
         if self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         factor = self.momentum
         if factor is None:  # a cumulative moving average, as torch's BatchNorm
             factor = 1.0 / float(self.num_batches_tracked) if self.num_batches_tracked is not None else 0.0
-        y, mean, unbiased = _SyncedBatchNormFunction.apply(input, self.weight, self.bias, self.eps, self.sync)
+        moments = synced_moments(input, sync.padding)
+        sync.record(self, input.shape, moments)
+        y = _SyncedBatchNormFunction.apply(input, self.weight, self.bias, self.eps, moments)
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            count = moments.count
+            unbiased = moments.var * count / (count - 1)
             with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                self.running_mean.mul_(1 - factor).add_(moments.mean.to(self.running_mean.dtype), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
         return y
 
@@ -208,8 +271,8 @@ def batchnorm_layers(model: nn.Module) -> list[nn.Module]:
 
 class SyncedBatchNormPlugin(LayerSync):
     """``Trainer(sync_batchnorm=True)`` under the heterogeneous strategies: every BatchNorm layer becomes a
-    :class:`SyncedBatchNorm` on any device (torch's ``SyncBatchNorm`` runs on CUDA only and counts a padding step's
-    re-read sample).
+    :class:`SyncedBatchNorm` on any device (torch's ``SyncBatchNorm`` runs on CUDA only, counts a padding step's
+    re-read sample, and communicates again when activation checkpointing recomputes a block on some ranks only).
 
     The layers are changed in place (their class only), so parameters, buffers, hooks and the optimizer's references
     stay the same objects, whether or not the model is sharded afterwards; :meth:`revert` gives each its own class
@@ -244,12 +307,44 @@ class SyncedBatchNormPlugin(LayerSync):
 
 
 def _synced_class(original: type) -> type:
-    """``SyncedBatchNorm`` for a plain layer; for a layer whose class sharding made (FSDP2 makes
-    ``FSDPBatchNorm2d(FSDPModule, BatchNorm2d)``), the same mix with ``SyncedBatchNorm`` in the layer's place."""
+    """The class a BatchNorm layer has while synced.
+
+    - torch's and Lightning's own classes, and subclasses of torch's ``SyncBatchNorm`` (whose CUDA-only forward
+      would come first): ``SyncedBatchNorm``;
+    - a user's subclass (``class MyNorm(nn.BatchNorm2d)``): ``SyncedMyNorm(MyNorm, SyncedBatchNorm)``, so its own
+      methods stay and its ``forward``'s ``super().forward(x)`` is the synced one (a ``forward`` that never calls it
+      stays per-rank: :func:`_warn_own_forward` says so);
+    - a class that sharding made (FSDP2 makes ``FSDPBatchNorm2d(FSDPModule, BatchNorm2d)``): the same mix with the
+      synced class of its BatchNorm base in that base's place.
+    """
     bases = tuple(b for b in original.__bases__ if not issubclass(b, BatchNormBase))
-    if not bases:
+    if bases:
+        norms = tuple(_synced_class(b) for b in original.__bases__ if issubclass(b, BatchNormBase))
+        return _mixed(f"Synced{original.__name__}", bases + norms, original)
+    if _is_library_class(original) or issubclass(original, nn.SyncBatchNorm):
         return SyncedBatchNorm
-    return _mixed(f"Synced{original.__name__}", bases + (SyncedBatchNorm,), original)
+    _warn_own_forward(original)
+    return _mixed(f"Synced{original.__name__}", (original, SyncedBatchNorm), None)
+
+
+def _is_library_class(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in ("torch", "lightning", "pytorch_lightning", __name__.split(".")[0])
+
+
+_WARNED_FORWARD: set[type] = set()
+
+
+def _warn_own_forward(user_class: type) -> None:
+    """Say once per class when a user's BatchNorm subclass defines its own ``forward``: it is synced only through
+    ``super().forward(...)``."""
+    own = [c for c in user_class.__mro__ if not _is_library_class(c) and "forward" in vars(c)]
+    if own and user_class not in _WARNED_FORWARD:
+        _WARNED_FORWARD.add(user_class)
+        rank_zero_warn(
+            f"lightning_hetero: `sync_batchnorm=True` keeps your BatchNorm class {user_class.__qualname__} and its own "
+            f"`forward` ({own[0].__qualname__}.forward); its statistics are over the global batch only where that "
+            "`forward` calls `super().forward(...)` (BatchNorm's), otherwise over this rank's share."
+        )
 
 
 def _reverted_class(current: type, original: type) -> type:
@@ -264,10 +359,10 @@ def _reverted_class(current: type, original: type) -> type:
 _MIXED: dict[tuple[type, ...], type] = {}
 
 
-def _mixed(name: str, bases: tuple[type, ...], model: type) -> type:
+def _mixed(name: str, bases: tuple[type, ...], model: Optional[type]) -> type:
     """One class per set of bases, with ``model``'s own class attributes (e.g. FSDP2's ``__deepcopy__``)."""
     if bases not in _MIXED:
-        own = {k: v for k, v in vars(model).items() if k not in ("__dict__", "__weakref__")}
+        own = {} if model is None else {k: v for k, v in vars(model).items() if k not in ("__dict__", "__weakref__")}
         _MIXED[bases] = type(name, bases, own)
     return _MIXED[bases]
 

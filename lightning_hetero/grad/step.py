@@ -94,7 +94,7 @@ class StepShare:
         limit = self.loaders.micro_limit
         if not limit:
             return None
-        sizes = chunk_sizes(batch_size or 1, limit)
+        sizes = chunk_sizes(batch_size or 1, limit, self.loaders.plan.min_share)
         return sizes if len(sizes) > 1 else None
 
     def run_micro_batches(self, sizes: list[int], batch: Any, forward: Callable[[Any], Any],

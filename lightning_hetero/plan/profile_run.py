@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hetero._compat import BatchNormBase
 from lightning_hetero.lab.rehearsal import rehearsal
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
@@ -110,6 +111,9 @@ class ShareProfiler:
             lockstep=self.sharded,
             # A sharded model's step runs through its root, which gathers the root's own parameters.
             training_step=view.training_step if self.sharded else None,
+            # Profiling trains BatchNorm layers on this rank's batch alone (never synced), which needs 2 samples.
+            min_batch=2 if any(isinstance(m, BatchNormBase) for m in module.modules()) else 1,
+            min_share=self.plan.min_share,
         )
         if result is None:
             rank_zero_warn(f"{running_strategy()}: `training_step` returned no loss to time; keeping "

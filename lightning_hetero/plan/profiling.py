@@ -141,10 +141,11 @@ def balanced_capacities(profiles: Sequence[RankProfile], global_batch_size: int)
     return [b / (a + c * b) for b, (a, c) in zip(shares, models)]
 
 
-def profile_sizes(global_batch_size: int, world_size: int) -> tuple[int, int]:
-    """Half and all of an equal share: the sizes plain DDP already trains at, so both fit where DDP fits."""
-    equal = max(1, global_batch_size // world_size)
-    return max(1, equal // 2), equal
+def profile_sizes(global_batch_size: int, world_size: int, minimum: int = 1) -> tuple[int, int]:
+    """Half and all of an equal share: the sizes plain DDP already trains at, so both fit where DDP fits. None below
+    ``minimum`` (2 for a model with BatchNorm layers, which cannot train on one sample)."""
+    equal = max(minimum, global_batch_size // world_size)
+    return max(minimum, equal // 2), equal
 
 
 def time_rank(
@@ -410,6 +411,8 @@ def profile_lightning_module(
     classes: Sequence[str] = (),
     lockstep: bool = False,
     training_step: Optional[Callable[..., Any]] = None,
+    min_batch: int = 1,
+    min_share: int = 1,
 ) -> Optional[ProfileResult]:
     """Profile ``module`` (a LightningModule, not its DDP wrapper) on this rank and combine all ranks' results.
 
@@ -421,10 +424,12 @@ def profile_lightning_module(
     refitted on that point and the nearer of the first two. With ``lockstep`` (a sharded model, whose steps issue
     collectives) every rank runs the same steps and there is no refinement: the times are the slowest rank's, and
     only the memory measurements are this rank's own. ``training_step``: the strategy's, where the module's own
-    would miss what the strategy does around it (a sharded root's forward hooks).
+    would miss what the strategy does around it (a sharded root's forward hooks). ``min_batch``: the fewest samples
+    a timed batch holds (2 with BatchNorm layers: profiling trains them on this rank's batch alone); ``min_share``:
+    the fewest samples the loader gives a rank (the share plan's), so the split judged here is the one it cuts.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    sizes = profile_sizes(global_batch_size, world)
+    sizes = profile_sizes(global_batch_size, world, min_batch)
     reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
 
     def timed(batch_sizes: Sequence[int]) -> Optional[RankProfile]:
@@ -443,7 +448,7 @@ def profile_lightning_module(
     if any(p is None for p in profiles):
         return None
     result = combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
-    split = split_batch(global_batch_size, result.capacities, result.caps)
+    split = split_batch(global_batch_size, result.capacities, result.caps, min_share)
     far = [min(abs(b - s) for s in sizes) > 0.1 * b for b in split]
     # A latency-bound job is compared at the equal share, which every rank has timed: nothing to refine.
     if lockstep or not any(far) or any(p.latency_bound() for p in profiles):  # identical on every rank: no collective needed
@@ -451,7 +456,7 @@ def profile_lightning_module(
     assert local is not None
     refined = local
     if far[rank]:
-        target = min(split[rank], len(indices))
+        target = max(min_batch, min(split[rank], len(indices)))
         extra = timed([target])
         if extra is not None:
             near = min(range(len(local.sizes)), key=lambda i: abs(local.sizes[i] - target))

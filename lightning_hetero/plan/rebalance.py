@@ -160,16 +160,18 @@ def propose(
     global_batch_size: int,
     caps: Optional[Sequence[int]],
     threshold: float,
+    minimum: int = 1,
 ) -> Optional[tuple[list[int], list[int], float, float]]:
     """(old split, new split, moved fraction, gain) when the split by measured ``throughput`` (samples/s) is
     predicted to make the step more than ``threshold`` shorter than the split by ``current`` capacities; else
-    ``None``. The gain is 1 - new step / old step, each the slowest rank's share over its rate.
+    ``None``. The gain is 1 - new step / old step, each the slowest rank's share over its rate. ``minimum``: the
+    fewest samples the loader gives a rank (the share plan's), so both splits are the ones the loader cuts.
 
     Gating on the step rather than on how many samples move keeps a rate ratio that wanders around a rounding point
     from moving a sample back and forth: near that point both splits take about as long.
     """
-    old = split_batch(global_batch_size, current, caps)
-    new = split_batch(global_batch_size, throughput, caps)
+    old = split_batch(global_batch_size, current, caps, minimum)
+    new = split_batch(global_batch_size, throughput, caps, minimum)
     gain = 1.0 - predicted_step(new, throughput) / predicted_step(old, throughput)
     if gain <= threshold:
         return None
@@ -305,7 +307,8 @@ class ShareController:
         if first_round:
             return None  # the first window carries start-up costs (allocator, kernel selection): never act on it alone
         current = self.plan.capacities
-        proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold)
+        proposal = propose(current, self.ema, self.sampler.global_batch_size, self.caps, self.threshold,
+                           self.plan.min_share)
         if proposal is None:
             return None
         old, new, moved, gain = proposal

@@ -166,7 +166,7 @@ class ShareSchedule:
         if self.balance != "samples":
             change = self.change_at(batch_index)
             return split_by_cost(costs, change.capacities, self.caps_of(change),
-                                 padded=self.balance == "padded_tokens")
+                                 padded=self.balance == "padded_tokens", minimum=self.min_share)
         bounds = [0]
         for b in self.split_at(batch_index, len(costs)):
             bounds.append(bounds[-1] + b)
@@ -194,14 +194,26 @@ class SharePlan:
         self._loader_bound = False
         # The evaluation loaders' schedules, which follow every adopted change from their first batch.
         self.followers: list[ShareSchedule] = []
-        # The fewest samples of a training global batch a rank is given (2 for BatchNorm trained without sync).
-        self.min_share = 1
+        self._min_share = 1
+
+    @property
+    def min_share(self) -> int:
+        """The fewest samples of a training global batch a rank is given (2 while BatchNorm layers train on each
+        rank's own statistics). The plan is its one writer: the store and every training schedule read it from here."""
+        return self._min_share
+
+    @min_share.setter
+    def min_share(self, value: int) -> None:
+        self._min_share = int(value)
+        if self._schedule is not None:
+            self._schedule.set_min_share(self._min_share)
 
     # -- writers: the lab set-up, then profiling, rebalancing and resume through `adopt` ------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:
         """Capacities that need no measurement (the ``capacities`` argument against the lab's devices)."""
         weights, self.source = resolve_static_capacities(self.spec, devices, dtype)
         self._schedule = ShareSchedule(None, weights)
+        self._schedule.set_min_share(self._min_share)
         self._loader_bound = False
 
     def adopt(self, capacities: Sequence[float], source: str, caps: Optional[Sequence[int]],
@@ -223,7 +235,9 @@ class SharePlan:
         return ShareSchedule(global_batch_size, latest.capacities, latest.caps, epoch=epoch)
 
     def use_train_schedule(self, schedule: ShareSchedule) -> None:
-        """The training loader's schedule (made by :meth:`new_schedule`) becomes the store, replacing the one before."""
+        """The training loader's schedule (made by :meth:`new_schedule`) becomes the store, replacing the one before;
+        it splits with the plan's :attr:`min_share` (a ``ValueError`` if its global batch is too small for it)."""
+        schedule.set_min_share(self._min_share)
         self._schedule = schedule
         self._loader_bound = True
 

@@ -124,7 +124,8 @@ def validate_costs(costs: Sequence[float], name: str = "sample cost") -> list[fl
 
 
 def split_by_cost(
-    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None, padded: bool = False
+    costs: Sequence[float], capacities: Sequence[float], caps: Optional[Sequence[int]] = None, padded: bool = False,
+    minimum: int = 1,
 ) -> list[list[int]]:
     """Cut one global batch so each rank's cost (e.g. tokens) over its capacity is as even as possible.
 
@@ -132,15 +133,15 @@ def split_by_cost(
     The samples are ordered by cost and cut into contiguous runs, slowest rank first, so a rank's samples have
     similar lengths; the cuts minimise the largest cost_r / c_r (a binary search on that step time, each rank taking
     the longest run that fits it). A run's cost is the sum of its samples' costs, or with ``padded`` its length times
-    its largest cost: what a collate that pads to the longest sample computes. Every rank gets at least one sample
-    when there are at least as many samples as ranks, and at most ``caps[r]``; fewer samples than ranks are placed
-    like :func:`split_batch` places them.
+    its largest cost: what a collate that pads to the longest sample computes. Every rank gets at least ``minimum``
+    samples when there are at least ``minimum`` x as many samples as ranks, and at most ``caps[r]``; fewer samples are
+    placed like :func:`split_batch` places them (``minimum`` as there).
     """
     weights = validate_weights(capacities, "capacities")
     values = validate_costs(costs)
     n, g = len(weights), len(values)
-    if g < n or sum(values) <= 0:  # nothing to weigh: the count split, in batch order
-        counts = split_batch(g, weights, caps if g >= n else None)
+    if g < minimum * n or sum(values) <= 0:  # nothing to weigh: the count split, in batch order
+        counts = split_batch(g, weights, caps if g >= minimum * n else None, minimum)
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + c)
@@ -148,8 +149,8 @@ def split_by_cost(
     limits = [g] * n if caps is None else [int(c) for c in caps]
     if len(limits) != n:
         raise ValueError(f"`caps` has {len(limits)} entries for {n} ranks.")
-    if any(c < 1 for c in limits) or sum(limits) < g:
-        split_batch(g, weights, limits)  # raises the count split's error, naming the shortfall
+    if any(c < minimum for c in limits) or sum(limits) < g:
+        split_batch(g, weights, limits, minimum)  # raises the count split's error, naming the shortfall
     order = sorted(range(g), key=lambda i: (values[i], i))  # ties by position: identical on every rank
     ranked = [values[i] for i in order]
     prefix = [0.0]
@@ -166,8 +167,8 @@ def split_by_cost(
         ends, start = [], 0
         for k, r in enumerate(ranks):
             rest = ranks[k + 1 :]
-            lo = max(start + 1, g - sum(limits[q] for q in rest))
-            hi = min(g - len(rest), start + limits[r])
+            lo = max(start + minimum, g - sum(limits[q] for q in rest))
+            hi = min(g - minimum * len(rest), start + limits[r])
             if lo > hi or run_cost(start, lo) > step * weights[r]:
                 return None
             end, top = lo, hi  # the longest run within `step`: run costs grow with the run

@@ -12,6 +12,7 @@ from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.config import parse_micro_batch
 from lightning_hetero.data.microbatch import (
     _combine,
+    check_micro_limits,
     chunk_sizes,
     micro_limits,
     run_micro_batches,
@@ -31,6 +32,20 @@ def test_chunk_sizes_and_limits():
     assert micro_limits((5, 6), None, 2) == [5, 6]
     with pytest.raises(ValueError, match="micro_batch"):
         micro_limits((5, 6, 7), None, 2)
+
+
+def test_no_micro_batch_below_the_least_share():
+    """BatchNorm trained unsynced (least share 2): a share of 3 at a limit of 2 ran as [2, 1], a 1-sample batch."""
+    for limit in (3, 4, 5, 7):
+        for share in range(2, 40):
+            sizes = chunk_sizes(share, limit, minimum=2)
+            assert sum(sizes) == share and min(sizes) >= 2 and max(sizes) <= limit, (share, limit, sizes)
+    with pytest.raises(ValueError, match="cannot run as micro-batches of 2 to 2"):
+        chunk_sizes(3, 2, minimum=2)
+    check_micro_limits([3, None], 2)
+    check_micro_limits([1, 2], 1)
+    with pytest.raises(ValueError, match=r"`data.micro_batch`: rank\(s\) \[1\].*at least 3, or leave"):
+        check_micro_limits([3, 2], 2)
 
 
 @pytest.mark.parametrize("value", [0, -1, [2, 0], "half", True, [], 2.5])

@@ -5,7 +5,8 @@ both strategies, and torch's own ``SyncBatchNorm`` checked with unequal per-rank
     python tests/gpu/batchnorm_worker.py --out DIR --mode nccl     # 2 GPUs (NCCL), shares [3, 1]
 
 Writes ``DIR/result.json``: per strategy, the largest relative parameter difference over all steps and the largest
-buffer difference (running_mean, running_var, num_batches_tracked) against one process, synced and not; with
+buffer difference (running_mean, running_var, num_batches_tracked) against one process, synced and not, and synced
+under FSDP with rank 0 recomputing its BatchNorm blocks (activation checkpointing on CUDA's autograd threads); with
 ``nccl`` also torch's ``SyncBatchNorm`` on 6 + 2 samples against ``BatchNorm2d`` on all 8.
 """
 
@@ -25,13 +26,13 @@ import torch  # noqa: E402
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
 
-from tests.grad.test_batchnorm import BatchNormModel  # noqa: E402
+from tests.grad.test_batchnorm import BatchNormModel, BlockNormModel  # noqa: E402
 from tests.helpers import fit_distributed, max_rel_diff, reference_run  # noqa: E402
 
 CAPACITIES, EPOCHS = [3, 1], 2
 
 
-def fit(out: str, strategy_class: type, sync: bool, shared: bool) -> tuple[list[dict], Any]:
+def fit(out: str, strategy_class: type, sync: bool, shared: bool, memory: Any = None) -> tuple[list[dict], Any]:
     """A fit on CUDA at [3, 1] (the fork launcher: CUDA starts in the ranks only) and the untrained copy of its model."""
     import copy
 
@@ -40,12 +41,15 @@ def fit(out: str, strategy_class: type, sync: bool, shared: bool) -> tuple[list[
     from lightning_hetero.lab.shared_gpu import one_gpu
 
     seed_everything(0)
-    model = BatchNormModel(n=53)
+    model = BatchNormModel(n=53) if memory is None else BlockNormModel(n=53)
     reference = copy.deepcopy(model)
-    folder = os.path.join(out, f"{strategy_class.__name__}-{'sync' if sync else 'plain'}")
+    name = f"{strategy_class.__name__}-{'sync' if sync else 'plain'}{'-memory' if memory else ''}"
+    folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
     # Two ranks on one GPU: gloo, no device binding (lightning_hetero.lab.shared_gpu).
     extra = {"parallel_devices": one_gpu(2), "process_group_backend": "gloo"} if shared else {}
+    if memory is not None:
+        extra["memory"] = memory
     records = fit_distributed(model, folder, 2, {"capacities": CAPACITIES, **extra}, max_epochs=EPOCHS,
                               strategy_class=strategy_class, sync_batchnorm=sync, accelerator="gpu",
                               devices=1 if shared else 2)
@@ -137,6 +141,12 @@ def main() -> None:
                 fits[key] = fit(args.out, strategy_class, sync, shared=args.mode == "shared")
             except Exception:
                 result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
+    key = "HeteroFSDPStrategy sync=True checkpoint rank 0"
+    try:
+        fits[key] = fit(args.out, HeteroFSDPStrategy, True, shared=args.mode == "shared",
+                        memory={"rank:0": "checkpoint", "*": "keep"})
+    except Exception:
+        result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
     for key, (records, reference) in fits.items():
         result["runs"][key] = against_one_process(records, reference)
     if args.mode == "nccl":

@@ -1,5 +1,6 @@
 """BatchNorm under uneven shares on CUDA: ``Trainer(sync_batchnorm=True)`` with both strategies against one process on
-the same GPU at shares [3, 1], parameters and running statistics; without sync far from it. On 2 GPUs (NCCL) also
+the same GPU at shares [3, 1], parameters and running statistics (FSDP also with rank 0 recomputing its BatchNorm
+blocks); without sync far from it. On 2 GPUs (NCCL) also
 torch's own ``SyncBatchNorm`` with unequal per-rank counts (6 + 2) against ``BatchNorm2d`` on all 8.
 
     python -m pytest -q -s tests/gpu/test_gpu_batchnorm.py -m gpu   # the 2-GPU test is skipped on one GPU
@@ -21,6 +22,9 @@ def check(result: dict) -> None:
         assert synced["steps"] == [synced["reference_steps"]] * 2
         assert synced["params"] <= TOLERANCE and synced["buffers"] <= TOLERANCE, (strategy, synced)
         assert plain["params"] > 1e-2, (strategy, plain)
+    recomputed = runs["HeteroFSDPStrategy sync=True checkpoint rank 0"]
+    assert "error" not in recomputed, recomputed.get("error")
+    assert recomputed["params"] <= TOLERANCE and recomputed["buffers"] <= TOLERANCE, recomputed
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from lightning.pytorch import seed_everything
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from torch import nn
@@ -22,7 +23,7 @@ from lightning_hetero._compat import BatchNormXd
 from lightning_hetero.grad.batchnorm import SyncedBatchNorm, SyncedBatchNormPlugin, sync_for_strategy
 from lightning_hetero.plan.shares import ShareSchedule
 from lightning_hetero.plan.split import split_batch
-from tests.helpers import TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
+from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port, max_rel_diff, reference_run
 
 TOLERANCE = 2e-5
 
@@ -41,11 +42,14 @@ def _largest(difference: torch.Tensor) -> float:
     return float(difference.abs().max()) if difference.numel() else 0.0
 
 
-def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, out: Any) -> None:
+def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, out: Any,
+                  checkpointed: bool = False) -> None:
     """Rank ``rank`` of ``len(counts)``: each layer of LAYERS synced, on its slice of one batch, against torch's layer
     on the whole batch. The loss is each sample's output times a fixed random tensor, as a mean over the batch.
     ``hook_weighted``: rank r's loss is scaled by b_r/G and the gradients summed (the weighting comm hook); otherwise
-    its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce)."""
+    its loss is scaled by b_r·W/G and the gradients averaged (DDP's all-reduce). ``checkpointed``: even ranks run the
+    layer under activation checkpointing (rank 0 non-reentrant, rank 2 reentrant), so it is recomputed in their
+    backward while the other ranks keep its activations."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         world = len(counts)
@@ -75,7 +79,10 @@ def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, 
                 ((y_ref * probe).sum() / total).backward()
                 x_mine = x[mine].clone().requires_grad_()
                 with plugin.sync.step(padding=counts[rank] == 0):
-                    y = layer(x_mine)
+                    if checkpointed and rank % 2 == 0:
+                        y = torch.utils.checkpoint.checkpoint(layer, x_mine, use_reentrant=rank == 2)
+                    else:
+                        y = layer(x_mine)
                 mean_loss = (y * probe[mine]).sum() / max(counts[rank], 1)
                 (mean_loss * share * (1 if hook_weighted else world)).backward()
                 errors[f"{name} step {step} forward"] = _largest(y - y_ref[mine])
@@ -106,11 +113,11 @@ def _layer_worker(rank: int, counts: list[int], port: int, hook_weighted: bool, 
             dist.destroy_process_group()
 
 
-def _run_layers(counts: list[int], hook_weighted: bool) -> dict[str, float]:
+def _run_layers(counts: list[int], hook_weighted: bool, checkpointed: bool = False) -> dict[str, float]:
     context = multiprocessing.get_context("fork")
     out = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_layer_worker, args=(r, counts, port, hook_weighted, out))
+    processes = [context.Process(target=_layer_worker, args=(r, counts, port, hook_weighted, out, checkpointed))
                  for r in range(len(counts))]
     for p in processes:
         p.start()
@@ -134,6 +141,17 @@ def test_synced_layer_equals_batchnorm_on_the_whole_batch(counts, hook_weighted)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-5, (worst, errors[worst])
     assert any("running_var" in k for k in errors) and any("param grad" in k for k in errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("counts", [[6, 2], [5, 2, 1]], ids=str)
+def test_a_recomputed_synced_layer_equals_batchnorm_on_the_whole_batch(counts):
+    """Activation checkpointing recomputes the layer in the backward, outside the step's sync: it ran as a plain
+    BatchNorm there (CheckpointError, a second running-statistics update). Only some ranks recompute, so the
+    recomputation must not communicate."""
+    errors = _run_layers(counts, hook_weighted=False, checkpointed=True)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, (worst, errors[worst])
 
 
 def test_a_single_sample_over_all_ranks_fails_like_one_device():
@@ -273,3 +291,127 @@ def test_without_sync_batchnorm_trains_but_is_not_one_process(tmp_path, strategy
     step of 2 samples, so BatchNorm never sees a single sample."""
     params, buffers = fit_against_one_process(tmp_path, strategy_class, [5, 2, 1], sync=False)
     assert params > 1e-2 and buffers > 1e-2
+
+
+# -- a user's BatchNorm subclass ------------------------------------------------------------------------------------
+class ScaledNorm(nn.BatchNorm2d):
+    """A user's BatchNorm with a method and a forward of its own that goes through BatchNorm's."""
+
+    def scale(self) -> float:
+        return 2.0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * self.scale()
+
+
+def test_a_user_subclass_keeps_its_class_and_forward_while_synced():
+    """It became a plain SyncedBatchNorm while synced: its own methods and forward were gone."""
+    model = nn.Sequential(ScaledNorm(3), nn.BatchNorm1d(2))
+    plugin = SyncedBatchNormPlugin()
+    with pytest.warns(UserWarning, match=r"ScaledNorm.*own `forward`.*super\(\)\.forward"):
+        plugin.apply(model)
+    layer = model[0]
+    assert isinstance(layer, ScaledNorm) and isinstance(layer, SyncedBatchNorm) and layer.scale() == 2.0
+    assert type(model[1]) is SyncedBatchNorm
+    x = torch.randn(4, 3, 2, 2)
+    expected = nn.functional.batch_norm(x, None, None, training=True) * 2  # one process: the user's forward
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="expected 4D input"):  # BatchNorm2d's own input check is kept
+        layer(torch.randn(4, 3))
+    plugin.revert(model)
+    assert type(model[0]) is ScaledNorm and type(model[1]) is nn.BatchNorm1d
+    # The same class on the next apply, and no second warning for it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin.apply(model)
+    assert type(model[0]) is type(layer)
+
+
+# -- activation checkpointing's recomputation -----------------------------------------------------------------------
+class BlockNormModel(TinyModel):
+    """Two blocks holding BatchNorm (FSDP recomputes a block under the memory rule "checkpoint")."""
+
+    def __init__(self, n: int = 53) -> None:
+        super().__init__(n=n, batch_size=4)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(2)])
+        self.net = None
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(x[:, :4], y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", [{"rank:0": "checkpoint", "*": "keep"}, {"*": "checkpoint"}], ids=["rank0", "all"])
+def test_sync_batchnorm_is_exact_when_fsdp_recomputes_blocks(tmp_path, memory):
+    """The recomputed forward ran in backward as a plain BatchNorm (CheckpointError "Recomputed values ... different
+    metadata"), and running statistics would have updated twice. Rank 0 recomputing while rank 1 keeps its blocks:
+    the recomputation must not communicate."""
+    seed_everything(0)
+    model = BlockNormModel()
+    reference = copy.deepcopy(model)
+    records = fit_distributed(model, str(tmp_path), 2, {"capacities": [3, 1], "memory": memory}, max_epochs=1,
+                              strategy_class=HeteroFSDPStrategy, sync_batchnorm=True)
+    ref_params, _ = reference_run(reference, 2, [3, 1], 1)
+    params = max(max_rel_diff(records[0]["params"][s], expected) for s, expected in enumerate(ref_params))
+    buffers = max(float((r["buffers"][name].double() - b.double()).abs().max())
+                  for r in records for name, b in reference.named_buffers())
+    assert params <= TOLERANCE and buffers <= TOLERANCE
+
+
+# -- no 1-sample batch anywhere without sync --------------------------------------------------------------------------
+class StreamOf(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.data = IndexedDataset(n)
+
+    def __iter__(self) -> Any:
+        return (self.data[i] for i in range(len(self.data)))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class UnsyncedNormModel(TinyModel):
+    def __init__(self, n: int, batch_size: int, stream: bool = False) -> None:
+        super().__init__(n=n, batch_size=batch_size)
+        self.stream = stream
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+    def train_dataloader(self) -> Any:
+        data = StreamOf(self.hparams.n) if self.stream else IndexedDataset(self.hparams.n)
+        return torch.utils.data.DataLoader(data, batch_size=self.hparams.batch_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream_mode", ["exact", "shard"])
+def test_a_streams_padding_step_reads_as_many_samples_as_the_least_share(tmp_path, stream_mode):
+    """Exact: 11 samples, G = 8 at [3, 1]: the last global batch of 3 is split [3, 0], so rank 1 pads; the stream
+    padded with one sample (map-style with the least share) and BatchNorm died on it. Shard (each rank reads all 11
+    here): rank 1 takes 2 a step and its stream's last sample was a step of its own."""
+    seed_everything(0)
+    records = fit_distributed(UnsyncedNormModel(11, 4, stream=True), str(tmp_path), 2,
+                              {"capacities": [3, 1], "data": {"stream_mode": stream_mode}}, max_epochs=1)
+    assert {r["steps"] for r in records} == ({2} if stream_mode == "exact" else {5})
+    assert min(len(batch) for r in records for batch in r["indices"]) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", [False, True])
+def test_profiling_never_times_a_one_sample_batch_of_a_batchnorm_model(tmp_path, sync):
+    """G = 6 on 2 ranks: profiling timed half an equal share, 1 sample, in train mode (sync or not: profiling trains
+    each rank's batch alone)."""
+    seed_everything(0)
+    records = fit_distributed(UnsyncedNormModel(24, 3), str(tmp_path), 2, {"capacities": "profile"}, max_epochs=1,
+                              sync_batchnorm=sync)
+    assert {r["steps"] for r in records} == {4}
+
+
+@pytest.mark.slow
+def test_micro_batches_of_one_sample_are_refused_at_setup_naming_the_option(tmp_path):
+    """A share of 3 at `micro_batch=2` ran as [2, 1]: BatchNorm died on the 1-sample micro-batch mid-epoch."""
+    seed_everything(0)
+    with pytest.raises(Exception, match=r"data\.micro_batch.*at least 3"):
+        fit_distributed(UnsyncedNormModel(24, 3), str(tmp_path), 2,
+                        {"capacities": [1, 1], "data": {"micro_batch": 2}}, max_epochs=1)

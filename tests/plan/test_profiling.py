@@ -19,6 +19,7 @@ from lightning_hetero.plan.profiling import (
     balanced_capacities,
     combine,
     preserved,
+    profile_sizes,
     time_rank,
     training_loss,
 )
@@ -255,3 +256,10 @@ def test_usable_memory_is_bounded_by_the_allocator_cap(monkeypatch):
     fraction["value"] = 24 / 80
     # capped at 24 GiB: 24 - 6 reserved + 2 cached, less 10 % of 24
     assert usable_bytes(device, 0.1) == pytest.approx(24 * gib - 6 * gib + 2 * gib - 0.1 * 24 * gib, abs=1)
+
+
+def test_profile_sizes_never_go_below_the_least_batch() -> None:
+    """G = 6 on 2 ranks timed a 1-sample batch (half an equal share), which a BatchNorm layer cannot train on."""
+    assert profile_sizes(6, 2) == (1, 3)
+    assert profile_sizes(6, 2, minimum=2) == (2, 3)
+    assert profile_sizes(2, 2, minimum=2) == (2, 2)

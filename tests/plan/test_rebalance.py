@@ -219,3 +219,10 @@ def test_step_timer_marks_the_end_before_ddp_waits_for_the_all_reduce(tmp_path: 
             assert returned - began >= 0.3 and began < end < returned - 0.25, (began, end, returned)
     finally:
         dist.destroy_process_group()
+
+
+def test_propose_judges_the_splits_the_loader_cuts_under_a_least_share() -> None:
+    """With BatchNorm trained unsynced the loader never gives a rank fewer than 2: both splits respect it."""
+    old, new, _, _ = propose([1, 1], [30.0, 1.0], 16, None, threshold=0.05, minimum=2)
+    assert old == [8, 8] and new == [14, 2]
+    assert propose([1, 1], [30.0, 1.0], 16, None, threshold=0.05)[1] == [15, 1]

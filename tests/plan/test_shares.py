@@ -130,3 +130,36 @@ def test_plan_after_a_rebalance_and_a_resume_reads_the_split_the_loader_cuts(mon
         # Resumed: the restored shares are what the plan reads and what the loader cuts from the first batch.
         assert after[0]["source"] == "restored" and after[0]["capacities"] == last["capacities"]
         assert after[0]["split"] == last["split"] and after[0]["split"][r] == after[0]["size"]
+
+
+def test_the_plan_is_the_one_writer_of_the_least_share_its_store_and_the_training_schedule_read() -> None:
+    """With BatchNorm trained unsynced (least share 2) the FSDP memory plan read the store's split (15, 1) before the
+    loader while the loader cut [14, 2]: the minimum was written to the loader's schedule only."""
+    plan = SharePlan(parse_capacities([10, 1]), global_batch_size=16)
+    plan.resolve(CPUS, torch.float32)
+    assert plan.split == (15, 1)
+    plan.min_share = 2
+    assert plan.split == (14, 2)  # before any loader: what the memory plan reads
+    train = _training_sampler(plan, 160, 16)
+    assert train.schedule.min_share == 2 and plan.split == (14, 2) and [len(b) for b in train][:2] == [14, 14]
+    plan.adopt([30.0, 1.0], "rebalanced", caps=None, first_batch=1, epoch=0)
+    assert plan.split == (14, 2) and train.split_at(1) == [14, 2]
+    # A later training loader (reloaded every epoch) splits with the plan's minimum too.
+    again = _training_sampler(plan, 160, 16)
+    assert again.schedule.min_share == 2 and again.split_at(0) == [14, 2]
+    # An evaluation loader runs no BatchNorm training: its schedule keeps one sample per rank.
+    assert plan.new_schedule(16).min_share == 1
+
+
+def test_the_cost_balanced_cut_keeps_the_least_share() -> None:
+    """`balance='tokens'` cut [[1..7], [0]] at [10, 1] with a least share of 2: split_by_cost ignored the minimum."""
+    from lightning_hetero.plan.shares import ShareSchedule
+
+    schedule = ShareSchedule(8, [10, 1])
+    schedule.set_min_share(2)
+    for balance in ("tokens", "padded_tokens"):
+        schedule.balance = balance  # type: ignore[assignment]
+        runs = schedule.cut(0, [1, 2, 3, 4, 5, 6, 7, 8])
+        assert sorted(i for r in runs for i in r) == list(range(8)) and min(len(r) for r in runs) == 2, runs
+    # A last global batch too small for 2 each: placed as the count split places it.
+    assert [len(r) for r in schedule.cut(1, [1.0, 2.0, 3.0])] == split_batch(3, [10, 1], minimum=2) == [3, 0]

@@ -57,6 +57,19 @@ def test_the_advice_for_a_global_batch_larger_than_the_dataset_is_one_the_strate
     assert "<=" not in str(err.value)
 
 
+def test_the_advice_names_a_global_batch_the_least_share_accepts():
+    """With BatchNorm trained unsynced every rank needs 2 samples: "between 2 and 5" was advice the schedule
+    refuses."""
+    sampler = _sampler(5, 8)
+    sampler.schedule.set_min_share(2)
+    with pytest.raises(ValueError, match=r"Set `global_batch_size` between 4 \(2 samples per rank\) and 5\."):
+        check_training_batch(sampler, "train_dataloader", explicit=True)
+    sampler = _sampler(3, 8)
+    sampler.schedule.set_min_share(2)
+    with pytest.raises(ValueError, match=r"at least 2 samples per rank \(2\): use more samples"):
+        check_training_batch(sampler, "train_dataloader", explicit=True)
+
+
 @pytest.mark.slow
 def test_a_fit_with_a_global_batch_larger_than_the_dataset_stops_at_once(tmp_path):
     with pytest.raises(Exception, match=r"`global_batch_size`=1000000000 is larger than train_dataloader's dataset"):
