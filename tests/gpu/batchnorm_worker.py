@@ -134,7 +134,10 @@ def main() -> None:
 
     result: dict[str, Any] = {"mode": args.mode, "runs": {}}
     fits = {}
-    for strategy_class in (HeteroDDPStrategy, HeteroFSDPStrategy):
+    # Two ranks sharing one GPU through gloo: DDP only. FSDP2 over gloo with CUDA tensors in fork-launched ranks
+    # dies with SIGSEGV on torch 2.11 (with and without BatchNorm sync); the NCCL mode checks the sharded path.
+    strategies = (HeteroDDPStrategy,) if args.mode == "shared" else (HeteroDDPStrategy, HeteroFSDPStrategy)
+    for strategy_class in strategies:
         for sync in (True, False):
             key = f"{strategy_class.__name__} sync={sync}"
             try:
@@ -142,13 +145,17 @@ def main() -> None:
             except Exception:
                 result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
     key = "HeteroFSDPStrategy sync=True checkpoint rank 0"
-    try:
-        fits[key] = fit(args.out, HeteroFSDPStrategy, True, shared=args.mode == "shared",
-                        memory={"rank:0": "checkpoint", "*": "keep"})
-    except Exception:
-        result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
+    if args.mode == "nccl":
+        try:
+            fits[key] = fit(args.out, HeteroFSDPStrategy, True, shared=False,
+                            memory={"rank:0": "checkpoint", "*": "keep"})
+        except Exception:
+            result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
     for key, (records, reference) in fits.items():
-        result["runs"][key] = against_one_process(records, reference)
+        try:
+            result["runs"][key] = against_one_process(records, reference)
+        except Exception:
+            result["runs"][key] = {"error": traceback.format_exc()[-4000:]}
     if args.mode == "nccl":
         result["torch_sync_batchnorm"] = torch_sync_batchnorm()
     with open(os.path.join(args.out, "result.json"), "w") as f:

@@ -338,6 +338,7 @@ class BlockNormModel(TinyModel):
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y, _ = batch
+        x, y = x.to(self.device), y.to(self.device)
         for block in self.blocks:
             x = block(x)
         return nn.functional.cross_entropy(x[:, :4], y)
