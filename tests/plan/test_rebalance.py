@@ -118,11 +118,17 @@ def test_rebalance_converges_after_slowdown_and_keeps_every_sample() -> None:
 
 def test_no_rebalance_on_noise() -> None:
     n, epochs = 160, 2
-    model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
-    records = _fit(model, epochs, rebalance={"every": 4, "threshold": 0.1, "smoothing": 0.5})
-    assert records[0]["decisions"] == [] and records[1]["decisions"] == []
-    assert all(size == 8 for _, _, size, _ in records[0]["rows"])
-    _each_index_once_per_epoch(records, n, epochs)
+
+    def attempt(i: int) -> None:
+        model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
+        records = _fit(model, epochs, rebalance={"every": 4, "threshold": 0.1, "smoothing": 0.5})
+        _each_index_once_per_epoch(records, n, epochs)
+        assert records[0]["decisions"] == [] and records[1]["decisions"] == []
+        assert all(size == 8 for _, _, size, _ in records[0]["rows"])
+
+    # The injected jitter is ±30 %; a loaded host's late wake-ups come on top (1 fit of 5 moved a sample with two busy
+    # loops beside a load average of 7-10 on 2 cores, none of 25 at load 2-9): a fit that rebalanced is run again.
+    retry_timing(3, attempt)
 
 
 class BusyModel(TinyModel):
