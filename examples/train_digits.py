@@ -8,13 +8,16 @@ With no arguments the demo trains on whatever is here: every visible GPU with ca
 ("auto"), or, without GPUs, CPU processes (gloo) that emulate a mixed lab.
 """
 
+import logging
 import os
 import sys
+import warnings
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -91,7 +94,30 @@ def default_config() -> str:
     return os.path.normpath(os.path.join(CONFIGS, name))
 
 
+class _NoTips(logging.Filter):
+    """Drops Lightning's "💡 Tip:" lines (its cloud services: litlogger, litmodels)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_what_does_not_apply() -> None:
+    """Leave out of the output what does not apply to this example; every other warning still shows."""
+    # 1500 8x8 images in memory: a batch is an index into two tensors (microseconds); a loader worker would hand each
+    # batch over through a queue (about a millisecond) and take a core from the ranks, so the example keeps none.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers", category=PossibleUserWarning)
+    # The example logs to CSV, which needs nothing installed (`python -m lightning_hetero report` reads the monitor's
+    # own file), so Lightning's advice to install TensorBoard does not apply.
+    warnings.filterwarnings("ignore", message=r".*`tensorboardX` has been removed as a dependency")
+    # Lightning's own use of a torch API that torch 2.13 deprecates, printed once per rank: nothing to change here.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+    # Lightning's rank-0 notices go through the logger of its `rank_zero` module (pytorch's or fabric's).
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_NoTips())
+
+
 def main(args: Optional[list[str]] = None) -> LightningCLI:
+    quiet_what_does_not_apply()
     if args is None and len(sys.argv) == 1:
         args = ["fit", "--config", default_config()]
     cli = LightningCLI(DigitsClassifier, DigitsDataModule, args=args, save_config_kwargs={"overwrite": True})

@@ -7,7 +7,7 @@ with one process trained on the same global batches.
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -166,3 +166,16 @@ def steps_optimizer(k: int, epoch_batches: int, accumulate: int) -> bool:
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs().max() / b.abs().max()).item())
+
+
+def retry_timing(attempts: int, attempt: Callable[[int], Any]) -> Any:
+    """``attempt(i)`` until one passes, ``attempts`` times at most: for timing bands that a loaded host's noise can
+    leave for one run (the 2-core CI machine runs the ranks of a fit beside the test's own process). A measurement
+    that stays outside its band fails; every failed attempt's message is printed (``pytest -s`` shows them)."""
+    for i in range(attempts):
+        try:
+            return attempt(i)
+        except AssertionError as failed:
+            if i == attempts - 1:
+                raise
+            print(f"timing attempt {i + 1} of {attempts} outside its band, measuring again: {failed}")

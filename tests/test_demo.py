@@ -66,6 +66,15 @@ def test_demo_splits_a_3x_slower_rank_about_3_to_1(tmp_path) -> None:
         if 13 <= slow <= 20:
             break
     assert 13 <= slow <= 20, splits
+    # What a user reads: the emulation notice once and without a `setup.py:115:` prefix (a warning's file:line reads
+    # as an error), none of Lightning's tips or advice that does not apply to an in-memory example, the monitor's notes
+    said = output.splitlines()
+    assert sum(line.startswith("HeteroDDPStrategy is EMULATING a mixed lab on CPU") for line in said) == 1, output
+    prefixed = [line for line in said if re.match(r"^\S+\.py:\d+: ", line)]
+    assert not prefixed, prefixed
+    for noise in ("💡 Tip", "does not have many workers", "tensorboardX", "LeafSpec"):
+        assert noise not in output, (noise, output[-3000:])
+    assert "comm: the job's exposed communication" in output and "final metrics: {" in output
     # The demo leaves a monitor file, and the report command right after it draws it (it failed with a traceback).
     assert glob.glob(os.path.join(root, "**", "hetero_monitor.jsonl"), recursive=True), output[-3000:]
     report = subprocess.run([sys.executable, "-m", "lightning_hetero", "report", str(root)], cwd=root,

@@ -628,7 +628,7 @@ def start_emulation(
 
 
 def lab_warning(strategy_name: str, device_type: str, summaries: Sequence[str]) -> str:
-    """The rank-0 warning that the numbers come from an emulation, naming the running strategy and only what the
+    """The rank-0 notice that the numbers come from an emulation, naming the running strategy and only what the
     emulation does on ``device_type`` ("cuda": green-context SM caps, memory caps, NCCL link classes; otherwise:
     pauses that slow each rank's CPU steps, the link between ranks not emulated).
 

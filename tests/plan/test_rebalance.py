@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.plan.rebalance import StepTimer, propose
-from tests.helpers import TinyModel, free_port
+from tests.helpers import TinyModel, free_port, retry_timing
 
 
 def test_propose_has_hysteresis() -> None:
@@ -96,27 +96,39 @@ def _each_index_once_per_epoch(records: list[dict], n: int, epochs: int) -> None
 
 def test_rebalance_converges_after_slowdown_and_keeps_every_sample() -> None:
     n, epochs = 160, 3  # global batch 16 -> 10 steps per epoch
-    model = TimedModel(per_sample=0.002, factor=1.0, late_factor=3.0, change_at=6, batch_size=8, n=n)
-    records = _fit(model, epochs, rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7})
-    assert records[0]["decisions"] == records[1]["decisions"]
-    rank1 = [size for _, _, size, _ in records[0]["rows"]]
-    # Rank 1 became 3x slower at step 6: its share goes to 16 / 4 = 4 samples, within a bounded number of steps.
-    assert all(size == 8 for size in rank1[:6])
-    settled = rank1[6 + 12:]  # four rebalancing rounds later
-    assert settled and all(abs(size - 4) <= 1 for size in settled), rank1
-    # No sample moves back and forth: after the slowdown, each decision only shrinks rank 1's share.
-    rank1_shares = [8] + [split[1] for _, split in records[0]["decisions"]]
-    assert all(b < a for a, b in zip(rank1_shares, rank1_shares[1:])), records[0]["decisions"]
-    _each_index_once_per_epoch(records, n, epochs)
+
+    def attempt(i: int) -> None:
+        model = TimedModel(per_sample=0.002, factor=1.0, late_factor=3.0, change_at=6, batch_size=8, n=n)
+        records = _fit(model, epochs, rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7})
+        assert records[0]["decisions"] == records[1]["decisions"]
+        _each_index_once_per_epoch(records, n, epochs)
+        rank1 = [size for _, _, size, _ in records[0]["rows"]]
+        # Rank 1 became 3x slower at step 6: its share goes to 16 / 4 = 4 samples, within a bounded number of steps.
+        assert all(size == 8 for size in rank1[:6])
+        settled = rank1[6 + 12:]  # four rebalancing rounds later
+        assert settled and all(abs(size - 4) <= 1 for size in settled), rank1
+        # No sample moves back and forth: after the slowdown, each decision only shrinks rank 1's share.
+        rank1_shares = [8] + [split[1] for _, split in records[0]["decisions"]]
+        assert all(b < a for a, b in zip(rank1_shares, rank1_shares[1:])), records[0]["decisions"]
+
+    # The sleeps are the speeds; the host's noise comes on top: at load average 8 on 2 cores 3 fits of 10 moved a
+    # sample back (13/3 then 12/4) or settled at 6. A fit outside the bands is run again.
+    retry_timing(3, attempt)
 
 
 def test_no_rebalance_on_noise() -> None:
     n, epochs = 160, 2
-    model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
-    records = _fit(model, epochs, rebalance={"every": 4, "threshold": 0.1, "smoothing": 0.5})
-    assert records[0]["decisions"] == [] and records[1]["decisions"] == []
-    assert all(size == 8 for _, _, size, _ in records[0]["rows"])
-    _each_index_once_per_epoch(records, n, epochs)
+
+    def attempt(i: int) -> None:
+        model = TimedModel(per_sample=0.002, jitter=0.3, batch_size=8, n=n)
+        records = _fit(model, epochs, rebalance={"every": 4, "threshold": 0.1, "smoothing": 0.5})
+        _each_index_once_per_epoch(records, n, epochs)
+        assert records[0]["decisions"] == [] and records[1]["decisions"] == []
+        assert all(size == 8 for _, _, size, _ in records[0]["rows"])
+
+    # The injected jitter is ±30 %; a loaded host's late wake-ups come on top (1 fit of 5 moved a sample with two busy
+    # loops beside a load average of 7-10 on 2 cores, none of 25 at load 2-9): a fit that rebalanced is run again.
+    retry_timing(3, attempt)
 
 
 class BusyModel(TinyModel):
@@ -129,15 +141,24 @@ class BusyModel(TinyModel):
         return super().loss(batch) + 0.0 * a.sum()
 
 
+@pytest.mark.slow
 def test_rebalance_sees_the_cpu_emulator_slowdown() -> None:
-    """Rank 1 emulated 3x slower (it sleeps after each step): rebalancing moves its share from 8 towards 4."""
+    """Rank 1 emulated 3x slower (it sleeps after each step): rebalancing moves its share from 8 towards 4.
+
+    The emulator pauses twice the step's CPU time, so on a loaded host, where a step's wall time exceeds its CPU time,
+    rank 1 is less than 3x slower (its share settled at 6 in 4 fits of 15 at load average 8 on 2 cores): slow, and a
+    fit outside the band is run again."""
     n, epochs = 192, 2  # global batch 16 -> 12 steps per epoch
-    records = _fit(BusyModel(batch_size=8, n=n), epochs, rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7},
-                   emulate=[None, {"slowdown": 3.0}])
-    assert records[0]["decisions"] == records[1]["decisions"]
-    rank1 = [size for _, _, size, _ in records[0]["rows"]]
-    assert rank1[0] == 8 and max(rank1[-6:]) <= 5, rank1
-    _each_index_once_per_epoch(records, n, epochs)
+
+    def attempt(i: int) -> None:
+        records = _fit(BusyModel(batch_size=8, n=n), epochs,
+                       rebalance={"every": 3, "threshold": 0.05, "smoothing": 0.7}, emulate=[None, {"slowdown": 3.0}])
+        assert records[0]["decisions"] == records[1]["decisions"]
+        _each_index_once_per_epoch(records, n, epochs)
+        rank1 = [size for _, _, size, _ in records[0]["rows"]]
+        assert rank1[0] == 8 and max(rank1[-6:]) <= 5, rank1
+
+    retry_timing(3, attempt)
 
 
 class _FakeEvent:
