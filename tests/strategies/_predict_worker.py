@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
@@ -22,19 +22,32 @@ from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy  # noqa: E402
 from tests.helpers import IndexedDataset, TinyModel  # noqa: E402
 
 
-class PredictModel(TinyModel):
-    """Predicts ``[sample index, output]`` per sample of one or several predict loaders (batch size 1)."""
+class InOrder(IterableDataset):
+    """A plain stream: the samples of a map-style set in order, no sharding of its own."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, n: int) -> None:
+        self.data = IndexedDataset(n, seed=1)
+
+    def __iter__(self) -> Any:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+class PredictModel(TinyModel):
+    """Predicts ``[sample index, output]`` per sample of one or several predict loaders (batch size 1), map-style or
+    streamed."""
+
+    def __init__(self, sizes: list[int], stream: bool = False) -> None:
         super().__init__(batch_size=1)
         self.sizes = list(sizes)
+        self.stream = stream
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         x, _, index = batch
         return torch.stack([index.float(), self.net(x)[:, 0]], dim=1)
 
     def predict_dataloader(self) -> Any:
-        loaders = [DataLoader(IndexedDataset(n, seed=1), batch_size=1) for n in self.sizes]
+        loaders = [DataLoader(InOrder(n) if self.stream else IndexedDataset(n, seed=1), batch_size=1)
+                   for n in self.sizes]
         return loaders[0] if len(loaders) == 1 else loaders
 
 
@@ -74,14 +87,15 @@ class Save(Callback):
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
-def run(out_dir: str, strategy: str, sizes: list[int], capacities: list[float], start_method: str) -> Any:
+def run(out_dir: str, strategy: str, sizes: list[int], capacities: list[float], start_method: str,
+        stream: bool = False) -> Any:
     """``trainer.predict`` over ``len(capacities)`` CPU ranks; what it returned (rank 0's under spawn and fork)."""
     kind = HeteroDDPStrategy if strategy == "ddp" else HeteroFSDPStrategy
     trainer = Trainer(accelerator="cpu", devices=len(capacities), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[BatchWriter(), EpochWriter(), Save(out_dir)],
                       strategy=kind(start_method=start_method, capacities=capacities,
                                     observation={"print_table": False}, resilience={"timeout": 120}))
-    returned = trainer.predict(PredictModel(sizes))
+    returned = trainer.predict(PredictModel(sizes, stream))
     if returned is not None:
         per_loader = returned if len(sizes) > 1 else [returned]
         torch.save([[_samples(p) for p in loader] for loader in per_loader],

@@ -20,7 +20,7 @@ WORKER = os.path.join(ROOT, "tests", "strategies", "_predict_worker.py")
 
 
 def _predict(out_dir: str, strategy: str, sizes: list[int], capacities: list[int],
-             start_method: str) -> tuple[list[dict], Optional[list[Any]]]:
+             start_method: str, stream: bool = False) -> tuple[list[dict], Optional[list[Any]]]:
     """Every rank's writer records, and (popen: each process returns its own) what ``trainer.predict`` returned."""
     if start_method == "popen":
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
@@ -32,7 +32,7 @@ def _predict(out_dir: str, strategy: str, sizes: list[int], capacities: list[int
         assert result.returncode == 0, result.stderr[-3000:]
     else:
         os.environ["MASTER_PORT"] = str(free_port())
-        run(out_dir, strategy, sizes, capacities, start_method)
+        run(out_dir, strategy, sizes, capacities, start_method, stream)
     world = len(capacities)
     records = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     returned = None
@@ -41,15 +41,18 @@ def _predict(out_dir: str, strategy: str, sizes: list[int], capacities: list[int
     return records, returned
 
 
-def _assert_each_sample_once(records: list[dict], returned: Optional[list[Any]], sizes: list[int]) -> None:
+def _assert_each_sample_once(records: list[dict], returned: Optional[list[Any]], sizes: list[int],
+                             indexed: bool = True) -> None:
+    """``indexed=False``: a stream, for which Lightning records no batch indices."""
     for loader, n in enumerate(sizes):
         calls = [call for record in records for call in record["batch"] if call[0] == loader]
         for _, _, batch_indices, samples in calls:
-            assert batch_indices == samples  # a writer's batch indices are the batch's own samples
+            assert batch_indices == (samples if indexed else [])  # a writer's batch indices are the batch's own
         assert sorted(s for call in calls for s in call[3]) == list(range(n)), calls
         epoch = [record["epoch"] for record in records]
         for received in epoch:
-            assert received["batch_indices"][loader] == received["predictions"][loader]
+            if indexed:
+                assert received["batch_indices"][loader] == received["predictions"][loader]
         assert sorted(s for received in epoch for p in received["predictions"][loader] for s in p) == list(range(n))
         if returned is not None:
             assert sorted(s for rank in returned for p in rank[loader] for s in p) == list(range(n)), returned
@@ -74,6 +77,18 @@ def test_one_sample_on_two_ranks_is_predicted_once(tmp_path: Any, strategy: str)
     records, _ = _predict(str(tmp_path), strategy, [1], [1, 3], "fork")
     assert [len(r["batch"]) for r in records] == [0, 1]
     _assert_each_sample_once(records, None, [1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_stream_predicts_each_sample_once(tmp_path: Any, strategy: str) -> None:
+    """A plain IterableDataset: rank 1's padding steps (its stream splitter knows them) re-read a sample that is
+    another rank's; no writer sees it and it is not returned."""
+    records, _ = _predict(str(tmp_path), strategy, [3], [3, 1], "fork", stream=True)
+    # Global batches of 2 (loader batch x world) split [1, 1], then the last sample to rank 0 and a padding step
+    # for rank 1, which no writer sees.
+    assert [len(r["batch"]) for r in records] == [2, 1]
+    _assert_each_sample_once(records, None, [3], indexed=False)
 
 
 class _Writer(BasePredictionWriter):
