@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.observe.rehearse import honesty_check  # noqa: E402
+from lightning_hetero.rehearse.rank import honesty_check  # noqa: E402
 from lightning_hetero.registry import names  # noqa: E402
 
 if __name__ == "__main__":

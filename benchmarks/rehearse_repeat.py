@@ -17,7 +17,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.observe.rehearse import (WARMUP_STEPS, RankJob, _free_port, launch_rank,  # noqa: E402
+from lightning_hetero.rehearse.rank import (WARMUP_STEPS, RankJob, _free_port, launch_rank,  # noqa: E402
                                                solo_card)
 from lightning_hetero.registry import entry  # noqa: E402
 

@@ -381,7 +381,7 @@ def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[Rank
     processes = []
     try:
         for job in jobs:
-            cmd = [sys.executable, "-m", "lightning_hetero.observe.rehearse", json.dumps(asdict(job))]
+            cmd = [sys.executable, "-m", "lightning_hetero.rehearse.rank", json.dumps(asdict(job))]
             processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
         deadline = time.monotonic() + timeout
