@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             from lightning_hetero.observe.doctor import main as doctor_main
 
             if args.lab:
-                from lightning_hetero.rehearse.rank import rehearse
+                from lightning_hetero.rehearse.command import rehearse
 
                 if not args.model:
                     raise ValueError("`--lab` needs `--model CONFIG` (the job to rehearse).")

@@ -1,0 +1,38 @@
+"""What the user must know about a rehearsal's figures, in words."""
+
+from collections.abc import Sequence
+
+from lightning_hetero.rehearse.job import RankResult
+from lightning_hetero.rehearse.report import gib
+
+
+def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
+    """What the user must know about this rehearsal's figures: ranks the local device could not hold, and caps it
+    could not apply."""
+    out = []
+    for r in hetero:
+        smaller = r.local_memory_bytes is not None and r.card_memory_bytes is not None and \
+            r.local_memory_bytes < r.card_memory_bytes
+        if smaller:
+            out.append(f"rank {r.rank} ({r.card}): this device has {gib(r.local_memory_bytes)} GiB, the card "
+                       f"{gib(r.card_memory_bytes)} GiB: rehearsed with less memory than the card has"
+                       + (" (its OOM here does not prove an OOM on the card)" if r.oom else ""))
+    if hetero and all(r.oom for r in hetero):
+        reason = "; ".join(f"rank {r.rank}: {'OOM' if r.oom else r.error}" for r in hetero)
+        out.append(f"the local device ({accelerator}) could not hold even one rank of this lab ({reason}): rehearse "
+                   "on a device with at least the smallest card's memory, or lower the batch / choose a memory plan.")
+    measured = {r.capacities_asked for r in hetero if r.capacities_asked in ("auto", "profile")}
+    if measured and hetero[0].capacity_source:
+        out.append(f"capacities {sorted(measured)} are measured across the ranks at the start of a real run; the "
+                   f"rehearsal cannot (each rank runs alone) and used '{hetero[0].capacity_source}' (the cards' "
+                   "published rates, or equal where there are none); the real shares follow the measured speeds")
+    for r in hetero:
+        if r.host_bound:
+            out.append(f"rank {r.rank} ({r.card}): host-bound: the device had finished its work when the host issued "
+                       f"the step's last (it waited {r.device_wait * 1e3:.1f}"  # type: ignore[operator]
+                       f" ms of {r.step_time * 1e3:.1f} ms), so this step time is this machine's CPU speed, not the "
+                       "card's: on the lab the host's CPU and load set it, and the prediction is no better than that")
+    if accelerator != "gpu":
+        out.append("CPU rehearsal: no device memory is capped or measured (peaks n/a; host RSS shown); speeds are the "
+                   "emulator's CPU slowdowns, not the cards'")
+    return out
