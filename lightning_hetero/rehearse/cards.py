@@ -22,7 +22,7 @@ def parse_lab(text: str) -> list[Any]:
                          f"(presets: {sorted(PRESETS)}) or a JSON list of profiles.")
     if any(entry is None for entry in entries):
         raise ValueError("`--lab` entries must be cards (a preset or a profile dict), not null.")
-    parse_emulate(entries)
+    parse_emulate(entries, name="--lab")
     return entries
 
 

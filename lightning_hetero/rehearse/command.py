@@ -19,10 +19,12 @@ Example::
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 import torch
 
@@ -31,17 +33,23 @@ from lightning_hetero.registry import entry, names
 from lightning_hetero.rehearse.cards import card_label, parse_lab
 from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob, RankResult
 from lightning_hetero.rehearse.launch import launch_rank
-from lightning_hetero.rehearse.notes import notes
+from lightning_hetero.rehearse.notes import notes, uneven_twins
 from lightning_hetero.rehearse.predict import predict
 from lightning_hetero.rehearse.report import ASSUMPTIONS, draw, format_rehearsal
 
 
 def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: int = 6, out_dir: Optional[str] = None,
-             baselines: bool = True, timeout: float = 900.0, accelerator: Optional[str] = None) -> dict[str, Any]:
+             baselines: bool = True, timeout: float = 900.0, accelerator: Optional[str] = None,
+             script: Optional[str] = None, stream: Optional[TextIO] = None) -> dict[str, Any]:
     """Rehearse ``config`` on the lab ``lab_text``; writes ``rehearsal.log``, ``.json`` and ``.png`` to ``out_dir``
-    and returns the report."""
+    and returns the report, whose ``"failed"`` says why when a rank of ours could not run (other than out of
+    memory on its card: the baselines are then not rehearsed). ``script``: the user's LightningCLI script the config
+    belongs to; ``stream``: where the progress and the tables go (default stdout)."""
+    stream = stream or sys.stdout
     if not os.path.isfile(config):
         raise ValueError(f"`--model`={config!r} is not a file.")
+    if script is not None and not os.path.isfile(script):
+        raise ValueError(f"`--script`={script!r} is not a file.")
     if strategy is not None and strategy not in names():
         raise ValueError(f"`--strategy`={strategy!r} must be one of {sorted(names())}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < WARMUP_STEPS + 2:
@@ -53,10 +61,11 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     specs: list[Optional[EmulationSpec]] = list(parse_emulate(lab) or ())
     link = job_link_class(specs)
     report: dict[str, Any] = {
-        "config": config, "lab_text": lab_text, "lab": lab, "strategy": strategy or "the config's",
+        "config": config, "script": script, "lab_text": lab_text, "lab": lab, "strategy": strategy or "the config's",
         "steps": steps, "accelerator": accelerator,
         "local_device": torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu",
-        "hetero": [], "ddp": [], "fsdp": [], "notes": [], "assumptions": list(ASSUMPTIONS),
+        "hetero": [], "ddp": [], "fsdp": [], "notes": [], "warnings": [], "assumptions": list(ASSUMPTIONS),
+        "failed": None,
     }
     log_path = os.path.join(out_dir, "rehearsal.log")
     # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so the ranks' process groups are killed on the way out.
@@ -71,18 +80,24 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
             for rank in range(len(lab)):
                 job = RankJob(config=config, mode=mode, rank=rank, lab=lab, steps=steps,
                               out=os.path.join(scratch, f"{mode}-rank{rank}.json"),
-                              strategy=entry(strategy).class_path if strategy else None, accelerator=accelerator)
+                              strategy=entry(strategy).class_path if strategy else None, accelerator=accelerator,
+                              script=script)
                 log.write(f"\n===== {mode} rank {rank} ({card_label(lab[rank])}) =====\n")
                 log.flush()
                 result = launch_rank(job, timeout, log)
                 report[mode].append(asdict(result))
                 print(f"  rehearsed {mode:<6} rank {rank} ({result.card}): "
-                      f"{'ok' if result.ok else 'OOM' if result.oom else result.error}", flush=True)
+                      f"{'ok' if result.ok else 'OOM' if result.oom else result.error}", file=stream, flush=True)
                 if mode == "hetero" and rank == 0 and result.error and not result.oom:
                     # The job itself is broken (config, model): every rank would say the same.
                     break
+            report["failed"] = report["failed"] or failure(report["hetero"], log_path, script)
+            if report["failed"]:
+                # Lightning's strategies would only repeat the job's own error.
+                break
     hetero = [RankResult(**r) for r in report["hetero"]]
     report["notes"] += notes(hetero, accelerator)
+    report["warnings"] += uneven_twins(hetero)
     report["prediction"] = predict(hetero, [RankResult(**r) for r in report["ddp"]],
                                    [RankResult(**r) for r in report["fsdp"]], strategy or "", link)
     text = format_rehearsal(report)
@@ -90,10 +105,27 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
         log.write("\n" + text + "\n")
     with open(os.path.join(out_dir, "rehearsal.json"), "w") as f:
         json.dump(report, f, indent=2)
-    plot = draw(report, os.path.join(out_dir, "rehearsal.png"))
-    print(text)
-    print(f"written: {log_path}, {os.path.join(out_dir, 'rehearsal.json')}" + (f", {plot}" if plot else ""))
+    plot = None if report["failed"] else draw(report, os.path.join(out_dir, "rehearsal.png"))
+    if not report["failed"]:
+        print(text, file=stream)
+    print(f"written: {log_path}, {os.path.join(out_dir, 'rehearsal.json')}" + (f", {plot}" if plot else ""),
+          file=stream, flush=True)
     return report
+
+
+def failure(hetero: Sequence[dict[str, Any]], log_path: str, script: Optional[str]) -> Optional[str]:
+    """Why our strategy's ranks could not run, the first rank's own error first; ``None`` when every rank ran or
+    ran out of memory on its card (an answer of the rehearsal, not a failure)."""
+    failed = [r for r in hetero if r["error"] and not r["oom"]]
+    if not failed:
+        return None
+    first = failed[0]
+    said = (f"{first['error']} [rehearsed rank {first['rank']}, {first['card']}; every rank's output: {log_path}; "
+            "Lightning's strategies not rehearsed]")
+    if script is None and "class_path" in first["error"]:
+        said += (" (a config of your own LightningCLI script, without class paths, rehearses through it: "
+                 "give `--script SCRIPT`)")
+    return said
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -28,6 +28,8 @@ class RankJob:
     accelerator: str = "cpu"
     port: int = 29555
     batch_size: Optional[int] = None
+    # The user's LightningCLI script the config belongs to (None: a generic CLI over the config's class paths).
+    script: Optional[str] = None
 
 
 @dataclass

@@ -14,6 +14,9 @@ from lightning_hetero.lab.rehearsal import REHEARSE_ENV
 from lightning_hetero.rehearse.cards import card_label
 from lightning_hetero.rehearse.job import RankJob, RankResult
 
+# The longest error a rank's output gives its result (the whole output is in the log).
+ERROR_CHARS = 400
+
 
 def rank_environment(job: RankJob) -> dict[str, str]:
     """Rank ``r`` of ``N`` as Lightning sees it: its own node of one process, started from outside."""
@@ -27,13 +30,14 @@ def rank_environment(job: RankJob) -> dict[str, str]:
 
 def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[RankResult]:
     """Run ranks in fresh processes, together (each in its own session: on timeout or interruption every process
-    group is killed, data loader workers included)."""
-    processes = []
+    group is killed, data loader workers included). Each rank's output goes to ``log`` once it has ended."""
+    processes, outputs = [], []
     try:
         for job in jobs:
             cmd = [sys.executable, "-m", "lightning_hetero.rehearse.rank", json.dumps(asdict(job))]
-            processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            outputs.append(open(job.out + ".log", "w+"))
+            processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=outputs[-1],
+                                              stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
         timed_out = False
         for process in processes:
@@ -45,7 +49,17 @@ def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[Rank
     finally:
         for process in processes:
             _kill_group(process)
-    return [_collect(job, process, timeout if timed_out else None) for job, process in zip(jobs, processes)]
+        texts = []
+        for job, output in zip(jobs, outputs):
+            output.seek(0)
+            texts.append(output.read())
+            output.close()
+            if len(jobs) > 1:
+                log.write(f"\n----- {job.mode} rank {job.rank} -----\n")
+            log.write(texts[-1])
+        log.flush()
+    return [_collect(job, process, text, timeout if timed_out else None)
+            for job, process, text in zip(jobs, processes, texts)]
 
 
 def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
@@ -53,16 +67,38 @@ def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
     return launch_ranks([job], timeout, log)[0]
 
 
-def _collect(job: RankJob, process: "subprocess.Popen[bytes]", timed_out: Optional[float]) -> RankResult:
+def _collect(job: RankJob, process: "subprocess.Popen[bytes]", output: str, timed_out: Optional[float]
+             ) -> RankResult:
     if timed_out is not None and process.returncode in (None, -signal.SIGKILL):
         return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=f"timed out after {timed_out:g} s")
     try:
         with open(job.out) as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError):
+        said = exit_error(output)
+        code = f"the rank's process exited with code {process.returncode}"
         return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]),
-                          error=f"the rank's process exited with code {process.returncode} (see the log)")
+                          error=f"{said} ({code})" if said else f"{code} (see the log)")
     return RankResult(**data)
+
+
+# jsonargparse's lines around the reasons of a union error: not reasons themselves.
+_UNION_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "- Expected a ",
+                "Given value type:", "Given value:")
+
+
+def exit_error(output: str) -> Optional[str]:
+    """The error a process that ended without a result said last (``PROG: error: ...`` of argparse, jsonargparse or
+    :func:`~lightning_hetero.observe.errors.run_main`, with its indented lines), as one line."""
+    lines = output.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if "error:" in line and not line.startswith((" ", "\t"))]
+    if not starts:
+        return None
+    first = lines[starts[-1]]
+    said = [first[first.index("error:") + len("error:"):].strip()]
+    said += [line.strip() for line in lines[starts[-1] + 1:] if line.startswith((" ", "\t"))]
+    text = " ".join(part.removeprefix("- ") for part in said if part and not part.startswith(_UNION_NOISE))
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
 def _kill_group(process: "subprocess.Popen[bytes]") -> None:

@@ -1,9 +1,10 @@
 """What the user must know about a rehearsal's figures, in words."""
 
 from collections.abc import Sequence
+from typing import Optional
 
 from lightning_hetero.rehearse.job import RankResult
-from lightning_hetero.rehearse.report import gib
+from lightning_hetero.rehearse.report import gib, step_ms
 
 
 def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
@@ -35,4 +36,29 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
     if accelerator != "gpu":
         out.append("CPU rehearsal: no device memory is capped or measured (peaks n/a; host RSS shown); speeds are the "
                    "emulator's CPU slowdowns, not the cards'")
+    return out
+
+
+# Identical cards with the same batch and plan whose step times differ by more than this factor were not measured
+# alike: the host (or the device) was busy with something else while one of them ran.
+TWIN_SPREAD = 1.5
+
+
+def uneven_twins(hetero: Sequence[RankResult]) -> list[str]:
+    """Warnings for identical cards (the same card, batch and plan) whose rehearsed step times differ by more than
+    :data:`TWIN_SPREAD`: one of them was measured on a loaded machine, and the prediction takes the slowest."""
+    groups: dict[tuple[Optional[str], Optional[int], Optional[str]], list[RankResult]] = {}
+    for r in hetero:
+        if r.ok and r.step_time:
+            groups.setdefault((r.card, r.batch, r.plan), []).append(r)
+    out = []
+    for (card, batch, _), twins in groups.items():
+        fast = min(twins, key=lambda r: r.step_time)  # type: ignore[arg-type, return-value]
+        slow = max(twins, key=lambda r: r.step_time)  # type: ignore[arg-type, return-value]
+        ratio = slow.step_time / fast.step_time  # type: ignore[operator]
+        if ratio > TWIN_SPREAD:
+            out.append(f"ranks {fast.rank} and {slow.rank} are the same card ({card}, batch {batch}) but stepped in "
+                       f"{step_ms(fast, ' ms')} and {step_ms(slow, ' ms')} ({ratio:.1f}x): this machine was likely "
+                       "loaded by other work while one of them ran (see `uptime`, `top`); the prediction takes the "
+                       "slowest: rehearse again on an idle machine")
     return out

@@ -5,10 +5,13 @@ rank writes its :class:`~lightning_hetero.rehearse.job.RankResult` to ``job.out`
 """
 
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from lightning_hetero.config import sharded_refusals
 from lightning_hetero.lab.emulation import PRESETS, Emulator, parse_emulate, start_emulation
 from lightning_hetero.lab.rehearsal import host_device
+from lightning_hetero.observe.errors import user_message
 from lightning_hetero.plan.memory import GIB
 from lightning_hetero.registry import names
 from lightning_hetero.rehearse.cards import card_label
@@ -113,14 +117,103 @@ def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in accepted and k not in refused}
 
 
-def run_rank(job: RankJob) -> RankResult:
-    """Build the config's Trainer as rank ``job.rank`` of the lab and train ``job.steps`` steps (in this process)."""
-    from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
+def rehearsed_config(job: RankJob, config: Any) -> None:
+    """Edit the parsed config (of the ``fit`` subcommand) into this rank's: its batch (solo runs), the strategy to
+    rehearse (``--strategy``), the lab's cards as the strategy's ``emulate``."""
+    from jsonargparse import Namespace
+
+    if job.mode in ("ddp", "fsdp"):
+        return
+    if job.batch_size is not None:
+        # The loader's batch is the data module's, or (without one) the model's own `batch_size`; under a class
+        # path, in its init_args.
+        owner = config.get("data") or config.model
+        (owner.init_args if isinstance(owner.get("init_args"), Namespace) else owner).batch_size = job.batch_size
+    trainer = config.trainer
+    strategy = trainer.get("strategy")
+    if job.strategy is not None and not (isinstance(strategy, Namespace)
+                                         and strategy.get("class_path") == job.strategy):
+        kept = carried_options(strategy, job.strategy)
+        trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
+    if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
+        raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
+                         f"`--strategy {'|'.join(names())}`.")
+    strategy.init_args.emulate = job.lab
+
+
+def trainer_overrides(job: RankJob, model: Any, root: str) -> dict[str, Any]:
+    """The ``Trainer`` arguments of a rehearsed rank: one device, node ``r`` of the lab's ``N``, ``job.steps`` steps,
+    nothing saved; Lightning's own strategies for the baselines."""
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from lightning_hetero._compat import init_fake_process_group
     from lightning_hetero.plan.blocks import default_blocks
+
+    overrides: dict[str, Any] = dict(
+        accelerator=job.accelerator, devices=1, num_nodes=len(job.lab), max_steps=job.steps, max_epochs=-1,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    if job.mode == "ddp":
+        overrides["strategy"] = DDPStrategy()
+    elif job.mode == "fsdp":
+        overrides["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(model)))
+    return overrides
+
+
+@contextmanager
+def rehearsed_cli(job: RankJob, root: str, built: Callable[[Any], None]) -> Iterator[None]:
+    """Every ``LightningCLI`` built inside (the generic one, or the user's script's own) parses as usual, then
+    rehearses this rank: the config edited by :func:`rehearsed_config` before its classes are instantiated, the
+    ``Trainer`` built with :func:`trainer_overrides`; ``built(cli)`` sees each CLI once its trainer exists, before
+    anything is fitted."""
+    from lightning.pytorch.cli import LightningCLI
+
+    instantiate_classes, instantiate_trainer = LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer
+
+    def rehearsed_classes(cli: Any) -> None:
+        rehearsed_config(job, cli.config[cli.subcommand] if cli.subcommand else cli.config)
+        instantiate_classes(cli)
+        built(cli)
+
+    def rehearsed_trainer(cli: Any, **kwargs: Any) -> Any:
+        return instantiate_trainer(cli, **{**kwargs, **trainer_overrides(job, cli.model, root)})
+
+    LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer = rehearsed_classes, rehearsed_trainer
+    try:
+        yield
+    finally:
+        LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer = instantiate_classes, instantiate_trainer
+
+
+def fit_config(job: RankJob) -> None:
+    """The config through a generic LightningCLI (its model and data named by ``class_path``), then ``fit``."""
+    import yaml
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    with open(job.config) as f:
+        has_data = "data" in (yaml.safe_load(f) or {})
+    cli = LightningCLI(LightningModule, LightningDataModule if has_data else None, subclass_mode_model=True,
+                       subclass_mode_data=True, save_config_callback=None, run=False, args=["--config", job.config])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def fit_script(job: RankJob) -> None:
+    """The user's own LightningCLI script, run here as ``python SCRIPT fit --config CONFIG`` would run it."""
+    import runpy
+
+    assert job.script is not None
+    sys.argv = [job.script, "fit", "--config", job.config]
+    # The script's folder first on the path, as `python SCRIPT` has it: its own modules import.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
+    runpy.run_path(job.script, run_name="__main__")
+
+
+def run_rank(job: RankJob) -> RankResult:
+    """Build the config's Trainer as rank ``job.rank`` of the lab and train ``job.steps`` steps (in this process).
+
+    A script that exits (its own argument errors, a ``SystemExit``) ends the process without a result: the
+    launcher reads the error from the rank's output."""
+    from lightning_hetero._compat import init_fake_process_group
 
     world = len(job.lab)
     device = torch.device("cuda", 0) if job.accelerator == "gpu" else torch.device("cpu")
@@ -135,40 +228,19 @@ def run_rank(job: RankJob) -> RankResult:
     else:
         result.device = "cpu"
     root = tempfile.mkdtemp(prefix="hetero-rehearse-")
-
-    class RehearsalCLI(LightningCLI):
-        def before_instantiate_classes(self) -> None:
-            if job.mode in ("ddp", "fsdp"):
-                return
-            from jsonargparse import Namespace
-
-            if job.batch_size is not None:
-                # The loader's batch is the data module's, or (without one) the model's own `batch_size`.
-                owner = self.config.get("data") or self.config.model
-                owner.init_args.batch_size = job.batch_size
-            trainer = self.config.trainer
-            strategy = trainer.get("strategy")
-            if job.strategy is not None and not (isinstance(strategy, Namespace)
-                                                 and strategy.get("class_path") == job.strategy):
-                kept = carried_options(strategy, job.strategy)
-                trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
-            if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
-                raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
-                                 f"`--strategy {'|'.join(names())}`.")
-            strategy.init_args.emulate = job.lab
-
-        def instantiate_trainer(self, **kwargs: Any) -> Any:
-            if job.mode == "ddp":
-                kwargs["strategy"] = DDPStrategy()
-            elif job.mode == "fsdp":
-                kwargs["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(self.model)))
-            kwargs.update(accelerator=job.accelerator, devices=1, num_nodes=world, max_steps=job.steps,
-                          max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=root)
-            return super().instantiate_trainer(**kwargs)
-
     emulator: Optional[Emulator] = None
+    clis: list[Any] = []
+
+    def built(cli: Any) -> None:
+        clis.append(cli)
+        params = list(cli.model.parameters())
+        result.parameters = sum(p.numel() for p in params)
+        result.param_bytes = sum(p.numel() * p.element_size() for p in params)
+        cli.trainer.callbacks.append(_probe(result, device, emulator))
+        precision = str(getattr(cli.trainer.precision_plugin, "precision", "32-true"))
+        element = 2 if ("16" in precision and "32" not in precision) else 4
+        result.compute_bytes = result.parameters * element
+
     try:
         if job.mode == "shared":
             # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
@@ -183,22 +255,14 @@ def run_rank(job: RankJob) -> RankResult:
             emulator = start_emulation(parse_emulate(job.lab) or (), job.rank, world, host_device(device), device)
             if emulator is not None:
                 emulator.activate()
-        import yaml
-
-        with open(job.config) as f:
-            has_data = "data" in (yaml.safe_load(f) or {})
-        cli = RehearsalCLI(LightningModule, LightningDataModule if has_data else None, subclass_mode_model=True,
-                           subclass_mode_data=True, save_config_callback=None, run=False,
-                           args=["--config", job.config])
-        params = list(cli.model.parameters())
-        result.parameters = sum(p.numel() for p in params)
-        result.param_bytes = sum(p.numel() * p.element_size() for p in params)
-        trainer = cli.trainer
-        trainer.callbacks.append(_probe(result, device, emulator))
-        precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
-        element = 2 if ("16" in precision and "32" not in precision) else 4
-        result.compute_bytes = result.parameters * element
-        trainer.fit(cli.model, datamodule=cli.datamodule)
+        with rehearsed_cli(job, root, built):
+            if job.script:
+                fit_script(job)
+            else:
+                fit_config(job)
+        if not clis:
+            raise RuntimeError(f"`--script` {job.script!r} built no LightningCLI: the rehearsal needs one")
+        trainer = clis[-1].trainer
         result.ok = True
         strategy = trainer.strategy
         if job.mode in ("hetero", "shared", "solo"):
@@ -220,7 +284,7 @@ def run_rank(job: RankJob) -> RankResult:
         import traceback
 
         traceback.print_exc()  # whole in the rank's log
-        result.error = f"{type(err).__name__}: {err}"
+        result.error = f"{type(err).__name__}: {user_message(err)}"
     if device.type == "cuda":
         result.peak_allocated_bytes = torch.cuda.max_memory_allocated(0)
         result.peak_reserved_bytes = torch.cuda.max_memory_reserved(0)
@@ -231,7 +295,6 @@ def run_rank(job: RankJob) -> RankResult:
     with open(job.out, "w") as f:
         json.dump(asdict(result), f)
     return result
-
 
 if __name__ == "__main__":
     from lightning_hetero.observe.errors import run_main

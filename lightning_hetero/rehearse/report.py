@@ -81,6 +81,7 @@ def format_rehearsal(report: dict[str, Any]) -> str:
             lines.append("  * not measured (the rank did not run): our rank's rate on that card, linear in the batch")
     lines += [f"assumption: {a}" for a in report["assumptions"]]
     lines += [f"NOTE: {n}" for n in report["notes"]]
+    lines += [f"WARNING: {w}" for w in report.get("warnings", ())]
     return "\n".join(lines)
 
 
