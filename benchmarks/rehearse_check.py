@@ -3,9 +3,9 @@
     python benchmarks/rehearse_check.py --model configs/rehearse_gpt_check.yaml --lab "A100-40GB,RTX3090" --out DIR
 
 Rehearses the lab one rank at a time, then runs the same ranks together on this device and each card alone, and
-prints rehearsed vs measured (plan, split, peak memory, step time); ``DIR/check.json`` holds every figure. The tests
-import :func:`honesty_check` from here (``tests/rehearse/test_rehearse.py`` on CPU, ``tests/gpu/test_gpu_rehearse.py``): it
-checks the rehearsal and is no part of the command.
+prints rehearsed vs measured (plan, split, peak memory, step time); ``DIR/check.json`` holds every figure. The
+tests import :func:`honesty_check` from here (``tests/rehearse/test_rehearse.py`` on CPU,
+``tests/gpu/test_gpu_rehearse.py``): it checks the rehearsal and is no part of the command.
 """
 
 import argparse

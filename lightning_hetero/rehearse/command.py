@@ -30,6 +30,7 @@ import torch
 
 from lightning_hetero.lab.emulation import EmulationSpec, job_link_class, parse_emulate
 from lightning_hetero.registry import entry, names
+from lightning_hetero.rehearse.advice import advise
 from lightning_hetero.rehearse.cards import card_label, parse_lab
 from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob, RankResult
 from lightning_hetero.rehearse.launch import launch_rank
@@ -96,10 +97,11 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
                 # Lightning's strategies would only repeat the job's own error.
                 break
     hetero = [RankResult(**r) for r in report["hetero"]]
-    report["notes"] += notes(hetero, accelerator)
-    report["warnings"] += uneven_twins(hetero)
     report["prediction"] = predict(hetero, [RankResult(**r) for r in report["ddp"]],
                                    [RankResult(**r) for r in report["fsdp"]], strategy or "", link)
+    report["notes"] += notes(hetero, accelerator, report["prediction"])
+    report["warnings"] += uneven_twins(hetero)
+    report["advice"] = advise(hetero, sharded=any(r.memory_modes for r in hetero))
     text = format_rehearsal(report)
     with open(log_path, "a") as log:
         log.write("\n" + text + "\n")

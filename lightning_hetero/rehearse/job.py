@@ -53,6 +53,8 @@ class RankResult:
     peak_allocated_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
     host_rss_bytes: Optional[int] = None
+    # The strategy's own estimate of this rank's device memory under its plan (a sharded strategy's memory plan).
+    estimated_bytes: Optional[int] = None
     step_seconds: list[float] = field(default_factory=list)
     # Per step, how long the host waited for the device at the step's end: near 0 when the host is the bottleneck.
     device_wait_seconds: list[float] = field(default_factory=list)

@@ -1,15 +1,16 @@
 """What the user must know about a rehearsal's figures, in words."""
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_hetero.rehearse.job import RankResult
+from lightning_hetero.rehearse.predict import PROFILED
 from lightning_hetero.rehearse.report import gib, step_ms
 
 
-def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
-    """What the user must know about this rehearsal's figures: ranks the local device could not hold, and caps it
-    could not apply."""
+def notes(hetero: Sequence[RankResult], accelerator: str, prediction: Optional[dict[str, Any]] = None) -> list[str]:
+    """What the user must know about this rehearsal's figures: ranks the local device could not hold, caps it
+    could not apply, shares a real run measures (with ``prediction``: the split of the speeds measured here)."""
     out = []
     for r in hetero:
         smaller = r.local_memory_bytes is not None and r.card_memory_bytes is not None and \
@@ -22,8 +23,15 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
         reason = "; ".join(f"rank {r.rank}: {'OOM' if r.oom else r.error}" for r in hetero)
         out.append(f"the local device ({accelerator}) could not hold even one rank of this lab ({reason}): rehearse "
                    "on a device with at least the smallest card's memory, or lower the batch / choose a memory plan.")
-    measured = {r.capacities_asked for r in hetero if r.capacities_asked in ("auto", "profile")}
-    if measured and hetero[0].capacity_source:
+    measured = {r.capacities_asked for r in hetero if r.capacities_asked in PROFILED}
+    profiled = (prediction or {}).get("profiled_split")
+    if measured and hetero[0].capacity_source and profiled:
+        speeds = ", ".join(f"{rate:.1f}" for rate in prediction["rates"])  # type: ignore[index]
+        out.append(f"capacities {sorted(measured)} are measured across the ranks at the start of a real run; each "
+                   f"rehearsed rank ran alone on the '{hetero[0].capacity_source}' split "
+                   f"{hetero[0].split}, at the speeds (samples/s) {speeds}: a real run would split the batch "
+                   f"{profiled} by them, and the prediction uses that split")
+    elif measured and hetero[0].capacity_source:
         out.append(f"capacities {sorted(measured)} are measured across the ranks at the start of a real run; the "
                    f"rehearsal cannot (each rank runs alone) and used '{hetero[0].capacity_source}' (the cards' "
                    "published rates, or equal where there are none); the real shares follow the measured speeds")
@@ -34,8 +42,12 @@ def notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
                        f" ms of {r.step_time * 1e3:.1f} ms), so this step time is this machine's CPU speed, not the "
                        "card's: on the lab the host's CPU and load set it, and the prediction is no better than that")
     if accelerator != "gpu":
-        out.append("CPU rehearsal: no device memory is capped or measured (peaks n/a; host RSS shown); speeds are the "
-                   "emulator's CPU slowdowns, not the cards'")
+        out.append("CPU rehearsal: no device memory is capped or measured, so the memory columns cannot tell whether "
+                   "a card holds its share (peaks n/a). They can tell the plan the strategy chose from each card's "
+                   "memory (plan column, with its estimate where the strategy makes one) and the host RSS of each "
+                   "rank's process, which holds the model, optimizer state and activations of the share on top of "
+                   "Python and its libraries. Speeds are the emulator's CPU slowdowns, not the cards': their ratios "
+                   "are the cards' published ones. Rehearse on a GPU for measured peaks")
     return out
 
 

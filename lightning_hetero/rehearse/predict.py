@@ -3,7 +3,11 @@
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_hetero.plan.split import split_batch
 from lightning_hetero.rehearse.job import RankResult
+
+# The `capacities` a real run measures across its ranks at its start.
+PROFILED = ("auto", "profile")
 
 # Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
 # P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
@@ -31,7 +35,9 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
 
     Each strategy's compute time on a card is that rank's own measured step time; a rank that did not run (out of
     memory) is extrapolated from our rank's rate on that card, linearly in the batch, and listed in ``estimated``.
-    A card's solo rate is its best measured samples/s over the rehearsed runs.
+    A card's solo rate is its best measured samples/s over the rehearsed runs. Under ``capacities`` "profile" or
+    "auto" (measured at the start of a real run, which a rank alone cannot) our batches are the split of the measured
+    rates (``profiled_split``), each rank's compute its measured rate at that batch.
     """
     rates = [r.batch / r.step_time if r.ok and r.batch and r.step_time else None for r in hetero]
     base = next((r for r in hetero if r.ok), None)
@@ -46,13 +52,19 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
     out["solo_samples_per_s"] = solo
     out["sum_solo_samples_per_s"] = sum(solo)
     ours = "hetero_fsdp" if base.memory_modes else "hetero_ddp"
-    runs = {ours: (hetero, [r.batch for r in hetero]), "ddp": (ddp, [global_batch / world] * world),
+    ours_batches: list[Any] = [r.batch for r in hetero]
+    if base.capacities_asked in PROFILED:
+        # A real run measures the ranks' speeds at its start and splits by them: the rehearsal has measured them too.
+        ours_batches = out["profiled_split"] = split_batch(global_batch, rates)  # type: ignore[arg-type]
+    runs = {ours: (hetero, ours_batches), "ddp": (ddp, [global_batch / world] * world),
             "fsdp": (fsdp, [global_batch / world] * world)}
     for name, (results, batches) in runs.items():
         if not results:
             continue  # not rehearsed (baselines off, or Lightning's FSDPStrategy on CPU)
         fits = all(r.ok for r in results)
-        measured = {r.rank: r.step_time for r in results if r.ok and r.step_time}
+        # Ours is timed where it ran the batch predicted for it; elsewhere (a profiled share) at its measured rate.
+        measured = {r.rank: r.step_time for r in results
+                    if r.ok and r.step_time and (name != ours or r.batch == batches[r.rank])}
         compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
         comm = communication_seconds(name, world, base.param_bytes or 0, base.compute_bytes or 0, LINK_GBYTES[link])
         step = max(compute) + comm

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning_hetero.plan.memory import GIB
+from lightning_hetero.rehearse.advice import advice_yaml
 from lightning_hetero.rehearse.job import RankResult
 from lightning_hetero.rehearse.predict import LINK_GBYTES
 
@@ -47,6 +48,10 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     if not cuda:
         rss = ", ".join(f"rank {r.rank} {gib(r.host_rss_bytes)}" for r in hetero)
         lines.append(f"  CPU: no device memory cap or peak (n/a); host-side peak RSS per rank process (GiB): {rss}")
+        if any(r.estimated_bytes for r in hetero):
+            estimates = ", ".join(f"rank {r.rank} {gib(r.estimated_bytes)} of {gib(r.card_memory_bytes)}"
+                                  for r in hetero)
+            lines.append(f"  the strategy's estimate of each card's memory under its plan (GiB): {estimates}")
     for name in ("ddp", "fsdp"):
         results = [RankResult(**r) for r in report[name]]
         if not results:
@@ -78,11 +83,26 @@ def format_rehearsal(report: dict[str, Any]) -> str:
         lines.append(f"  sum of the cards' solo rates: {prediction['sum_solo_samples_per_s']:.1f} samples/s ({solo}: "
                      "each card's best measured rate)")
         if any(s["estimated"] for s in prediction["strategies"].values()):
-            lines.append("  * not measured (the rank did not run): our rank's rate on that card, linear in the batch")
+            lines.append("  * not measured at that batch (the rank did not run, or a profiled share differs from the "
+                         "rehearsed one): our rank's rate on that card, linear in the batch")
+    lines += advice_lines(report.get("advice"))
     lines += [f"assumption: {a}" for a in report["assumptions"]]
     lines += [f"NOTE: {n}" for n in report["notes"]]
     lines += [f"WARNING: {w}" for w in report.get("warnings", ())]
     return "\n".join(lines)
+
+
+def advice_lines(advice: Optional[dict[str, Any]]) -> list[str]:
+    """The advice to paste (:mod:`lightning_hetero.rehearse.advice`), and the cards that cannot hold a share."""
+    if not advice:
+        return []
+    lines = []
+    text = advice_yaml(advice)
+    if text:
+        lines += ["", "Advice for the config, from the speeds measured here (ranks in the order of --lab):"]
+        lines += ["  " + line for line in text.splitlines()]
+    lines += [f"CANNOT: {c}" for c in advice["cannot"]]
+    return lines
 
 
 ASSUMPTIONS = (

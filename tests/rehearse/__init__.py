@@ -1,1 +1,1 @@
-"""Tests of lightning_hetero.rehearse: the `doctor --lab` rehearsal, and its honesty check (benchmarks/rehearse_check.py)."""
+"""Tests of lightning_hetero.rehearse (`doctor --lab`) and its honesty check, benchmarks/rehearse_check.py."""
