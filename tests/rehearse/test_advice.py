@@ -62,3 +62,18 @@ def test_profiled_capacities_are_predicted_from_the_measured_speeds():
     # Without profiling, the rehearsed batches and their measured times stand.
     fixed = predict([_rank(0, "A100-80GB", 8, 0.1), _rank(1, "RTX3090", 8, 0.4)], [], [], "", "pcie")
     assert "profiled_split" not in fixed and fixed["strategies"]["hetero_ddp"]["estimated"] == []
+
+
+def test_the_laptop_config_is_small():
+    """configs/rehearse_cpu.yaml (docs/plan-your-lab.md: rehearsed on a CPU in under a minute) builds a model of
+    well under a million parameters, with our strategy measuring its capacities."""
+    import importlib
+    import os
+
+    root = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+    with open(os.path.join(root, "configs", "rehearse_cpu.yaml")) as f:
+        config = yaml.safe_load(f)
+    module, _, name = config["model"]["class_path"].rpartition(".")
+    model = getattr(importlib.import_module(module), name)(**config["model"]["init_args"])
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert config["trainer"]["strategy"]["init_args"]["capacities"] == "profile"
