@@ -17,9 +17,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.observe.rehearse import (WARMUP_STEPS, RankJob, _free_port, launch_rank,  # noqa: E402
-                                               solo_card)
+from benchmarks.rehearse_check import solo_card  # noqa: E402
 from lightning_hetero.registry import entry  # noqa: E402
+from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob  # noqa: E402
+from lightning_hetero.rehearse.launch import free_port, launch_rank  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "rehearse_gpt_check.yaml")
@@ -45,7 +46,7 @@ def main() -> None:
         for i, (mode, strategy, rank, batch) in enumerate(plan):
             lab = [solo_card(LAB, rank, "gpu")] if mode == "solo" else LAB
             job = RankJob(CONFIG, mode, 0 if mode == "solo" else rank, lab, args.steps,
-                          os.path.join(scratch, f"{i}.json"), entry(strategy).class_path, "gpu", port=_free_port(),
+                          os.path.join(scratch, f"{i}.json"), entry(strategy).class_path, "gpu", port=free_port(),
                           batch_size=batch)
             result = launch_rank(job, 300, log)
             timed, waits = result.step_seconds[WARMUP_STEPS:], result.device_wait_seconds[WARMUP_STEPS:]

@@ -3,7 +3,7 @@
     python -m lightning_hetero doctor [--json]                                  # this machine's devices and links
     python -m lightning_hetero doctor --model CONFIG [--script S] [--steps N]   # + a short monitored dry run
     python -m lightning_hetero doctor --model CONFIG --lab "A100-80GB,RTX3090,RTX3090" [--strategy hetero_fsdp]
-                                                                                # rehearse a lab one rank at a time
+                                      [--script S] [--json]                     # rehearse a lab one rank at a time
     python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
 """
 
@@ -11,6 +11,9 @@ import argparse
 from typing import Optional
 
 from lightning_hetero.registry import names
+
+# Training steps per rehearsed rank (the first 2 are not timed).
+DEFAULT_REHEARSAL_STEPS = 6
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -26,8 +29,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--model", metavar="CONFIG", help="also train this LightningCLI config for a few steps with "
                         "the monitor: what each card will compute, wait and send")
-    doctor.add_argument("--script", help="the LightningCLI script the config belongs to (default: a generic CLI, for "
-                        "configs whose model and data have a class_path)")
+    doctor.add_argument("--script", help="the LightningCLI script the config belongs to, for the dry run and --lab "
+                        "alike (default: a generic CLI, for configs whose model and data have a class_path)")
     doctor.add_argument("--steps", type=int, default=None, help="optimizer steps of the dry run (default 20; with "
                         "--lab: per rehearsed rank, default 6)")
     doctor.add_argument("--lab", help="rehearse the --model config on this lab, one rank at a time on this machine: "
@@ -44,19 +47,29 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "doctor":
-            from lightning_hetero.observe.doctor import dry_run
+            from lightning_hetero.observe.doctor import DRY_RUN_STEPS, dry_run
             from lightning_hetero.observe.doctor import main as doctor_main
 
-            if args.lab:
-                from lightning_hetero.observe.rehearse import rehearse
+            if args.lab is not None:
+                import json
+                import sys
+
+                from lightning_hetero.rehearse.command import rehearse
 
                 if not args.model:
                     raise ValueError("`--lab` needs `--model CONFIG` (the job to rehearse).")
-                rehearse(args.model, args.lab, args.strategy, steps=args.steps or 6, out_dir=args.out)
+                # With --json, stdout carries the report alone: the progress and the tables go to stderr.
+                rehearsal = rehearse(args.model, args.lab, args.strategy, out_dir=args.out, script=args.script,
+                                  steps=DEFAULT_REHEARSAL_STEPS if args.steps is None else args.steps,
+                                  stream=sys.stderr if args.json else sys.stdout)
+                if args.json:
+                    print(json.dumps(rehearsal, indent=2))
+                if rehearsal["failed"]:
+                    parser.exit(1, f"lightning-hetero doctor: error: {rehearsal['failed']}\n")
                 return
             doctor_main(as_json=args.json)
             if args.model:
-                raise SystemExit(dry_run(args.model, args.script, args.steps or 20))
+                raise SystemExit(dry_run(args.model, args.script, DRY_RUN_STEPS if args.steps is None else args.steps))
         elif args.command == "report":
             from lightning_hetero.observe.report import main as report_main
 

@@ -148,7 +148,8 @@ def test_compression_configs_import_no_hook_or_runtime():
 # no import is excused. The package root's modules first (the options, the strategy list, the rule language, the
 # strategy view, the private-API adapter); the lab (devices, the process group: its rendezvous and its teardown);
 # resilience (the fault watchdog, checkpoint files, pre-emption), which the loader split and the step use; the share
-# plan (the model's blocks included); the package itself ("") and its command line on top.
+# plan (the model's blocks included); the package itself (""); the commands on top: the command line and the
+# rehearsal, which read every layer and which nothing below them imports.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"_compat", "config", "registry", "rules", "view"}),
     frozenset({"lab"}),
@@ -158,7 +159,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"data"}),
     frozenset({"grad"}),
     frozenset({"strategies"}),
-    frozenset({"", "__main__"}),
+    frozenset({""}),
+    frozenset({"__main__", "rehearse"}),
 )
 
 

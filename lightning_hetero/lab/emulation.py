@@ -191,18 +191,19 @@ class EmulatedDevice:
         return ", ".join(parts)
 
 
-def parse_emulate(value: EmulateArg) -> Optional[tuple[Optional[EmulationSpec], ...]]:
-    """Validate the strategy's ``emulate`` argument at construction; ``ValueError`` naming it otherwise."""
+def parse_emulate(value: EmulateArg, name: str = "emulate") -> Optional[tuple[Optional[EmulationSpec], ...]]:
+    """Validate the strategy's ``emulate`` argument at construction; ``ValueError`` naming it otherwise (as ``name``:
+    the rehearsal's ``--lab`` gives its cards in the same form)."""
     if value is None:
         return None
     if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence):
         raise ValueError(
-            f"`emulate`={value!r} must be a list with one entry per rank (a preset name, a dict or None), "
+            f"`{name}`={value!r} must be a list with one entry per rank (a preset name, a dict or None), "
             f"e.g. ['A100-40GB', 'RTX3090']. Presets: {sorted(PRESETS)}."
         )
     if not value:
-        raise ValueError("`emulate` is empty: give one entry per rank, or leave it None.")
-    return tuple(_parse_one(entry, f"emulate[{i}]") for i, entry in enumerate(value))
+        raise ValueError(f"`{name}` is empty: give one entry per rank, or leave it None.")
+    return tuple(_parse_one(entry, f"{name}[{i}]") for i, entry in enumerate(value))
 
 
 def _parse_one(entry: Union[str, Mapping[str, Any], None], where: str) -> Optional[EmulationSpec]:

@@ -211,7 +211,7 @@ def dry_run_command(config: str, script: Optional[str] = None, steps: int = DRY_
     checkpoints or validation: through ``script`` (a LightningCLI script, e.g. ``examples/train_digits.py``) or, when
     the config names its classes (``model: {class_path: ...}``), through a generic LightningCLI."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"`steps`={steps!r} must be an integer >= 2.")
+        raise ValueError(f"`--steps`={steps!r} must be an integer >= 2.")
     if not os.path.isfile(config):
         raise ValueError(f"`config`={config!r} is not a file.")
     entry = [sys.executable, script] if script else [sys.executable, "-m", "lightning_hetero.observe.doctor"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lightning_hetero.observe.rehearse import AGREEMENT, honesty_check
+from benchmarks.rehearse_check import AGREEMENT, honesty_check
 
 pytestmark = pytest.mark.gpu  # one CUDA device: the ranks take turns on it, or share it capped as their cards
 

@@ -4,7 +4,8 @@ import tempfile
 
 import pytest
 
-from lightning_hetero.observe.rehearse import honesty_check, parse_lab
+from benchmarks.rehearse_check import honesty_check
+from lightning_hetero.rehearse.cards import parse_lab
 
 CONFIG = """seed_everything: 0
 model:
@@ -53,7 +54,7 @@ def test_rehearsed_plan_and_shares_equal_a_real_cpu_run(tmp_path, monkeypatch):
 def test_a_switched_strategy_keeps_the_options_it_takes(capsys):
     from jsonargparse import Namespace
 
-    from lightning_hetero.observe.rehearse import carried_options
+    from lightning_hetero.rehearse.rank import carried_options
 
     ddp = Namespace(class_path="lightning_hetero.HeteroDDPStrategy",
                     init_args=Namespace(capacities={"A100": 3, "3090": 1}, ddp_kwargs={"bucket_cap_mb": 50}))
@@ -76,8 +77,8 @@ def test_a_switched_strategy_keeps_the_options_it_takes(capsys):
 
 
 def test_a_card_run_alone_keeps_its_speed_in_the_lab():
+    from benchmarks.rehearse_check import solo_card
     from lightning_hetero.lab.emulation import PRESETS, preset_tflops
-    from lightning_hetero.observe.rehearse import solo_card
 
     lab = ["A100-40GB", "RTX3090"]
     # CPU slowdowns are relative to the lab's fastest card: alone, the 3090 keeps the lab's, not 1.
@@ -89,7 +90,7 @@ def test_a_card_run_alone_keeps_its_speed_in_the_lab():
 
 
 def _result(mode, rank, batch, step, ok=True, oom=False, modes=None):
-    from lightning_hetero.observe.rehearse import RankResult
+    from lightning_hetero.rehearse.job import RankResult
 
     return RankResult(mode, rank, "card", ok=ok, oom=oom, batch=batch, global_batch=8,
                       step_seconds=[9.0, 9.0] + ([step] * 3 if step else []), param_bytes=4_000_000,
@@ -97,7 +98,7 @@ def _result(mode, rank, batch, step, ok=True, oom=False, modes=None):
 
 
 def test_prediction_times_every_strategy_on_its_own_steps_and_extrapolates_only_what_did_not_run():
-    from lightning_hetero.observe.rehearse import predict
+    from lightning_hetero.rehearse.predict import predict
 
     ours = [_result("hetero", 0, 6, 0.060, modes=["keep", "keep"]), _result("hetero", 1, 2, 0.050)]
     ddp = [_result("ddp", 0, 4, 0.045), _result("ddp", 1, 4, None, ok=False, oom=True)]
@@ -115,7 +116,7 @@ def test_prediction_times_every_strategy_on_its_own_steps_and_extrapolates_only_
 
 
 def test_measured_capacities_are_named_as_not_rehearsed():
-    from lightning_hetero.observe.rehearse import notes
+    from lightning_hetero.rehearse.notes import notes
 
     rank = _result("hetero", 0, 6, 0.06)
     rank.capacities_asked, rank.capacity_source = "auto", "peak"
@@ -127,7 +128,9 @@ def test_measured_capacities_are_named_as_not_rehearsed():
 def test_a_step_that_waits_on_the_host_is_named_host_bound():
     """The device's wait at each step's end tells a host-bound step (the time measures this machine's CPU, not the
     card) from a device-bound one; the rank table, the notes and the honesty check's disagreements say which."""
-    from lightning_hetero.observe.rehearse import RankResult, compare_rank, format_check, notes
+    from benchmarks.rehearse_check import compare_rank, format_check
+    from lightning_hetero.rehearse.job import RankResult
+    from lightning_hetero.rehearse.notes import notes
 
     steps = [2.0, 2.0, 0.150, 0.130, 0.170, 0.160, 0.140, 0.150]  # two warm-up steps, then 0.15 s ± 0.02
     host = RankResult("hetero", 0, "A100-40GB", ok=True, device="NVIDIA H100", step_seconds=steps,

@@ -1,0 +1,32 @@
+"""The lab to rehearse, as ``--lab`` gives it: its cards (preset names or profiles) and their labels."""
+
+import json
+from typing import Any
+
+from lightning_hetero.lab.emulation import PRESETS, parse_emulate
+
+
+def parse_lab(text: str) -> list[Any]:
+    """``"A100-80GB,RTX3090,RTX3090"`` (preset names) or a JSON list of names / profile dicts; ``ValueError`` naming
+    ``--lab`` otherwise."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"`--lab`={text!r} is not a JSON list: {err}.") from None
+    else:
+        entries = [name.strip() for name in text.split(",") if name.strip()]
+    if not isinstance(entries, list) or len(entries) < 2:
+        raise ValueError(f"`--lab`={text!r} must name at least two cards, e.g. 'A100-80GB,RTX3090,RTX3090' "
+                         f"(presets: {sorted(PRESETS)}) or a JSON list of profiles.")
+    if any(entry is None for entry in entries):
+        raise ValueError("`--lab` entries must be cards (a preset or a profile dict), not null.")
+    parse_emulate(entries, name="--lab")
+    return entries
+
+
+def card_label(entry: Any) -> str:
+    if isinstance(entry, str):
+        return entry
+    return str(entry.get("preset") or entry.get("name") or "custom")

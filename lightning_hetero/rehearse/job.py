@@ -1,0 +1,93 @@
+"""What one rehearsal process runs (:class:`RankJob`) and what it measured (:class:`RankResult`)."""
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# The steps of a rank not timed (compilation, allocator and cache warm-up).
+WARMUP_STEPS = 2
+# A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
+# host then waits for the device less than this share of the step (medians over the timed steps).
+HOST_BOUND_WAIT = 0.01
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What one rehearsal process runs: ``mode`` is ``"hetero"`` (the config's strategy, or ``strategy``), ``"ddp"``
+    or ``"fsdp"`` (Lightning's, equal batches), all with the fake process group; the honesty checks also run
+    ``"shared"`` (our strategy for real: the lab's ranks together on this one device, gloo) and ``"solo"`` (one card
+    alone, a world of one, ``batch_size`` its rehearsed batch)."""
+
+    config: str
+    mode: str
+    rank: int
+    lab: list[Any]
+    steps: int
+    out: str
+    strategy: Optional[str] = None
+    accelerator: str = "cpu"
+    port: int = 29555
+    batch_size: Optional[int] = None
+    # The user's LightningCLI script the config belongs to (None: a generic CLI over the config's class paths).
+    script: Optional[str] = None
+
+
+@dataclass
+class RankResult:
+    mode: str
+    rank: int
+    card: str
+    ok: bool = False
+    oom: bool = False
+    error: Optional[str] = None
+    batch: Optional[int] = None
+    share: Optional[float] = None
+    global_batch: Optional[int] = None
+    plan: Optional[str] = None
+    capacity_source: Optional[str] = None
+    capacities_asked: Optional[str] = None  # the strategy's `capacities` source ("auto", "profile", "peak", ...)
+    split: Optional[list[int]] = None
+    memory_modes: Optional[list[str]] = None
+    card_memory_bytes: Optional[int] = None
+    local_memory_bytes: Optional[int] = None
+    peak_allocated_bytes: Optional[int] = None
+    peak_reserved_bytes: Optional[int] = None
+    host_rss_bytes: Optional[int] = None
+    # The strategy's own estimate of this rank's device memory under its plan (a sharded strategy's memory plan).
+    estimated_bytes: Optional[int] = None
+    step_seconds: list[float] = field(default_factory=list)
+    # Per step, how long the host waited for the device at the step's end: near 0 when the host is the bottleneck.
+    device_wait_seconds: list[float] = field(default_factory=list)
+    parameters: Optional[int] = None
+    param_bytes: Optional[int] = None
+    compute_bytes: Optional[int] = None
+    device: Optional[str] = None
+
+    @property
+    def step_time(self) -> Optional[float]:
+        timed = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
+        return statistics.median(timed) if timed else None
+
+    @property
+    def step_spread(self) -> Optional[float]:
+        """The timed steps' interquartile range over their median: how far one step time can be trusted."""
+        timed = self.step_seconds[WARMUP_STEPS:]
+        if len(timed) < 4:
+            return None
+        low, _, high = statistics.quantiles(timed, n=4)
+        return (high - low) / statistics.median(timed)
+
+    @property
+    def device_wait(self) -> Optional[float]:
+        """The median of the timed steps' waits for the device at their end."""
+        waits = self.device_wait_seconds[WARMUP_STEPS:]
+        return statistics.median(waits) if waits else None
+
+    @property
+    def host_bound(self) -> Optional[bool]:
+        """Whether the step waited on the host rather than the device: its time is then this machine's CPU speed,
+        not the card's. None without a device to wait for (CPU ranks)."""
+        wait = self.device_wait
+        if wait is None or not self.step_time or self.device in (None, "cpu"):
+            return None
+        return wait < HOST_BOUND_WAIT * self.step_time

@@ -1,0 +1,118 @@
+"""Rehearsed ranks started in fresh processes, and their results collected (a rank that timed out or died included)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any, Optional
+
+from lightning_hetero.lab.rehearsal import REHEARSE_ENV
+from lightning_hetero.rehearse.cards import card_label
+from lightning_hetero.rehearse.job import RankJob, RankResult
+
+# The longest error a rank's output gives its result (the whole output is in the log).
+ERROR_CHARS = 400
+
+
+def rank_environment(job: RankJob) -> dict[str, str]:
+    """Rank ``r`` of ``N`` as Lightning sees it: its own node of one process, started from outside."""
+    env = dict(os.environ, LOCAL_RANK="0", NODE_RANK=str(job.rank), WORLD_SIZE=str(len(job.lab)),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), PYTHONUNBUFFERED="1")
+    env.pop(REHEARSE_ENV, None)
+    if job.mode == "hetero":
+        env[REHEARSE_ENV] = f"{job.rank}/{len(job.lab)}"
+    return env
+
+
+def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[RankResult]:
+    """Run ranks in fresh processes, together (each in its own session: on timeout or interruption every process
+    group is killed, data loader workers included). Each rank's output goes to ``log`` once it has ended."""
+    processes, outputs = [], []
+    try:
+        for job in jobs:
+            cmd = [sys.executable, "-m", "lightning_hetero.rehearse.rank", json.dumps(asdict(job))]
+            outputs.append(open(job.out + ".log", "w+"))
+            processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=outputs[-1],
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for process in processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for process in processes:
+            _kill_group(process)
+        texts = []
+        for job, output in zip(jobs, outputs):
+            output.seek(0)
+            texts.append(output.read())
+            output.close()
+            if len(jobs) > 1:
+                log.write(f"\n----- {job.mode} rank {job.rank} -----\n")
+            log.write(texts[-1])
+        log.flush()
+    return [_collect(job, process, text, timeout if timed_out else None)
+            for job, process, text in zip(jobs, processes, texts)]
+
+
+def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
+    """Run one rank in a fresh process (see :func:`launch_ranks`)."""
+    return launch_ranks([job], timeout, log)[0]
+
+
+def _collect(job: RankJob, process: "subprocess.Popen[bytes]", output: str, timed_out: Optional[float]
+             ) -> RankResult:
+    if timed_out is not None and process.returncode in (None, -signal.SIGKILL):
+        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=f"timed out after {timed_out:g} s")
+    try:
+        with open(job.out) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        said = exit_error(output)
+        code = f"the rank's process exited with code {process.returncode}"
+        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]),
+                          error=f"{said} ({code})" if said else f"{code} (see the log)")
+    return RankResult(**data)
+
+
+# jsonargparse's lines around the reasons of a union error: not reasons themselves.
+_UNION_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "- Expected a ",
+                "Given value type:", "Given value:")
+
+
+def exit_error(output: str) -> Optional[str]:
+    """The error a process that ended without a result said last (``PROG: error: ...`` of argparse, jsonargparse or
+    :func:`~lightning_hetero.observe.errors.run_main`, with its indented lines), as one line."""
+    lines = output.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if "error:" in line and not line.startswith((" ", "\t"))]
+    if not starts:
+        return None
+    first = lines[starts[-1]]
+    said = [first[first.index("error:") + len("error:"):].strip()]
+    said += [line.strip() for line in lines[starts[-1] + 1:] if line.startswith((" ", "\t"))]
+    text = " ".join(part.removeprefix("- ") for part in said if part and not part.startswith(_UNION_NOISE))
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
+def _kill_group(process: "subprocess.Popen[bytes]") -> None:
+    """End the rank's process and every child it started (data loader workers included)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,78 @@
+"""The job's step time, throughput and ratio to the sum of the cards' solo rates, predicted from the rehearsed ranks."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_hetero.plan.split import split_batch
+from lightning_hetero.rehearse.job import RankResult
+
+# The `capacities` a real run measures across its ranks at its start.
+PROFILED = ("auto", "profile")
+
+# Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
+# P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
+LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
+
+
+def communication_seconds(mode: str, world: int, param_bytes: int, compute_bytes: int, gbytes: float) -> float:
+    """Seconds per step of a ring collective path on a link of ``gbytes`` GB/s (every rank sends what a ring sends).
+
+    Replicas (DDP): one all-reduce of the gradients, 2 (N-1)/N × gradient bytes. Sharded (FSDP): the parameters
+    all-gathered for forward and again for backward, (N-1)/N × compute-dtype bytes each, and one reduce-scatter of
+    the gradients, (N-1)/N × gradient bytes.
+    """
+    ring = (world - 1) / world
+    if mode in ("hetero_ddp", "ddp"):
+        wire = 2 * ring * param_bytes
+    else:
+        wire = 2 * ring * compute_bytes + ring * param_bytes
+    return wire / (gbytes * 1e9)
+
+
+def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Sequence[RankResult], strategy: str,
+            link: str) -> dict[str, Any]:
+    """Step time, throughput and ratio to Σ solo of ours vs DDP vs FSDP, from the rehearsed step times.
+
+    Each strategy's compute time on a card is that rank's own measured step time; a rank that did not run (out of
+    memory) is extrapolated from our rank's rate on that card, linearly in the batch, and listed in ``estimated``.
+    A card's solo rate is its best measured samples/s over the rehearsed runs. Under ``capacities`` "profile" or
+    "auto" (measured at the start of a real run, which a rank alone cannot) our batches are the split of the measured
+    rates (``profiled_split``), each rank's compute its measured rate at that batch.
+    """
+    rates = [r.batch / r.step_time if r.ok and r.batch and r.step_time else None for r in hetero]
+    base = next((r for r in hetero if r.ok), None)
+    out: dict[str, Any] = {"link": link, "link_gbytes_per_s": LINK_GBYTES[link], "rates": rates, "strategies": {}}
+    if base is None or any(rate is None for rate in rates):
+        return out
+    world = len(hetero)
+    global_batch = base.global_batch or sum(r.batch or 0 for r in hetero)
+    solo = [max([rate] + [r.batch / r.step_time for r in (*ddp, *fsdp)  # type: ignore[operator]
+                          if r.rank == i and r.ok and r.batch and r.step_time])
+            for i, rate in enumerate(rates)]
+    out["solo_samples_per_s"] = solo
+    out["sum_solo_samples_per_s"] = sum(solo)
+    ours = "hetero_fsdp" if base.memory_modes else "hetero_ddp"
+    ours_batches: list[Any] = [r.batch for r in hetero]
+    if base.capacities_asked in PROFILED:
+        # A real run measures the ranks' speeds at its start and splits by them: the rehearsal has measured them too.
+        ours_batches = out["profiled_split"] = split_batch(global_batch, rates)  # type: ignore[arg-type]
+    runs = {ours: (hetero, ours_batches), "ddp": (ddp, [global_batch / world] * world),
+            "fsdp": (fsdp, [global_batch / world] * world)}
+    for name, (results, batches) in runs.items():
+        if not results:
+            continue  # not rehearsed (baselines off, or Lightning's FSDPStrategy on CPU)
+        fits = all(r.ok for r in results)
+        # Ours is timed where it ran the batch predicted for it; elsewhere (a profiled share) at its measured rate.
+        measured = {r.rank: r.step_time for r in results
+                    if r.ok and r.step_time and (name != ours or r.batch == batches[r.rank])}
+        compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
+        comm = communication_seconds(name, world, base.param_bytes or 0, base.compute_bytes or 0, LINK_GBYTES[link])
+        step = max(compute) + comm
+        out["strategies"][name] = {
+            "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,
+            "estimated": [i for i in range(world) if i not in measured],
+            "step_seconds": step, "samples_per_s": global_batch / step if fits else None,
+            "ratio_to_sum_solo": global_batch / step / sum(solo) if fits else None,
+            "oom_ranks": [r.rank for r in results if r.oom],
+        }
+    return out

@@ -1,0 +1,304 @@
+"""One rehearsed rank, in its own process: the config's real ``Trainer`` and strategy as rank ``r`` of the lab.
+
+Started by :mod:`lightning_hetero.rehearse.launch` as ``python -m lightning_hetero.rehearse.rank JOB_JSON``; the
+rank writes its :class:`~lightning_hetero.rehearse.job.RankResult` to ``job.out``.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero.config import sharded_refusals
+from lightning_hetero.lab.emulation import PRESETS, Emulator, parse_emulate, start_emulation
+from lightning_hetero.lab.rehearsal import host_device
+from lightning_hetero.observe.errors import user_message
+from lightning_hetero.plan.memory import GIB
+from lightning_hetero.registry import names
+from lightning_hetero.rehearse.cards import card_label
+from lightning_hetero.rehearse.job import RankJob, RankResult
+
+
+def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce stood in for: the bucket's own gradients (the fake group's work carries no result)."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _first_batch_dim(batch: Any) -> Optional[int]:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _first_batch_dim(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator] = None) -> Any:
+    """A callback timing every training step (synchronised) and noting the batch each rank trained on; for
+    a DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
+    :func:`local_gradients_hook`. With ``emulator`` (Lightning's strategies, which have none of their own) each step
+    runs under the card's SM share (CPU: its slowdown), as ours does."""
+    from contextlib import ExitStack
+
+    from lightning.pytorch import Callback
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    class Probe(Callback):
+        def __init__(self) -> None:
+            self.started = 0.0
+            self.step = ExitStack()  # the emulator's capped step, from batch start to batch end
+
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            strategy = trainer.strategy
+            # Ours registers a hook of its own only with compression, periodic sync or the CPU emulator; otherwise
+            # DDP's built-in all-reduce runs, whose fake work carries no result on CUDA.
+            own_hook = getattr(strategy, "weighting", None) is not None
+            ddp_wrapped = isinstance(strategy.model, DistributedDataParallel)
+            if result.mode in ("ddp", "hetero") and ddp_wrapped and not own_hook:
+                strategy.model.register_comm_hook(None, local_gradients_hook)
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            sync()
+            self.started = time.perf_counter()
+            result.batch = _first_batch_dim(batch)
+            if emulator is not None:
+                self.step.enter_context(emulator.work())  # forward, backward and optimizer step on the capped stream
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.step.close()
+            issued = time.perf_counter()
+            sync()
+            ended = time.perf_counter()
+            result.step_seconds.append(ended - self.started)
+            result.device_wait_seconds.append(ended - issued)
+
+    return Probe()
+
+
+def carried_options(strategy: Any, target: str) -> dict[str, Any]:
+    """The options of the config's own strategy (a ``class_path``/``init_args`` namespace) that ``target`` (an import
+    path) also takes, e.g. ``capacities`` from a ``HeteroDDPStrategy`` config rehearsed as ``hetero_fsdp``."""
+    import importlib
+    import inspect
+
+    init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    if not init_args:
+        return {}
+    module, _, name = target.rpartition(".")
+    strategy_class = getattr(importlib.import_module(module), name)
+    accepted = inspect.signature(strategy_class).parameters
+    options = dict(vars(init_args)) if not isinstance(init_args, dict) else dict(init_args)
+    dropped = sorted(k for k in options if k not in accepted)
+    if dropped:
+        print(f"rehearsal: {name} does not take the config's strategy options {dropped}: left out", flush=True)
+    capacities = options.get("capacities")
+    refused = sorted(sharded_refusals(capacities if isinstance(capacities, str) else None, options.get("rebalance"))
+                     if getattr(strategy_class, "sharded", False) else ())
+    if refused:
+        print(f"rehearsal: {name} refuses the config's strategy options {refused} as set: left out", flush=True)
+    return {k: v for k, v in options.items() if k in accepted and k not in refused}
+
+
+def rehearsed_config(job: RankJob, config: Any) -> None:
+    """Edit the parsed config (of the ``fit`` subcommand) into this rank's: its batch (solo runs), the strategy to
+    rehearse (``--strategy``), the lab's cards as the strategy's ``emulate``."""
+    from jsonargparse import Namespace
+
+    if job.mode in ("ddp", "fsdp"):
+        return
+    if job.batch_size is not None:
+        # The loader's batch is the data module's, or (without one) the model's own `batch_size`; under a class
+        # path, in its init_args.
+        owner = config.get("data") or config.model
+        (owner.init_args if isinstance(owner.get("init_args"), Namespace) else owner).batch_size = job.batch_size
+    trainer = config.trainer
+    strategy = trainer.get("strategy")
+    if job.strategy is not None and not (isinstance(strategy, Namespace)
+                                         and strategy.get("class_path") == job.strategy):
+        kept = carried_options(strategy, job.strategy)
+        trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
+    if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
+        raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
+                         f"`--strategy {'|'.join(names())}`.")
+    strategy.init_args.emulate = job.lab
+
+
+def trainer_overrides(job: RankJob, model: Any, root: str) -> dict[str, Any]:
+    """The ``Trainer`` arguments of a rehearsed rank: one device, node ``r`` of the lab's ``N``, ``job.steps`` steps,
+    nothing saved; Lightning's own strategies for the baselines."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_hetero.plan.blocks import default_blocks
+
+    overrides: dict[str, Any] = dict(
+        accelerator=job.accelerator, devices=1, num_nodes=len(job.lab), max_steps=job.steps, max_epochs=-1,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    if job.mode == "ddp":
+        overrides["strategy"] = DDPStrategy()
+    elif job.mode == "fsdp":
+        overrides["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(model)))
+    return overrides
+
+
+@contextmanager
+def rehearsed_cli(job: RankJob, root: str, built: Callable[[Any], None]) -> Iterator[None]:
+    """Every ``LightningCLI`` built inside (the generic one, or the user's script's own) parses as usual, then
+    rehearses this rank: the config edited by :func:`rehearsed_config` before its classes are instantiated, the
+    ``Trainer`` built with :func:`trainer_overrides`; ``built(cli)`` sees each CLI once its trainer exists, before
+    anything is fitted."""
+    from lightning.pytorch.cli import LightningCLI
+
+    instantiate_classes, instantiate_trainer = LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer
+
+    def rehearsed_classes(cli: Any) -> None:
+        rehearsed_config(job, cli.config[cli.subcommand] if cli.subcommand else cli.config)
+        instantiate_classes(cli)
+        built(cli)
+
+    def rehearsed_trainer(cli: Any, **kwargs: Any) -> Any:
+        return instantiate_trainer(cli, **{**kwargs, **trainer_overrides(job, cli.model, root)})
+
+    LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer = rehearsed_classes, rehearsed_trainer
+    try:
+        yield
+    finally:
+        LightningCLI.instantiate_classes, LightningCLI.instantiate_trainer = instantiate_classes, instantiate_trainer
+
+
+def fit_config(job: RankJob) -> None:
+    """The config through a generic LightningCLI (its model and data named by ``class_path``), then ``fit``."""
+    import yaml
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    with open(job.config) as f:
+        has_data = "data" in (yaml.safe_load(f) or {})
+    cli = LightningCLI(LightningModule, LightningDataModule if has_data else None, subclass_mode_model=True,
+                       subclass_mode_data=True, save_config_callback=None, run=False, args=["--config", job.config])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def fit_script(job: RankJob) -> None:
+    """The user's own LightningCLI script, run here as ``python SCRIPT fit --config CONFIG`` would run it."""
+    import runpy
+
+    assert job.script is not None
+    sys.argv = [job.script, "fit", "--config", job.config]
+    # The script's folder first on the path, as `python SCRIPT` has it: its own modules import.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
+    runpy.run_path(job.script, run_name="__main__")
+
+
+def run_rank(job: RankJob) -> RankResult:
+    """Build the config's Trainer as rank ``job.rank`` of the lab and train ``job.steps`` steps (in this process).
+
+    A script that exits (its own argument errors, a ``SystemExit``) ends the process without a result: the
+    launcher reads the error from the rank's output."""
+    from lightning_hetero._compat import init_fake_process_group
+
+    world = len(job.lab)
+    device = torch.device("cuda", 0) if job.accelerator == "gpu" else torch.device("cpu")
+    result = RankResult(job.mode, job.rank, card_label(job.lab[job.rank]))
+    spec = parse_emulate(job.lab)[job.rank]  # type: ignore[index]
+    preset = PRESETS[spec.preset] if spec and spec.preset else None
+    gib = spec.memory_gib if spec and spec.memory_gib is not None else (preset.memory_gib if preset else None)
+    result.card_memory_bytes = int(gib * GIB) if gib is not None else None
+    if device.type == "cuda":
+        result.local_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+        result.device = torch.cuda.get_device_name(0)
+    else:
+        result.device = "cpu"
+    root = tempfile.mkdtemp(prefix="hetero-rehearse-")
+    emulator: Optional[Emulator] = None
+    clis: list[Any] = []
+
+    def built(cli: Any) -> None:
+        clis.append(cli)
+        params = list(cli.model.parameters())
+        result.parameters = sum(p.numel() for p in params)
+        result.param_bytes = sum(p.numel() * p.element_size() for p in params)
+        cli.trainer.callbacks.append(_probe(result, device, emulator))
+        precision = str(getattr(cli.trainer.precision_plugin, "precision", "32-true"))
+        element = 2 if ("16" in precision and "32" not in precision) else 4
+        result.compute_bytes = result.parameters * element
+
+    try:
+        if job.mode == "shared":
+            # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port + 1}", rank=job.rank,
+                                    world_size=world)
+        elif job.mode in ("ddp", "fsdp"):
+            # Lightning's own strategies keep an initialised process group (the fake one) instead of creating theirs.
+            init_fake_process_group(job.rank, world)
+            # The card's memory cap and SM share (CPU: slowdown), as our strategy's emulator applies them.
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            emulator = start_emulation(parse_emulate(job.lab) or (), job.rank, world, host_device(device), device)
+            if emulator is not None:
+                emulator.activate()
+        with rehearsed_cli(job, root, built):
+            if job.script:
+                fit_script(job)
+            else:
+                fit_config(job)
+        if not clis:
+            raise RuntimeError(f"`--script` {job.script!r} built no LightningCLI: the rehearsal needs one")
+        trainer = clis[-1].trainer
+        result.ok = True
+        strategy = trainer.strategy
+        if job.mode in ("hetero", "shared", "solo"):
+            plan = strategy.plan.as_dict()  # type: ignore[attr-defined]
+            result.split, result.capacity_source = plan["split"], plan["capacity_source"]
+            result.capacities_asked = strategy.plan.spec.source  # type: ignore[attr-defined]
+            result.global_batch = plan["global_batch_size"]
+            memory_plan = getattr(strategy, "memory_plan", None)
+            result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
+            result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
+            result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
+        else:
+            result.global_batch = (result.batch or 0) * world
+            result.plan = "replica" if job.mode == "ddp" else "full shard"
+        if result.global_batch and result.batch:
+            result.share = (result.split[job.rank] if result.split else result.batch) / result.global_batch
+    except torch.OutOfMemoryError as err:
+        result.oom, result.error = True, str(err).splitlines()[0]
+    except Exception as err:  # reported per rank; the doctor goes on with the next one
+        import traceback
+
+        traceback.print_exc()  # whole in the rank's log
+        result.error = f"{type(err).__name__}: {user_message(err)}"
+    if device.type == "cuda":
+        result.peak_allocated_bytes = torch.cuda.max_memory_allocated(0)
+        result.peak_reserved_bytes = torch.cuda.max_memory_reserved(0)
+    import resource
+
+    result.host_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    shutil.rmtree(root, ignore_errors=True)
+    with open(job.out, "w") as f:
+        json.dump(asdict(result), f)
+    return result
+
+if __name__ == "__main__":
+    from lightning_hetero.observe.errors import run_main
+
+    payload = json.loads(sys.argv.pop(1))
+    run_main(lambda: run_rank(RankJob(**payload)), "lightning-hetero doctor --lab (rehearsed rank)")
