@@ -15,7 +15,8 @@ HOST_BOUND_WAIT = 0.01
 class RankJob:
     """What one rehearsal process runs: ``mode`` is ``"hetero"`` (the config's strategy, or ``strategy``), ``"ddp"``
     or ``"fsdp"`` (Lightning's, equal batches), all with the fake process group; the honesty checks also run
-    ``"shared"`` (our strategy for real: the lab's ranks together on this one device, gloo) and ``"solo"`` (one card
+    ``"shared"`` (our strategy for real: the lab's ranks together on this one device, gloo), ``"real"`` (our strategy
+    for real, rank ``r`` alone on the machine's GPU ``r``, with its own process group: NCCL) and ``"solo"`` (one card
     alone, a world of one, ``batch_size`` its rehearsed batch)."""
 
     config: str
@@ -52,6 +53,9 @@ class RankResult:
     local_memory_bytes: Optional[int] = None
     peak_allocated_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
+    # CUDA: the peak before the first step (set-up, sharding) and after each step, to tell where the peak was reached.
+    setup_peak_bytes: Optional[int] = None
+    step_peak_bytes: list[int] = field(default_factory=list)
     host_rss_bytes: Optional[int] = None
     # The strategy's own estimate of this rank's device memory under its plan (a sharded strategy's memory plan).
     estimated_bytes: Optional[int] = None

@@ -25,6 +25,10 @@ def rank_environment(job: RankJob) -> dict[str, str]:
     env.pop(REHEARSE_ENV, None)
     if job.mode == "hetero":
         env[REHEARSE_ENV] = f"{job.rank}/{len(job.lab)}"
+    if job.mode == "real":
+        # Rank r alone on this machine's GPU r (of those visible), as its own node would have it.
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[job.rank] if job.rank < len(visible) else str(job.rank)
     return env
 
 

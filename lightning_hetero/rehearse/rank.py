@@ -77,6 +77,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             sync()
+            if device.type == "cuda" and result.setup_peak_bytes is None:
+                result.setup_peak_bytes = torch.cuda.max_memory_allocated(device)
             self.started = time.perf_counter()
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
@@ -88,6 +90,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             sync()
             ended = time.perf_counter()
             result.step_seconds.append(ended - self.started)
+            if device.type == "cuda":
+                result.step_peak_bytes.append(torch.cuda.max_memory_allocated(device))
             result.device_wait_seconds.append(ended - issued)
 
     return Probe()
@@ -242,6 +246,7 @@ def run_rank(job: RankJob) -> RankResult:
         result.compute_bytes = result.parameters * element
 
     try:
+        # "real": the strategy creates its own process group (NCCL on CUDA), as in a run of the lab itself.
         if job.mode == "shared":
             # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port + 1}", rank=job.rank,
@@ -265,7 +270,7 @@ def run_rank(job: RankJob) -> RankResult:
         trainer = clis[-1].trainer
         result.ok = True
         strategy = trainer.strategy
-        if job.mode in ("hetero", "shared", "solo"):
+        if job.mode in ("hetero", "shared", "solo", "real"):
             plan = strategy.plan.as_dict()  # type: ignore[attr-defined]
             result.split, result.capacity_source = plan["split"], plan["capacity_source"]
             result.capacities_asked = strategy.plan.spec.source  # type: ignore[attr-defined]
