@@ -468,8 +468,12 @@ class EvaluationBatchSampler(HeteroBatchSampler):
 
     def is_padding(self, batch_index: int) -> bool:
         """Whether this rank's batch ``batch_index`` re-reads another rank's sample (weight 0)."""
-        batches = self.rank_batches()
-        return batch_index < len(batches) and batches[batch_index][1] == 0
+        # Asked at every evaluation step: the batch's length alone, as rank_batches cuts it, not the rank's K batches.
+        k = len(self)
+        if batch_index >= k:
+            return False
+        size, extra = divmod(self.rank_totals()[self.rank], k)
+        return size + (1 if batch_index < extra else 0) == 0
 
     def __iter__(self) -> Iterator[list[int]]:
         self.roll_schedule_to_epoch()

@@ -215,10 +215,11 @@ class HeteroLifecycle:
         step = self.core.step
         self.core.shares.step_started()
         trainer = _compat.trainer_of(self.lightning_module)
-        padding = step.train_step_size() == 0
+        size = step.train_step_size()
+        padding = size == 0
         layer_sync = _compat.layer_sync(self)
         with (
-            step.step(step.train_step_size()),
+            step.step(size),
             discard_padding_step(trainer, self.lightning_module, padding=padding),
             synced_statistics(layer_sync, padding),
         ):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+from lightning_hetero.data.sampler import EvaluationBatchSampler, GlobalOrder, HeteroBatchSampler
 
 
 def _samplers(n, g, capacities, drop_last, shuffle=True, seed=0):
@@ -68,3 +68,14 @@ def test_share_change_applies_from_a_batch_index():
 def test_global_batch_smaller_than_world_is_rejected():
     with pytest.raises(ValueError, match="global_batch_size"):
         HeteroBatchSampler(GlobalOrder(10, False), 2, [1, 1, 1], rank=0, drop_last=False)
+
+
+@pytest.mark.parametrize(("n", "g", "capacities"), [(41, 10, [3, 1]), (3, 4, [3, 1]), (1, 2, [1, 3]),
+                                                    (7, 9, [5, 2, 1]), (100, 16, [7, 1])])
+def test_evaluation_padding_steps_are_the_empty_batches(n, g, capacities):
+    """is_padding (asked at every evaluation step) names exactly the batches rank_batches leaves empty."""
+    for rank in range(len(capacities)):
+        sampler = EvaluationBatchSampler(GlobalOrder(n, shuffle=False), global_batch_size=g, capacities=capacities,
+                                         rank=rank, drop_last=False)
+        batches = sampler.rank_batches()
+        assert [sampler.is_padding(k) for k in range(len(batches) + 1)] == [b[1] == 0 for b in batches] + [False]
