@@ -162,6 +162,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         super().setup_environment()
         assert self.pipelines is not None
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
+        modes = self.core.precision.modes
+        for ranks in layout.pipelines if modes else ():
+            # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.
+            check("", "precision_policy", [modes[r] for r in ranks], len({modes[r] for r in ranks}) == 1,
+                  f"one mode for all ranks of the pipeline {list(ranks)}")
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
         self.stage_sync = StageSync(layout, self.global_rank)
