@@ -33,7 +33,7 @@ class HybridLayout:
         groups = tuple(tuple(int(r) for r in p) for p in pipelines)
         flat = [r for p in groups for r in p]
         if not groups:
-            raise ValueError("`pipelines` names no pipeline: use HeteroDDPStrategy for data parallelism alone.")
+            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism alone.")
         if any(len(p) < 2 for p in groups):
             raise ValueError(f"`pipelines`={[list(p) for p in groups]}: every pipeline has at least 2 stage ranks.")
         if len({len(p) for p in groups}) > 1:
