@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from contextlib import nullcontext
@@ -222,13 +223,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         run(args.run, args)
         return
     rows = []
+    work = tempfile.mkdtemp(prefix="bench_hybrid_")  # per-configuration logs and rows; only the summary goes to --out
     for config in args.configs.split(","):
         if config == "lfsdp4" and args.accelerator == "cpu":  # Lightning's FSDPStrategy needs an accelerator
             rows.append({"config": config, "error": "skipped on CPU"})
             continue
         command = [sys.executable, os.path.abspath(__file__), "--run", config] + [
-            a for a in sys.argv[1:] if not a.startswith("--configs")]
-        log_path = os.path.join(args.out, f"{config}.log")
+            a for a in sys.argv[1:] if not a.startswith("--configs")] + ["--out", work]
+        log_path = os.path.join(work, f"{config}.log")
         began = time.perf_counter()
         try:
             with open(log_path, "w") as log:
@@ -236,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         except subprocess.TimeoutExpired:
             code = "timeout"
         text = open(log_path).read()
-        result_path = os.path.join(args.out, f"{config}.json")
+        result_path = os.path.join(work, f"{config}.json")
         if code == 0 and os.path.exists(result_path):
             row = json.load(open(result_path))
         else:
