@@ -228,8 +228,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         if config == "lfsdp4" and args.accelerator == "cpu":  # Lightning's FSDPStrategy needs an accelerator
             rows.append({"config": config, "error": "skipped on CPU"})
             continue
-        command = [sys.executable, os.path.abspath(__file__), "--run", config] + [
-            a for a in sys.argv[1:] if not a.startswith("--configs")] + ["--out", work]
+        command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work,
+                   "--accelerator", args.accelerator, "--batch", str(args.batch), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (
+                   ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
         log_path = os.path.join(work, f"{config}.log")
         began = time.perf_counter()
         try:
