@@ -264,3 +264,13 @@ def in_backward() -> bool:
     import torch
 
     return torch._C._current_graph_task_id() != -1
+
+
+def undo_split_annotations(module: object, names: "list[str]") -> None:
+    """Give the modules named ``names`` back their own ``forward``: ``torch.distributed.pipelining.pipeline``
+    wraps it in place for its split points (an instance ``forward`` and ``_orig_forward``) and leaves the wrapper,
+    so a second trace of the same module recurses. No public API traces out of place."""
+    for name in names:
+        target = module.get_submodule(name)  # type: ignore[attr-defined]
+        for attribute in ("forward", "_orig_forward"):
+            target.__dict__.pop(attribute, None)

@@ -44,6 +44,8 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("hetero_ddp", "lightning_hetero.HeteroDDPStrategy", "Capacity-weighted DDP for mixed GPUs",
                   launchers=LAUNCHERS + NOTEBOOK),
     StrategyEntry("hetero_fsdp", "lightning_hetero.HeteroFSDPStrategy", "Sharded (FSDP2) training over unequal GPUs"),
+    StrategyEntry("hetero_hybrid", "lightning_hetero.strategies.hybrid.HeteroHybridStrategy",
+                  "Pipelined replicas of small cards beside data-parallel ones"),
 )
 
 

@@ -13,7 +13,8 @@ from lightning_hetero.__main__ import main
 def test_every_entry_is_registered_with_each_launcher():
     expected = {"hetero_ddp": "popen", "hetero_ddp_spawn": "spawn", "hetero_ddp_fork": "fork",
                 "hetero_ddp_notebook": "fork", "hetero_fsdp": "popen", "hetero_fsdp_spawn": "spawn",
-                "hetero_fsdp_fork": "fork"}
+                "hetero_fsdp_fork": "fork",
+                "hetero_hybrid": "popen", "hetero_hybrid_spawn": "spawn", "hetero_hybrid_fork": "fork"}
     assert {name: start for entry in registry.STRATEGIES for name, start in entry.variants()} == expected
     for entry in registry.STRATEGIES:
         module, _, name = entry.class_path.rpartition(".")
@@ -28,7 +29,7 @@ def test_the_command_line_offers_the_listed_names(capsys):
     with pytest.raises(SystemExit):
         main(["doctor", "--strategy", "hetero_nothing"])
     assert "choose from " + ", ".join(f"'{n}'" for n in registry.names()) in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"'hetero_nothing' is not one of \['hetero_ddp', 'hetero_fsdp'\]"):
+    with pytest.raises(ValueError, match=r"'hetero_nothing' is not one of \['hetero_ddp', 'hetero_fsdp', 'hetero_hybrid'\]"):
         registry.entry("hetero_nothing")
 
 

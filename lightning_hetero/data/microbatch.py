@@ -136,7 +136,7 @@ class PendingGrads:
         self.params, self.grads = [], []
 
 
-class _LogCapture:
+class LogCapture:
     """Collects ``module.log`` calls per micro-batch and replays one combined call per name."""
 
     def __init__(self, module: nn.Module) -> None:
@@ -155,10 +155,17 @@ class _LogCapture:
         finally:
             del self.module.log
 
-    def replay(self) -> None:
+    def combined(self) -> list[tuple[str, Any, tuple, dict]]:
+        """One (name, value, args, kwargs) per name logged: the weighted combination of its calls."""
+        out = []
         for name, calls in self.calls.items():
             value, _, args, kwargs = calls[-1]
-            self.module.log(name, _combine(name, calls, kwargs.get("reduce_fx", "mean")), *args, **kwargs)
+            out.append((name, _combine(name, calls, kwargs.get("reduce_fx", "mean")), args, kwargs))
+        return out
+
+    def replay(self) -> None:
+        for name, value, args, kwargs in self.combined():
+            self.module.log(name, value, *args, **kwargs)
 
 
 def _combine(name: str, calls: list[tuple[Any, float, tuple, dict]], reduce_fx: Any) -> Any:
@@ -211,7 +218,7 @@ def run_micro_batches(
     held = [p.grad for p in params]  # gradients of earlier accumulation steps (or of the last step, to be zeroed)
     for p in params:
         p.grad = None
-    capture = _LogCapture(module)
+    capture = LogCapture(module)
     accumulated: Optional[Tensor] = None
     with capture.patched():
         for j in range(len(sizes) - 1):

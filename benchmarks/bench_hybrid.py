@@ -1,0 +1,272 @@
+"""The hybrid layout against the alternatives on 2 whole GPUs + 2 emulated RTX 3090s, for a GPT whose AdamW state
+does not fit one 24 GiB card but fits two.
+
+Configurations, each a separate Lightning fit (its own process group, launched by Lightning's script launcher):
+
+- ``hybrid``: ``HeteroHybridStrategy(pipelines=[[2, 3]])``: ranks 0, 1 data-parallel, ranks 2, 3 (the emulated
+  3090s) one 2-stage pipelined replica;
+- ``fast2``: ``HeteroDDPStrategy`` on the two whole GPUs alone (a);
+- ``dp4``: ``HeteroDDPStrategy`` on all four (b): a 3090 must hold a whole replica, so it is expected not to fit;
+- ``fsdp4``: ``HeteroFSDPStrategy`` on all four (c);
+- ``lfsdp4``: Lightning's ``FSDPStrategy`` on all four, each step under the rank's emulation (d).
+
+Every configuration trains ``--warmup`` untimed and ``--steps`` timed AdamW steps (bf16 autocast) on random tokens;
+rank 0 reports samples/s and each rank's peak memory. In ``hybrid``, every rank also times a fixed bf16 matmul loop
+with and without its emulation: the measured slowdown against the expected one (1 / SM share), so the emulation is
+verified in the same run. An out-of-memory error is reported as "does not fit".
+
+    python benchmarks/bench_hybrid.py --out $OUT/hybrid                       # 4 GPUs, GPT ~1.6B, ~8 min
+    python benchmarks/bench_hybrid.py --tiny --accelerator cpu --out /tmp/hy  # smoke run of every code path
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import GPT, GPTConfig  # noqa: E402
+
+CONFIGS = ("hybrid", "fast2", "dp4", "fsdp4", "lfsdp4")
+XL = GPTConfig(vocab=50304, seq=512, width=1600, layers=48, heads=25)  # GPT-2 XL shape, untied head: ~1.63B
+
+
+def _module_class() -> type:
+    from lightning.pytorch import LightningModule
+
+    class UntiedGPT(LightningModule):
+        """GPT with its own output head (a tied head would join the first and last stages)."""
+
+        def __init__(self, cfg: GPTConfig) -> None:
+            super().__init__()
+            self.gpt = GPT(cfg)
+            self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            gpt = self.gpt
+            x = gpt.tok(tokens) + gpt.pos[: tokens.shape[1]]
+            for block in gpt.blocks:
+                x = block(x)
+            return self.head(gpt.ln(x))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            logits = self(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+            self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return UntiedGPT
+
+
+def emulate_specs(args: argparse.Namespace, world: int) -> list[Any]:
+    slow = {"slowdown": 3.0, "name": "CPU at 33%"} if args.accelerator == "cpu" else "RTX3090"
+    return [None, None, slow, slow][:world]
+
+
+def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
+    """Seconds of a fixed matmul loop plain and under this rank's emulation; the measured and expected slowdown."""
+    size, reps = (256, 20) if device.type == "cpu" else (4096, 50)
+    a = torch.randn(size, size, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+    def timed(context: Any) -> float:
+        with context:
+            for _ in range(3):
+                a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+    plain = timed(nullcontext())
+    emulated = timed(emulator.work()) if emulator is not None else plain
+    expected = 1.0
+    if emulator is not None:
+        expected = emulator.device.slowdown if device.type == "cpu" else 1.0 / emulator.device.sm_share
+    return {"measured_slowdown": round(emulated / plain, 2), "expected_slowdown": round(expected, 2)}
+
+
+def _strategy(config: str, args: argparse.Namespace, world: int) -> Any:
+    from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
+    from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
+
+    common: dict[str, Any] = {"observation": {"print_table": False}, "resilience": {"timeout": 150}}
+    precision = "32-true" if args.accelerator == "cpu" else "bf16-mixed"
+    emulate = emulate_specs(args, world)
+    # Published rates of the emulated cards on GPUs; the CPU emulator's slowdowns have none, so their inverse.
+    peak: Any = [3, 3, 1, 1] if args.accelerator == "cpu" else "peak"
+    if config == "hybrid":
+        return HeteroHybridStrategy(pipelines=[[2, 3]], capacities=peak, emulate=emulate,
+                                    micro_batches=args.micro_batches, precision_policy=precision, **common)
+    if config == "fast2":
+        return HeteroDDPStrategy(capacities="equal", precision_policy=precision, **common)
+    if config == "dp4":
+        return HeteroDDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
+    if config == "fsdp4":
+        return HeteroFSDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
+    return _emulated_fsdp(emulate)
+
+
+def _emulated_fsdp(emulate: list[Any]) -> Any:
+    """Lightning's FSDPStrategy, each step under this rank's emulation (its compute and memory caps)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_hetero.lab.devices import describe_device
+    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+
+    class EmulatedFSDP(FSDPStrategy):
+        emulator: Any = None
+
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            rank, device = self.global_rank, self.root_device
+            self.emulator = start_emulation(parse_emulate(emulate), rank, self.world_size,
+                                            describe_device(device, device.index or 0), device)
+            if self.emulator is not None:
+                self.emulator.activate()
+
+        def _work(self) -> Any:
+            return self.emulator.work() if self.emulator is not None else nullcontext()
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self._work():
+                return super().training_step(*args, **kwargs)
+
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self._work():
+                return super().optimizer_step(*args, **kwargs)
+
+    from models import Block
+
+    return EmulatedFSDP(auto_wrap_policy={Block}, state_dict_type="sharded")
+
+
+def run(config: str, args: argparse.Namespace) -> None:
+    """One configuration's fit (every rank runs this; rank 0 writes the row)."""
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bench_lab import _timer_class
+
+    world = 2 if config == "fast2" else 4
+    cfg = GPTConfig.tiny() if args.tiny else XL
+    seed_everything(0, verbose=False)
+    module = _module_class()(cfg)
+    steps = args.warmup + args.steps
+    samples = args.batch * world * steps
+    tokens = torch.randint(0, cfg.vocab, (samples, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens), batch_size=args.batch)
+    timer = _timer_class()(args.warmup, args.steps)
+    checks: dict[str, Any] = {}
+
+    class Verify(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            import torch.distributed as dist
+
+            mine = verify_emulation(getattr(trainer.strategy, "emulation", None), pl_module.device)
+            gathered: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(gathered, mine)
+            checks["emulation"] = gathered
+
+    precision = "bf16-mixed" if config == "lfsdp4" and args.accelerator != "cpu" else None
+    trainer = Trainer(accelerator="cpu" if args.accelerator == "cpu" else "gpu", devices=world,
+                      strategy=_strategy(config, args, world), max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=[timer] + ([Verify()] if config == "hybrid" else []),
+                      **({"precision": precision} if precision else {}))
+    trainer.fit(module, loader)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    import torch.distributed as dist
+
+    peaks: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(peaks, None if peak is None else round(peak, 2))
+    if trainer.global_rank == 0:
+        elapsed = timer.t1 - timer.t0
+        row = {"config": config, "world": world, "samples_per_s": round(args.batch * world * args.steps / elapsed, 3),
+               "step_s": round(elapsed / args.steps, 4), "peak_gib": peaks, **checks}
+        with open(os.path.join(args.out, f"{config}.json"), "w") as f:
+            json.dump(row, f)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in Lightning's launch
+    p.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="a tiny GPT (CPU smoke run)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step (global = batch x world)")
+    p.add_argument("--micro-batches", type=int, default=None, help="the pipeline's micro-batches (default 2 x stages)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=100, help="seconds per configuration")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.run is not None:
+        run(args.run, args)
+        return
+    rows = []
+    work = tempfile.mkdtemp(prefix="bench_hybrid_")  # per-configuration logs and rows; only the summary goes to --out
+    for config in args.configs.split(","):
+        if config == "lfsdp4" and args.accelerator == "cpu":  # Lightning's FSDPStrategy needs an accelerator
+            rows.append({"config": config, "error": "skipped on CPU"})
+            continue
+        command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work,
+                   "--accelerator", args.accelerator, "--batch", str(args.batch), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (
+                   ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
+        log_path = os.path.join(work, f"{config}.log")
+        began = time.perf_counter()
+        try:
+            with open(log_path, "w") as log:
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        text = open(log_path).read()
+        result_path = os.path.join(work, f"{config}.json")
+        if code == 0 and os.path.exists(result_path):
+            row = json.load(open(result_path))
+        else:
+            oom = "out of memory" in text.lower()
+            row = {"config": config, "error": "does not fit (out of memory)" if oom else f"failed ({code})",
+                   "tail": text[-600:]}
+        row["wall_s"] = round(time.perf_counter() - began, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
+    with open(os.path.join(args.out, "bench_hybrid.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    best = max((r["samples_per_s"] for r in rows if r["config"] != "hybrid" and "samples_per_s" in r), default=None)
+    print(f"\n{'config':8} {'samples/s':>10} {'step s':>8}  peak GiB per rank / note")
+    for r in rows:
+        if "samples_per_s" in r:
+            print(f"{r['config']:8} {r['samples_per_s']:10.2f} {r['step_s']:8.3f}  {r['peak_gib']}")
+        else:
+            print(f"{r['config']:8} {'-':>10} {'-':>8}  {r['error']}")
+    hybrid = next((r for r in rows if r["config"] == "hybrid" and "samples_per_s" in r), None)
+    if hybrid is not None:
+        for rank, check in enumerate(hybrid.get("emulation", [])):
+            print(f"rank {rank} emulation: measured {check['measured_slowdown']}x, expected "
+                  f"{check['expected_slowdown']}x")
+        if best:
+            print(f"hybrid / best other: {hybrid['samples_per_s'] / best:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

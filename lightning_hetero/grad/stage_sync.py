@@ -1,0 +1,85 @@
+"""Exact gradients of a hybrid layout: one SUM all-reduce per pipeline stage, over the ranks that hold the stage.
+
+Every replica weights its loss by its own share, b_replica / G (a data-parallel rank on its loss, a pipeline on each
+micro-batch's loss, :func:`~lightning_hetero.grad.weighting.loss_weight` with one rank per replica), so the sum over
+the holders of stage s's parameters is Σ_replicas (b / G) g: the gradient of one device on the global batch.
+A data-parallel rank holds every stage and issues one all-reduce per stage group; a stage rank one, on its group.
+The same groups re-broadcast the trained parameters when every rank needs the whole model (evaluation, a
+checkpoint): a stage rank's copies of the other stages' parameters are not trained.
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hetero.plan.layout import HybridLayout
+
+
+class StageSync:
+    """The stage groups of a :class:`~lightning_hetero.plan.layout.HybridLayout`, and which parameters each holds.
+
+    ``groups`` is built on every rank in the same order (``dist.new_group`` is collective); ``partition`` (each
+    stage's parameter names) is set once a pipeline has split the model (:meth:`share_partition`).
+    """
+
+    def __init__(self, layout: HybridLayout, rank: int) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.groups = [dist.new_group(list(layout.stage_members(s))) for s in range(layout.stages)]
+        self.partition: Optional[list[list[str]]] = None
+
+    def share_partition(self, partition: Optional[list[list[str]]], module: nn.Module) -> None:
+        """Every rank adopts the stage split of the first pipeline's first rank (a collective over all ranks); a
+        trainable parameter in no stage, or in two, is refused (the exchange would miss or double it)."""
+        box = [partition]
+        dist.broadcast_object_list(box, src=self.layout.pipelines[0][0])
+        stages = box[0]
+        assert stages is not None
+        named = [n for n, p in module.named_parameters() if p.requires_grad]
+        placed = [n for names in stages for n in names]
+        missing, twice = set(named) - set(placed), {n for n in placed if placed.count(n) > 1}
+        if missing or twice:
+            raise RuntimeError(f"the pipeline split left parameters {sorted(missing)} in no stage and "
+                               f"{sorted(twice)} in two (tied weights across stages are not supported).")
+        self.partition = stages
+
+    def _held(self) -> list[int]:
+        stage = self.layout.stage_of(self.rank)
+        return list(range(self.layout.stages)) if stage is None else [stage]
+
+    def _params(self, module: nn.Module, stage: int) -> list[nn.Parameter]:
+        assert self.partition is not None
+        params = dict(module.named_parameters())
+        return [params[n] for n in self.partition[stage]]
+
+    def all_reduce_grads(self, module: nn.Module) -> None:
+        """Sum each held stage's (pre-weighted) gradients over its group, in place; a missing gradient counts 0."""
+        for stage in self._held():
+            params = self._params(module, stage)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+            _unflatten_into(flat, params, as_grad=True)
+
+    def broadcast_params(self, module: nn.Module) -> None:
+        """Every rank's whole model becomes the trained one: each stage's parameters from its holder (all ranks)."""
+        for stage in range(self.layout.stages):
+            params = self._params(module, stage)
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=self.layout.holder(stage))
+            _unflatten_into(flat, params, as_grad=False)
+
+
+def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter], as_grad: bool) -> None:
+    offset = 0
+    for p in params:
+        piece = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if as_grad:
+            p.grad = piece.clone()
+        else:
+            with torch.no_grad():
+                p.copy_(piece)

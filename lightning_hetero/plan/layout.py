@@ -1,0 +1,115 @@
+"""The hybrid layout: which ranks form each pipelined replica, the rest data-parallel; the pieces a pipeline plans.
+
+A *replica* holds the whole model once: a data-parallel rank alone, or a pipeline of S stage ranks (stage order =
+list order). Every pipeline has the same number of stages, so parameters fall into S stage sets, and the set of
+stage s is held by every data-parallel rank and by stage s of every pipeline: one process group per stage
+(:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
+
+Pure planning, no torch: the stage split of a block list balanced by the stage cards' weights
+(:func:`balanced_starts`) and a pipeline's micro-batch count (:func:`micro_batch_count`).
+
+Example::
+
+    >>> layout = HybridLayout.from_pipelines([[2, 3]], world_size=4)
+    >>> layout.data_parallel, layout.stage_members(1)
+    ((0, 1), (0, 1, 3))
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Data-parallel ranks and pipelines (each a tuple of global ranks in stage order) of one job."""
+
+    world_size: int
+    pipelines: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_pipelines(cls, pipelines: Sequence[Sequence[int]], world_size: int) -> "HybridLayout":
+        """Checked: ranks in range, none twice, at least one pipeline, every pipeline of the same 2+ stages."""
+        groups = tuple(tuple(int(r) for r in p) for p in pipelines)
+        flat = [r for p in groups for r in p]
+        if not groups:
+            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism alone.")
+        if any(len(p) < 2 for p in groups):
+            raise ValueError(f"`pipelines`={[list(p) for p in groups]}: every pipeline has at least 2 stage ranks.")
+        if len({len(p) for p in groups}) > 1:
+            raise ValueError(f"`pipelines`={[list(p) for p in groups]}: every pipeline has the same number of stages "
+                             "(a stage's parameters are reduced over one group per stage).")
+        if len(set(flat)) != len(flat) or any(not 0 <= r < world_size for r in flat):
+            raise ValueError(f"`pipelines`={[list(p) for p in groups]}: each rank in 0..{world_size - 1} at most once.")
+        return cls(world_size, groups)
+
+    @property
+    def stages(self) -> int:
+        return len(self.pipelines[0])
+
+    @property
+    def data_parallel(self) -> tuple[int, ...]:
+        """The ranks that hold the whole model."""
+        staged = {r for p in self.pipelines for r in p}
+        return tuple(r for r in range(self.world_size) if r not in staged)
+
+    def pipeline_of(self, rank: int) -> Optional[tuple[int, ...]]:
+        return next((p for p in self.pipelines if rank in p), None)
+
+    def stage_of(self, rank: int) -> Optional[int]:
+        pipeline = self.pipeline_of(rank)
+        return None if pipeline is None else pipeline.index(rank)
+
+    def stage_members(self, stage: int) -> tuple[int, ...]:
+        """Every rank holding stage ``stage``'s parameters: the data-parallel ranks and that stage of each pipeline."""
+        return tuple(sorted(self.data_parallel + tuple(p[stage] for p in self.pipelines)))
+
+    def holder(self, stage: int) -> int:
+        """One rank whose copy of stage ``stage``'s parameters is trained (the first data-parallel rank, else the
+        stage rank of the first pipeline): the source when every rank needs the whole model."""
+        return self.data_parallel[0] if self.data_parallel else self.pipelines[0][stage]
+
+    def replica_sizes(self, rank_sizes: Sequence[float]) -> list[float]:
+        """Samples per replica (data-parallel ranks in order, then pipelines) from the sampler's per-rank split: a
+        pipeline trains on the union of its ranks' slices."""
+        return ([rank_sizes[r] for r in self.data_parallel]
+                + [sum(rank_sizes[r] for r in p) for p in self.pipelines])
+
+
+def balanced_starts(blocks: int, weights: Sequence[float]) -> list[int]:
+    """The first block index of each stage after the first: ``blocks`` consecutive blocks cut into
+    ``len(weights)`` non-empty runs whose lengths follow the weights (a faster or larger card takes more blocks).
+
+    Example::
+
+        >>> balanced_starts(8, [1, 1]), balanced_starts(8, [3, 1])
+        ([4], [6])
+    """
+    stages = len(weights)
+    if blocks < stages:
+        raise ValueError(f"{blocks} blocks cannot make {stages} stages: give `split_points` or fewer stages.")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"stage weights {list(weights)} must be positive.")
+    total, starts, done = float(sum(weights)), [], 0.0
+    for s in range(1, stages):
+        done += weights[s - 1]
+        start = round(blocks * done / total)
+        low = (starts[-1] if starts else 0) + 1  # every stage keeps at least one block
+        starts.append(min(max(start, low), blocks - (stages - s)))
+    return starts
+
+
+def micro_batch_count(share: int, stages: int, requested: Optional[int] = None) -> int:
+    """Micro-batches for a pipelined replica's share: the largest count up to ``requested`` (default 2 × stages, so
+    the bubble is at most a third of a GPipe step) that divides the share, so every micro-batch has the same size
+    (a stage's receive buffers have one shape). 1 for an empty share.
+
+    Example::
+
+        >>> micro_batch_count(12, 2), micro_batch_count(10, 2), micro_batch_count(7, 2)
+        (4, 2, 1)
+    """
+    if requested is not None and requested < 1:
+        raise ValueError(f"`micro_batches`={requested} must be a positive integer or None.")
+    most = min(requested or 2 * stages, max(share, 1))
+    return next(m for m in range(most, 0, -1) if share % m == 0) if share > 0 else 1

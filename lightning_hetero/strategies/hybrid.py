@@ -1,0 +1,292 @@
+"""``HeteroHybridStrategy``: pipelined replicas of slow cards beside data-parallel fast cards, exact.
+
+Some ranks form a pipelined replica (``pipelines=[[2, 3]]``: ranks 2 and 3 are stages 0 and 1 of one replica, run by
+``torch.distributed.pipelining``, :mod:`~lightning_hetero.strategies.pipelined`); every other rank is a
+data-parallel replica holding the whole model. The composition, in the order a fit meets it:
+
+1. the loaders split each global batch by rank as the other strategies do; a pipeline trains on the union of its
+   ranks' slices (gathered in the pipeline's group), so its share of the global batch is the sum of its ranks'
+   capacities (:meth:`~lightning_hetero.plan.layout.HybridLayout.replica_sizes`);
+2. every rank keeps the whole LightningModule (no DDP wrapper); a stage rank trains its stage's parameters only;
+3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
+   group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
+4. evaluation, predict and checkpoints first re-broadcast the trained parameters, so every rank evaluates the whole
+   model as a data-parallel replica, and rank 0 (a data-parallel rank) writes a full, layout-free checkpoint.
+"""
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from typing_extensions import override
+
+import lightning_hetero._compat as _compat
+from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod, check, check_choice,
+                                     check_strategy_arguments, from_flat_arguments)
+from lightning_hetero.data.microbatch import PendingGrads
+from lightning_hetero.grad.precision import PrecisionPolicyArg
+from lightning_hetero.grad.stage_sync import StageSync
+from lightning_hetero.grad.weighting import loss_weight
+from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
+from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
+from lightning_hetero.plan.layout import HybridLayout, balanced_starts
+from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
+from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
+
+ScheduleName = Literal["gpipe", "1f1b"]
+
+
+class _UnwrappedDDP(DDPStrategy):
+    """Lightning's DDP strategy without its wrapper (gradients are exchanged per stage group), whose training step
+    on a stage rank is the pipeline's (inside the precision's autocast, as Lightning runs a step)."""
+
+    replica: Optional[PipelinedReplica] = None
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        pass
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replica is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self.pipelined_step(*args, **kwargs)
+
+    def pipelined_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
+    """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
+
+    Args:
+        pipelines: the global ranks of each pipelined replica, in stage order (``[[2, 3]]``); all of the same
+            length (2+); every other rank is a data-parallel replica. Rank 0 must be data-parallel (it writes the
+            checkpoint).
+        micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages); the count used divides
+            the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
+        schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
+        split_points: module names (``"blocks.6"``) where each stage after the first begins. Default: the model's
+            repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
+            ranks' capacities.
+        capacities: relative speed of each rank (a list, a device-name mapping, ``"equal"`` or ``"peak"``); a
+            pipeline's share of the global batch is the sum of its ranks'. Measured capacities (``"profile"``,
+            ``"auto"``) are refused: profiling times whole-model replicas.
+        global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
+            world size).
+        profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (unused without measured capacities).
+        data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches).
+        precision_policy: per-rank precision (fp32 or bf16; fp16's loss scaling is refused).
+        emulate: emulate a mixed lab on identical devices, one entry per rank (as for ``HeteroDDPStrategy``).
+        resilience: fault timeout, ``resume``, ``nonfinite`` (:class:`~lightning_hetero.config.Resilience`).
+        observation: the lab table (:class:`~lightning_hetero.config.Observation`).
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"``, ...
+        process_group_backend: ``"nccl"``, ``"gloo"`` ... (default: by device).
+        accelerator: as for Lightning's ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``; default: atomic writes with a ``.sha256`` sidecar, verified on load.
+        precision_plugin: as for ``DDPStrategy`` (``precision_policy`` or this, not both).
+    """
+
+    strategy_name = "hetero_hybrid"
+
+    def __init__(
+        self,
+        pipelines: Optional[list[list[int]]] = None,
+        micro_batches: Optional[int] = None,
+        schedule: ScheduleName = "gpipe",
+        split_points: Optional[list[str]] = None,
+        capacities: CapacitiesArg = "peak",
+        global_batch_size: Optional[int] = None,
+        profiling: Optional[Profiling] = None,
+        data: Optional[DataSplit] = None,
+        precision_policy: Optional[PrecisionPolicyArg] = None,
+        emulate: Optional[list[Union[str, dict[str, Any], None]]] = None,
+        resilience: Optional[Resilience] = None,
+        observation: Optional[Observation] = None,
+        start_method: StartMethod = "popen",
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[Union[str, Accelerator]] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        check("", "pipelines", pipelines, isinstance(pipelines, list) and all(
+            isinstance(p, list) and all(isinstance(r, int) for r in p) for p in pipelines),
+            "a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
+        check("", "micro_batches", micro_batches, micro_batches is None or (
+            isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
+        check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
+        check("", "split_points", split_points, split_points is None or (
+            isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
+            "a list of module names or None")
+        source = parse_capacities(capacities).source
+        check("", "capacities", capacities, source not in ("profile", "auto"),
+              "a list, a device-name mapping, 'equal' or 'peak' (profiling times whole-model replicas)")
+        options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
+        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
+              "None with pipelines (a pipeline runs its share as its own micro-batches)")
+        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, None, None)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
+        )
+        self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
+                                        precision_plugin)
+        self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
+        self.split_points = split_points
+        self.layout: Optional[HybridLayout] = None
+        self.stage_sync: Optional[StageSync] = None
+
+    # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.pipelines is not None
+        layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
+        modes = self.core.precision.modes
+        for ranks in layout.pipelines if modes else ():
+            # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.
+            check("", "precision_policy", [modes[r] for r in ranks], len({modes[r] for r in ranks}) == 1,
+                  f"one mode for all ranks of the pipeline {list(ranks)}")
+        # `new_group` is collective: every rank builds every group, in the same order.
+        groups = [dist.new_group(list(p)) for p in layout.pipelines]
+        self.stage_sync = StageSync(layout, self.global_rank)
+        pipeline = layout.pipeline_of(self.global_rank)
+        if pipeline is not None:
+            module = self.lightning_module
+            self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
+                                            self.root_device, self._split_points(module, pipeline), self.schedule,
+                                            self.micro_batches)
+
+    def _split_points(self, module: torch.nn.Module, pipeline: tuple[int, ...]) -> list[str]:
+        if self.split_points is not None:
+            return list(self.split_points)
+        names = {id(m): n for n, m in module.named_modules()}
+        blocks = [names[id(b)] for b in top_level_blocks(module, default_blocks(module))]
+        starts = balanced_starts(len(blocks), [self.plan.capacities[r] for r in pipeline])
+        return [blocks[i] for i in starts]
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
+                             "bf16 or fp32 (`precision_policy`).")
+        super().setup(trainer)
+        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's.
+        for tensor in self.lightning_module.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        share = self.core.step.share
+        if self.replica is None or share is None:
+            return
+        sizes = self.core.loaders.train_sampler.rank_sizes_at(batch_idx)
+        replica = sum(sizes[r] for r in self.replica.ranks)
+        # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
+        self.core.step.share = (replica if self.replica.is_last else 0, share[1])
+
+    def pipelined_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        replica, step = self.replica, self.core.step
+        assert replica is not None and self.layout is not None
+        sampler = self.core.loaders.train_sampler
+        total = sampler.rank_sizes_at(batch_idx) if sampler is not None else None
+        real = total is None or total[self.global_rank] > 0
+        joined, any_real = gather_batch(batch, real, replica.group, self.root_device)
+        trainer = _compat.trainer_of(self.lightning_module)
+        weight = (1.0 / sum(total) if total else 1.0 / len(self.layout.replica_sizes([1] * self.world_size)))
+        weight = weight * float(any_real) / trainer.accumulate_grad_batches
+        params = replica.stage_parameters() if replica.partition is not None else []
+        held = [p.grad for p in params]  # earlier accumulation steps' gradients, set aside while the stage runs
+        for p in params:
+            p.grad = None
+        loss, calls = replica.step(joined, batch_idx, weight)
+        params = replica.stage_parameters()
+        held = held if len(held) == len(params) else [None] * len(params)
+        step.pending_grads = PendingGrads(params, [p.grad for p in params])
+        for p, g in zip(params, held):
+            p.grad = g
+        box = [[(name, float(value), args_, kw) for name, value, args_, kw in calls]]
+        dist.broadcast_object_list(box, src=replica.ranks[-1], group=replica.group)
+        for name, value, args_, kw in box[0]:
+            self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_, **kw)
+        value = loss if loss is not None else torch.zeros((), device=self.root_device)
+        return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
+
+    def weigh_loss(self, loss: Tensor) -> Tensor:
+        """A data-parallel rank's loss times b_r / G (the stage groups sum); a stage rank's is already weighted."""
+        share = self.core.step.share
+        if self.replica is not None or share is None:
+            return loss
+        return loss * loss_weight(share[0], share[1], world_size=1)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def exchanged() -> Any:
+            out = closure()
+            assert self.stage_sync is not None
+            if self.stage_sync.partition is None:
+                self.stage_sync.share_partition(self.replica.partition if self.replica else None,
+                                                self.lightning_module)
+            self.stage_sync.all_reduce_grads(self.lightning_module)
+            return out
+
+        return super().optimizer_step(optimizer, exchanged, model, **kwargs)
+
+    def batchnorm_sync_refusal(self) -> Optional[str]:
+        return "a pipelined replica's stages hold different layers; BatchNorm cannot sync across them."
+
+    # -- the whole model where every rank needs it -----------------------------------------------------------------
+    def _gather_model(self) -> None:
+        if self.stage_sync is not None and self.stage_sync.partition is not None:
+            self.stage_sync.broadcast_params(self.lightning_module)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._gather_model()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_model()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_model()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._gather_model()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.layout is not None
+        if 0 not in self.layout.data_parallel:
+            raise ValueError(f"HeteroHybridStrategy(pipelines={self.pipelines}): checkpoints are written by rank 0, "
+                             "which must be a data-parallel rank (it holds the whole optimizer state).")
+        self._gather_model()
+        return super().lightning_module_state_dict()

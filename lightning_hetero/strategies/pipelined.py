@@ -1,0 +1,190 @@
+"""One rank's part of a pipelined replica: its stage of the model, run by ``torch.distributed.pipelining``.
+
+The stages come from torch's tracing frontend, ``pipeline(module, mb_args, split_spec)``: it traces the
+LightningModule's own ``forward`` (unmodified) and splits it where the named blocks begin; each stage module holds
+the LightningModule's parameter objects under their own names, so the user's optimizer steps them as they are. The
+trace specializes shapes, so a stage is traced and built once per micro-batch size (a full batch, a short last one).
+
+The supported shape of a model (anything else fails at the first step with the reason):
+
+- ``training_step`` calls ``self(x, ...)`` once with tensors whose first dimension is the batch (no keyword
+  arguments), and computes its loss from what that call returns: ``x, y = batch; loss = f(self(x), y)``;
+- the forward is traceable by ``torch.export`` (no data-dependent Python control flow) and returns one tensor;
+- no parameter is used by two stages (tied weights across a split).
+
+The stage-0 input is taken from the batch by the user's own ``training_step`` (its call of ``self(...)`` is caught),
+and the last stage computes each micro-batch's loss by running the user's ``training_step`` on that micro-batch with
+``self(...)`` returning the stage's output, so the loss and every ``self.log`` stay the user's. Its ``self.log``
+calls are combined over micro-batches as micro-batching combines them
+(:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0.
+"""
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import move_data_to_device
+from torch import Tensor, nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+import lightning_hetero._compat as _compat
+from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
+from lightning_hetero.plan.layout import micro_batch_count
+
+
+class _Called(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("forward called")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward: Any) -> Iterator[None]:
+    module.forward = forward  # an instance attribute: nn.Module.__call__ (hooks included) calls it
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def forward_inputs(module: nn.Module, batch: Any, batch_idx: int) -> tuple[Tensor, ...]:
+    """The positional tensors the user's ``training_step`` hands to ``self(...)`` for ``batch`` (the stage-0 input),
+    caught at the call; a ``ValueError`` for a call the pipeline cannot split."""
+    def catch(*args: Any, **kwargs: Any) -> None:
+        raise _Called(args, kwargs)
+
+    with _forward_replaced(module, catch):
+        try:
+            module.training_step(batch, batch_idx)
+        except _Called as called:
+            args, kwargs = called.args, called.kwargs
+        else:
+            raise ValueError("a pipelined replica needs `training_step` to call `self(...)` (the model's forward).")
+    if kwargs or not args or not all(isinstance(a, Tensor) and a.dim() >= 1 for a in args):
+        raise ValueError("a pipelined replica needs `training_step` to call `self(x, ...)` with batched tensors only "
+                         f"(got {len(args)} positional, keyword {sorted(kwargs)}).")
+    return args
+
+
+def gather_batch(batch: Any, real: bool, group: dist.ProcessGroup, device: torch.device) -> tuple[Any, bool]:
+    """The pipelined replica's batch: its ranks' slices joined in stage order (a padding slice adds nothing);
+    ``(own batch, False)`` when every slice is padding."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, move_data_to_device(batch, "cpu") if real else None, group=group)
+    present = [p for p in parts if p is not None]
+    if not present:
+        return batch, False
+    return move_data_to_device(_concat(present), device), True
+
+
+def _concat(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(parts)) if first.dim() >= 1 else first
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, (list, tuple)):
+        if first and all(isinstance(v, (str, bytes)) for v in first):
+            return type(first)(v for p in parts for v in p)
+        items = [_concat([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return first
+
+
+class PipelinedReplica:
+    """This rank's stage of a pipeline (``ranks``: the pipeline's global ranks in stage order) and its steps.
+
+    Args:
+        module: the LightningModule (every rank keeps it whole; this rank trains its stage's parameters).
+        ranks: the pipeline's global ranks, stage order.
+        group: the process group of those ranks.
+        device: this rank's device.
+        split_points: module names where a stage after the first begins.
+        schedule: ``"gpipe"`` or ``"1f1b"`` (GPipe where a step has fewer micro-batches than stages).
+        micro_batches: the most micro-batches a step runs (``None``: 2 × stages), see
+            :func:`~lightning_hetero.plan.layout.micro_batch_count`.
+    """
+
+    def __init__(self, module: nn.Module, ranks: Sequence[int], group: dist.ProcessGroup, device: torch.device,
+                 split_points: Sequence[str], schedule: str, micro_batches: Optional[int]) -> None:
+        self.module = module
+        self.ranks = tuple(ranks)
+        self.stage = self.ranks.index(dist.get_rank())
+        self.group = group
+        self.device = device
+        self.split_points = list(split_points)
+        self.schedule_name = schedule
+        self.micro_batches = micro_batches
+        self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
+        self._built: dict[tuple, Any] = {}
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def stage_parameters(self) -> list[nn.Parameter]:
+        assert self.partition is not None
+        params = dict(self.module.named_parameters())
+        return [params[n] for n in self.partition[self.stage]]
+
+    def _schedule(self, inputs: tuple[Tensor, ...], count: int) -> Any:
+        """The schedule for ``count`` micro-batches of ``inputs``' micro-batch shape (traced on first use)."""
+        size = inputs[0].shape[0] // count
+        key = (count, tuple((tuple(a.shape[1:]), a.dtype) for a in inputs), size)
+        if key not in self._built:
+            example = tuple(a[:size] for a in inputs)
+            try:
+                pipe = pipeline(self.module, mb_args=example,
+                                split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
+            finally:
+                _compat.undo_split_annotations(self.module, self.split_points)
+            if pipe.num_stages != self.stages:
+                raise ValueError(f"`split_points` {self.split_points} cut the model into {pipe.num_stages} stages "
+                                 f"for a pipeline of {self.stages} ranks.")
+            if self.partition is None:
+                self.partition = [[n for n, _ in pipe.get_stage_module(s).named_parameters()]
+                                  for s in range(self.stages)]
+            stage = pipe.build_stage(self.stage, self.device, group=self.group)
+            kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
+            self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)
+        return self._built[key]
+
+    def step(self, batch: Any, batch_idx: int, weight: float) -> tuple[Optional[Tensor], list]:
+        """Forward and backward of the replica's ``batch`` through the pipeline; each micro-batch's loss scaled by
+        ``weight`` × its samples (b/G spread over the micro-batches). Returns the replica's mean loss and the
+        combined log calls (last stage; ``(None, [])`` elsewhere)."""
+        inputs = forward_inputs(self.module, batch, batch_idx)
+        size = inputs[0].shape[0]
+        count = micro_batch_count(size, self.stages, self.micro_batches)
+        schedule = self._schedule(inputs, count)
+        self._batch, self._batch_idx, self._size, self._weight = batch, batch_idx, size, weight
+        self._losses: list[Tensor] = []
+        self._capture = LogCapture(self.module)
+        with self._capture.patched():
+            if self.stage == 0:
+                schedule.step(*inputs)
+            elif self.is_last:
+                schedule.step(target=torch.arange(size, device=self.device))
+            else:
+                schedule.step()
+        if not self.is_last:
+            return None, []
+        return torch.stack(self._losses).sum(), self._capture.combined()
+
+    def _loss(self, output: Any, index: Tensor) -> Tensor:
+        """The user's ``training_step`` on one micro-batch, its ``self(...)`` returning the last stage's output."""
+        start, end = int(index[0]), int(index[-1]) + 1
+        share = (end - start) / self._size
+        self._capture.weight = share
+        result = output[0] if isinstance(output, (tuple, list)) and len(output) == 1 else output
+        with _forward_replaced(self.module, lambda *args, **kwargs: result):
+            loss = loss_of(self.module.training_step(slice_batch(self._batch, start, end, self._size),
+                                                     self._batch_idx))
+        self._losses.append(loss.detach().float() * share)
+        return loss * (self._weight * (end - start))

@@ -1,0 +1,191 @@
+"""The hybrid layout's contract: data-parallel ranks beside a pipelined replica end with the parameters of one
+process on the same global batches (tests/test_equivalence.py under this layout)."""
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+
+from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
+from tests.helpers import IndexedDataset, TinyModel, free_port, max_rel_diff, reference_run
+
+
+class Chain(TinyModel):
+    """TinyModel with its forward called the common way (``self(x)``) and four blocks to split."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        width = 16
+        self.net = nn.Sequential(nn.Linear(self.hparams.features, width), nn.Tanh(), nn.Linear(width, width),
+                                 nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, self.hparams.classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def loss(self, batch):
+        x, y, _ = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+
+class NamedRecorder(Callback):
+    """Per rank: named parameters after every optimizer step, the indices trained on, the logged loss."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.params, self.indices, self.logged = out_dir, [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+        self.indices.append([int(i) for i in batch[2]])
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        owned = None
+        if getattr(strategy, "replica", None) is not None:
+            owned = strategy.replica.partition[strategy.replica.stage]
+        torch.save({"params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
+                    "steps": trainer.global_step, "final": {n: p.detach().clone() for n, p in
+                                                           pl_module.named_parameters()}},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def _flat(named):
+    return torch.cat([t.reshape(-1) for t in named.values()])
+
+
+def fit(model, out_dir, world, strategy, epochs, callbacks=(), ckpt_path=None, **trainer_kwargs):
+    """``model`` over ``world`` forked CPU ranks under ``strategy``; each rank's :class:`NamedRecorder` record."""
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
+                      callbacks=[NamedRecorder(out_dir), *callbacks], logger=False,
+                      enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, **trainer_kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def hybrid(pipelines, capacities, **kwargs):
+    os.environ["MASTER_PORT"] = str(free_port())
+    return HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="fork",
+                                observation={"print_table": False}, resilience={"timeout": 120}, **kwargs)
+
+
+def run_hybrid(tmp_path, model, world, pipelines, capacities, epochs, **kwargs):
+    return fit(model, str(tmp_path), world, hybrid(pipelines, capacities, **kwargs), epochs)
+
+
+CASES = [  # (world, pipelines, capacities, optimizer)
+    (3, [[1, 2]], [2, 1, 1], "sgd"),
+    (3, [[1, 2]], [1, 2, 1], "adamw"),
+    (4, [[2, 3]], [3, 2, 1, 1], "sgd"),
+    (4, [[2, 3]], [1, 1, 2, 1], "adamw"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "pipelines", "capacities", "optimizer"), CASES,
+                         ids=[f"{w}ranks-{c}-{o}" for w, _, c, o in CASES])
+def test_hybrid_equals_one_process(tmp_path, world, pipelines, capacities, optimizer):
+    n, batch_size = 53, 4
+    epochs = 2
+    seed_everything(0)
+    model = Chain(optimizer=optimizer, n=n, batch_size=batch_size)
+    reference = copy.deepcopy(model)
+    records = run_hybrid(tmp_path, model, world, pipelines, capacities, epochs)
+    ref_params, ref_batches = reference_run(reference, world, capacities, epochs)
+
+    staged = {r for p in pipelines for r in p}
+    dp = [r for r in range(world) if r not in staged]
+    assert {rec["steps"] for rec in records} == {len(ref_params)}
+    names = list(records[dp[0]]["params"][0])
+    diff = 0.0
+    for step, expected in enumerate(ref_params):
+        for r in dp[1:]:  # data-parallel replicas are bit-identical
+            assert torch.equal(_flat(records[r]["params"][step]), _flat(records[dp[0]]["params"][step]))
+        for r in staged:  # a stage rank's own parameters equal the data-parallel copies, bit for bit
+            for name in records[r]["owned"]:
+                assert torch.equal(records[r]["params"][step][name], records[dp[0]]["params"][step][name]), name
+        taken = sorted(i for r in range(world) for i in records[r]["indices"][step])
+        assert set(taken) == set(ref_batches[step])
+        diff = max(diff, max_rel_diff(_flat(records[dp[0]]["params"][step]), expected))
+    print(f"{world} ranks {capacities} {optimizer}: max rel diff {diff:.2e}")
+    # The logged loss is one device's: the mean over the global batch, before the step's update.
+    dataset, probe = IndexedDataset(n), copy.deepcopy(model)
+    for step in range(1, len(ref_params)):
+        nn.utils.vector_to_parameters(ref_params[step - 1], probe.parameters())
+        idx = torch.tensor(ref_batches[step])
+        expected = float(probe.loss((dataset.x[idx], dataset.y[idx], idx)))
+        for r in range(world):
+            assert abs(records[r]["logged"][step] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, step)
+    assert diff <= 2e-5
+    assert names == [n for n, _ in reference.named_parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["hybrid", "ddp"])
+def test_checkpoint_resumes_on_another_layout(tmp_path, first):
+    """Three steps on one layout (the pipelined pair, or the same ranks as data-parallel replicas), a checkpoint,
+    then the rest of two epochs on the other: the parameters of one process that never stopped."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hetero import HeteroDDPStrategy
+
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 2
+    seed_everything(0)
+    model = Chain(optimizer="adamw", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+
+    def ddp():
+        os.environ["MASTER_PORT"] = str(free_port())
+        return HeteroDDPStrategy(capacities=capacities, start_method="fork", observation={"print_table": False})
+
+    layouts = {"hybrid": lambda: hybrid([[1, 2]], capacities), "ddp": ddp}
+    then = "ddp" if first == "hybrid" else "hybrid"
+    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+    (tmp_path / "a").mkdir()
+    fit(copy.deepcopy(model), str(tmp_path / "a"), world, layouts[first](), epochs, callbacks=[saver], max_steps=3)
+    path = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    (tmp_path / "b").mkdir()
+    records = fit(Chain(optimizer="adamw", n=n), str(tmp_path / "b"), world, layouts[then](), epochs,
+                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "unused"))], ckpt_path=path)
+    assert records[0]["steps"] == len(ref_params)
+    final = _flat(records[0]["final"])
+    for r in range(1, world):  # every rank ends with the whole trained model (stage ranks after the re-broadcast)
+        assert torch.equal(_flat(records[r]["final"]), final)
+    assert max_rel_diff(final, ref_params[-1]) <= 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [[0], [1, 2]], ids=["data-parallel rank bf16", "pipeline bf16"])
+def test_per_rank_precision(tmp_path, bf16):
+    """One rank under bf16 autocast, the others fp32: the same training, within bf16's rounding (compared loosely:
+    bf16 keeps 8 bits of mantissa, so a few steps drift ~1e-3 relative); the fp32 copies still agree exactly."""
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 1
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = run_hybrid(tmp_path, model, world, [[1, 2]], capacities, epochs,
+                         precision_policy={**{f"rank:{r}": "bf16-mixed" for r in bf16}, "*": "32-true"})
+    final = records[0]["params"][-1]
+    diff = max_rel_diff(_flat(final), ref_params[-1])
+    print(f"bf16 on ranks {bf16}: rel diff {diff:.2e}")
+    assert 0 < diff <= 2e-2  # bf16 changed something, and not much
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["params"][-1][name], final[name])
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="`pipelines`"):
+        HeteroHybridStrategy(pipelines=[2, 3])
+    with pytest.raises(ValueError, match="`capacities`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], capacities="profile")
+    with pytest.raises(ValueError, match="`schedule`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
+    with pytest.raises(ValueError, match="`data.micro_batch`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], data={"micro_batch": 4})
