@@ -7,11 +7,15 @@ data-parallel replica holding the whole model. The composition, in the order a f
 1. the loaders split each global batch by rank as the other strategies do; a pipeline trains on the union of its
    ranks' slices (gathered in the pipeline's group), so its share of the global batch is the sum of its ranks'
    capacities (:meth:`~lightning_hetero.plan.layout.HybridLayout.replica_sizes`);
-2. every rank keeps the whole LightningModule (no DDP wrapper); a stage rank trains its stage's parameters only;
+2. no DDP wrapper; a stage rank trains its stage's parameters only, and once its first step has split the model it
+   frees the other stages' parameter storage (:meth:`~lightning_hetero.strategies.pipelined.PipelinedReplica.
+   release_other_stages`): while training, its device holds its stage's parameters, gradients and optimizer state;
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
-4. evaluation, predict and checkpoints first re-broadcast the trained parameters, so every rank evaluates the whole
-   model as a data-parallel replica, and rank 0 (a data-parallel rank) writes a full, layout-free checkpoint.
+4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
+   the ranks that train them; no gradients or optimizer state), so every rank evaluates the whole model as a
+   data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
+   trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
 from datetime import timedelta
@@ -202,6 +206,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         share = self.core.step.share
         if self.replica is None or share is None:
             return
+        if self.replica.partition is not None:
+            # Evaluation gave this rank the whole model's weights: training needs its stage's alone.
+            self.replica.release_other_stages(self.optimizers)
         sizes = self.core.loaders.train_sampler.rank_sizes_at(batch_idx)
         replica = sum(sizes[r] for r in self.replica.ranks)
         # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
@@ -222,6 +229,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         for p in params:
             p.grad = None
         loss, calls = replica.step(joined, batch_idx, weight)
+        replica.release_other_stages(self.optimizers)  # the first step has split the model: free the other stages
         params = replica.stage_parameters()
         held = held if len(held) == len(params) else [None] * len(params)
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
@@ -260,6 +268,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     # -- the whole model where every rank needs it -----------------------------------------------------------------
     def _gather_model(self) -> None:
         if self.stage_sync is not None and self.stage_sync.partition is not None:
+            if self.replica is not None:
+                self.replica.hold_whole_model()
             self.stage_sync.broadcast_params(self.lightning_module)
 
     @override
@@ -288,5 +298,5 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if 0 not in self.layout.data_parallel:
             raise ValueError(f"HeteroHybridStrategy(pipelines={self.pipelines}): checkpoints are written by rank 0, "
                              "which must be a data-parallel rank (it holds the whole optimizer state).")
-        self._gather_model()
+        # Rank 0 holds every trained parameter: nothing to gather (a stage rank's state is not written).
         return super().lightning_module_state_dict()

@@ -36,21 +36,33 @@ class NamedRecorder(Callback):
 
     def __init__(self, out_dir):
         self.out_dir, self.params, self.indices, self.logged = out_dir, [], [], []
+        self.held = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
         self.indices.append([int(i) for i in batch[2]])
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.held.append(held_bytes(pl_module))
 
-    def on_train_end(self, trainer, pl_module):
+    def teardown(self, trainer, pl_module, stage):
+        # After the strategy's `on_train_end` (which Lightning runs after the callbacks'): a stage rank holds the
+        # whole trained model from then on.
         strategy = trainer.strategy
         owned = None
         if getattr(strategy, "replica", None) is not None:
             owned = strategy.replica.partition[strategy.replica.stage]
         torch.save({"params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
+                    "held": self.held, "bytes": {n: p.numel() * p.element_size() for n, p in
+                                                 pl_module.named_parameters()},
                     "steps": trainer.global_step, "final": {n: p.detach().clone() for n, p in
                                                            pl_module.named_parameters()}},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def held_bytes(module):
+    """Bytes of the storage the module's parameters hold (each storage once): what the rank keeps of the model."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
+    return sum(storages.values())
 
 
 def _flat(named):
@@ -108,6 +120,11 @@ def test_hybrid_equals_one_process(tmp_path, world, pipelines, capacities, optim
         for r in staged:  # a stage rank's own parameters equal the data-parallel copies, bit for bit
             for name in records[r]["owned"]:
                 assert torch.equal(records[r]["params"][step][name], records[dp[0]]["params"][step][name]), name
+        for r in staged:  # a stage rank holds its stage's parameters alone (the others: 1-element placeholders)
+            own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+            assert own <= records[r]["held"][step] <= own + 4 * len(names), (r, step)
+        for r in dp:
+            assert records[r]["held"][step] == sum(records[r]["bytes"].values())
         taken = sorted(i for r in range(world) for i in records[r]["indices"][step])
         assert set(taken) == set(ref_batches[step])
         diff = max(diff, max_rel_diff(_flat(records[dp[0]]["params"][step]), expected))
@@ -189,3 +206,31 @@ def test_bad_options_are_named():
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], data={"micro_batch": 4})
+
+
+class Validated(Chain):
+    """Chain with a validation loader; records the validation loss each rank logged."""
+
+    def val_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from tests.helpers import IndexedDataset
+        return DataLoader(IndexedDataset(12, seed=1), batch_size=4)
+
+
+@pytest.mark.slow
+def test_validation_gives_the_whole_model_then_frees_it(tmp_path):
+    """Validation between epochs runs the whole model on a stage rank (its weights re-broadcast); the next training
+    step frees the other stages again; training stays exact."""
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 2
+    seed_everything(0)
+    model = Validated(optimizer="adamw", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = run_hybrid(tmp_path, model, world, [[1, 2]], capacities, epochs)
+    for r in (1, 2):
+        own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+        assert all(own <= held <= own + 64 for held in records[r]["held"])
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in (1, 2):  # after fit, every rank holds the whole trained model
+        assert torch.equal(_flat(records[r]["final"]), _flat(records[0]["final"]))
