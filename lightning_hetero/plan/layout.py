@@ -75,6 +75,26 @@ class HybridLayout:
         return ([rank_sizes[r] for r in self.data_parallel]
                 + [sum(rank_sizes[r] for r in p) for p in self.pipelines])
 
+    def rank_capacities(self, replica_capacities: Sequence[float]) -> list[float]:
+        """Per-rank capacities that give each replica (data-parallel ranks in order, then pipelines) its capacity: a
+        pipeline's spread evenly over its ranks, whose sum the sampler gives the pipeline.
+
+        Example::
+
+            >>> HybridLayout.from_pipelines([[2, 3]], world_size=4).rank_capacities([4.0, 3.0, 2.0])
+            [4.0, 3.0, 1.0, 1.0]
+        """
+        if len(replica_capacities) != len(self.data_parallel) + len(self.pipelines):
+            raise ValueError(f"{len(replica_capacities)} replica capacities for {len(self.data_parallel)} "
+                             f"data-parallel ranks and {len(self.pipelines)} pipelines.")
+        out = [0.0] * self.world_size
+        for rank, rate in zip(self.data_parallel, replica_capacities):
+            out[rank] = float(rate)
+        for pipeline, rate in zip(self.pipelines, replica_capacities[len(self.data_parallel):]):
+            for rank in pipeline:
+                out[rank] = float(rate) / len(pipeline)
+        return out
+
 
 def balanced_starts(blocks: int, weights: Sequence[float]) -> list[int]:
     """The first block index of each stage after the first: ``blocks`` consecutive blocks cut into

@@ -375,6 +375,15 @@ def _silenced_logging(module: nn.Module) -> Iterator[None]:
         del module.log
 
 
+@contextmanager
+def profiled(module: nn.Module) -> Iterator[None]:
+    """Around timed training steps of ``module``: train mode, gradients on, ``self.log`` silenced, and parameters,
+    buffers, gradients, modes and RNG put back afterwards (:func:`preserved`)."""
+    with preserved(module), _silenced_logging(module), torch.enable_grad():
+        module.train()
+        yield
+
+
 def training_loss(module: nn.Module, step: Optional[Callable[..., Any]] = None) -> Callable[[Any], Optional[torch.Tensor]]:
     """The loss ``module.training_step`` (or ``step``, the strategy's) returns (a tensor or ``{"loss": tensor}``), else
     ``None``."""
@@ -433,8 +442,7 @@ def profile_lightning_module(
     reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
 
     def timed(batch_sizes: Sequence[int]) -> Optional[RankProfile]:
-        with preserved(module), _silenced_logging(module), torch.enable_grad():
-            module.train()
+        with profiled(module):
             batches = sample_batches(
                 dataset, collate_fn, list(indices), batch_sizes,
                 lambda b: _compat.move_batch_to_device(module, b, device),

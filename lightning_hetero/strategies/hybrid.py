@@ -38,10 +38,11 @@ from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
-from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
+from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.layout import HybridLayout, balanced_starts
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
 
@@ -87,11 +88,12 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
         capacities: relative speed of each rank (a list, a device-name mapping, ``"equal"`` or ``"peak"``); a
-            pipeline's share of the global batch is the sum of its ranks'. Measured capacities (``"profile"``,
-            ``"auto"``) are refused: profiling times whole-model replicas.
+            pipeline's share of the global batch is the sum of its ranks'. Measured (``"profile"``, ``"auto"``):
+            each replica is timed as it trains, a pipeline as one replica
+            (:mod:`~lightning_hetero.strategies.hybrid_profile`).
         global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
             world size).
-        profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (unused without measured capacities).
+        profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (``steps``; no memory caps are measured).
         data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches).
         precision_policy: per-rank precision (fp32 or bf16; fp16's loss scaling is refused).
         emulate: emulate a mixed lab on identical devices, one entry per rank (as for ``HeteroDDPStrategy``).
@@ -139,9 +141,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         check("", "split_points", split_points, split_points is None or (
             isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
             "a list of module names or None")
-        source = parse_capacities(capacities).source
-        check("", "capacities", capacities, source not in ("profile", "auto"),
-              "a list, a device-name mapping, 'equal' or 'peak' (profiling times whole-model replicas)")
         options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with pipelines (a pipeline runs its share as its own micro-batches)")
@@ -159,6 +158,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         self.split_points = split_points
         self.layout: Optional[HybridLayout] = None
         self.stage_sync: Optional[StageSync] = None
+        # Measured capacities time a pipeline as one replica.
+        self.core.profiler.measure = self._profile_layout
+
+    def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:
+        return profile_layout(self, sampler, dataloader)
 
     # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
     @override
