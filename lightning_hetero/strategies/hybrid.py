@@ -27,6 +27,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -39,12 +40,14 @@ from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
-from lightning_hetero.plan.layout import HybridLayout, balanced_starts
+from lightning_hetero.plan.layout import HybridLayout, balanced_starts, choose_pipelines
+from lightning_hetero.plan.memory import device_budget, optimizer_slots
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
+from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
 
@@ -80,7 +83,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     Args:
         pipelines: the global ranks of each pipelined replica, in stage order (``[[2, 3]]``); all of the same
             length (2+); every other rank is a data-parallel replica. Rank 0 must be data-parallel (it writes the
-            checkpoint).
+            checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
+            ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
+            (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
         micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages); the count used divides
             the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
@@ -112,7 +117,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     def __init__(
         self,
-        pipelines: Optional[list[list[int]]] = None,
+        pipelines: Union[list[list[int]], Literal["auto"], None] = None,
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
         split_points: Optional[list[str]] = None,
@@ -132,9 +137,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        check("", "pipelines", pipelines, isinstance(pipelines, list) and all(
+        check("", "pipelines", pipelines, pipelines == "auto" or isinstance(pipelines, list) and all(
             isinstance(p, list) and all(isinstance(r, int) for r in p) for p in pipelines),
-            "a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
+            "'auto' or a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
         check("", "micro_batches", micro_batches, micro_batches is None or (
             isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
         check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
@@ -169,6 +174,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.pipelines is not None
+        if self.pipelines == "auto":
+            self.pipelines = self._auto_pipelines()
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
         modes = self.core.precision.modes
         for ranks in layout.pipelines if modes else ():
@@ -184,6 +191,20 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, self._split_points(module, pipeline), self.schedule,
                                             self.micro_batches)
+
+    def _auto_pipelines(self) -> list[list[int]]:
+        """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
+        (:func:`~lightning_hetero.plan.layout.choose_pipelines`), on every rank alike (the lab is every rank's)."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        # Parameters, gradients and optimizer state (not built yet: Adam's two moments); activations must fit in
+        # the profiling headroom.
+        replica = sum(p.numel() * p.element_size() for p in params) * (2 + optimizer_slots(None))
+        headroom = float(self.core.options.profiling.memory_headroom)
+        choice = choose_pipelines([device_budget(d, headroom) for d in self.core.lab.lab.devices],
+                                  list(self.plan.capacities), replica)
+        rank_zero_info(f"{running_strategy()} pipelines='auto': {[list(p) for p in choice.pipelines]}; "
+                       + "; ".join(choice.reasons))
+        return [list(p) for p in choice.pipelines]
 
     def _split_points(self, module: torch.nn.Module, pipeline: tuple[int, ...]) -> list[str]:
         if self.split_points is not None:

@@ -52,7 +52,7 @@ class NamedRecorder(Callback):
         if getattr(strategy, "replica", None) is not None:
             owned = strategy.replica.partition[strategy.replica.stage]
         profile = strategy.core.profiler.profile if hasattr(strategy, "core") else None
-        torch.save({"replica_rates": None if profile is None else profile.extra.get("replica_rates"),
+        torch.save({"pipelines": getattr(strategy, "pipelines", None), "replica_rates": None if profile is None else profile.extra.get("replica_rates"),
                     "params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
                     "held": self.held, "bytes": {n: p.numel() * p.element_size() for n, p in
                                                  pl_module.named_parameters()},
@@ -260,3 +260,16 @@ def test_profiled_shares_follow_the_pipelines_speed(tmp_path):
     print(f"replica rates: pipeline [0, 1] {rates[0]:.4g}, 4x slower pipeline [2, 3] {rates[1]:.4g}")
     assert rates[1] < 0.5 * rates[0]
     assert all(record["steps"] == 1 for record in records)
+
+
+@pytest.mark.slow
+def test_auto_pipelines_pair_the_cards_that_cannot_hold_a_replica(tmp_path):
+    """`pipelines="auto"`: ranks 1 and 2, emulated with room for half a replica (its parameters, gradients and
+    Adam's moments) each, become one 2-stage pipeline; rank 0 (the host's memory) stays data-parallel."""
+    seed_everything(0)
+    model = Chain(optimizer="adamw", n=24)
+    replica = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    small = {"memory_gib": 0.75 * replica / 0.9 / 2**30}  # 3/4 of a replica after the 10 % headroom
+    records = fit(model, str(tmp_path), 3, hybrid("auto", "equal", emulate=[None, small, small]), 1, max_steps=2)
+    assert all(record["pipelines"] == [[1, 2]] for record in records)
+    assert records[1]["owned"] and records[2]["owned"]
