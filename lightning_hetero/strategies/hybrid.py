@@ -7,9 +7,9 @@ data-parallel replica holding the whole model. The composition, in the order a f
 1. the loaders split each global batch by rank as the other strategies do; a pipeline trains on the union of its
    ranks' slices (gathered in the pipeline's group), so its share of the global batch is the sum of its ranks'
    capacities (:meth:`~lightning_hetero.plan.layout.HybridLayout.replica_sizes`);
-2. no DDP wrapper; a stage rank trains its stage's parameters only, and once its first step has split the model it
-   frees the other stages' parameter storage (:meth:`~lightning_hetero.strategies.pipelined.PipelinedReplica.
-   release_other_stages`): while training, its device holds its stage's parameters, gradients and optimizer state;
+2. no DDP wrapper; a stage rank trains its stage's parameters only, and its device holds only those, their
+   gradients and optimizer state (:mod:`~lightning_hetero.strategies.stage_memory`): the model waits in host
+   memory until the first step's trace splits it;
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
 4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
@@ -19,6 +19,7 @@ data-parallel replica holding the whole model. The composition, in the order a f
 """
 
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -27,6 +28,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -220,9 +222,32 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
                              "bf16 or fp32 (`precision_policy`).")
         super().setup(trainer)
-        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's.
-        for tensor in self.lightning_module.state_dict().values():
-            dist.broadcast(tensor, src=0)
+        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
+        # are in host memory; NCCL sends device tensors, one at a time).
+        parked = self.replica.holding.host_values() if self.replica is not None else {}
+        for name, tensor in self.lightning_module.state_dict().items():
+            tensor = parked.get(name, tensor)
+            staged = tensor.to(self.root_device)
+            dist.broadcast(staged, src=0)
+            if staged is not tensor:
+                tensor.copy_(staged)
+        if self.replica is not None:
+            self.replica.optimizers = self.optimizers
+
+    @override
+    def model_to_device(self) -> None:
+        if self.replica is not None and _compat.trainer_of(self.lightning_module).state.fn == TrainerFn.FITTING:
+            self.replica.holding.park()  # the device gets placeholders; the first step's split places the stage
+        super().model_to_device()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.replica is None or not self.replica.holding.parked:
+            return super().load_optimizer_state_dict(checkpoint)
+        # Every stage's state to host memory; the first step's split moves this stage's to the device.
+        with self.replica.holding.on_host():
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                optimizer.load_state_dict(state)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     @override
@@ -233,7 +258,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             return
         if self.replica.partition is not None:
             # Evaluation gave this rank the whole model's weights: training needs its stage's alone.
-            self.replica.release_other_stages(self.optimizers)
+            self.replica.holding.keep_only(self.replica.partition[self.replica.stage], self.optimizers)
         sizes = self.core.loaders.train_sampler.rank_sizes_at(batch_idx)
         replica = sum(sizes[r] for r in self.replica.ranks)
         # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
@@ -254,7 +279,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         for p in params:
             p.grad = None
         loss, calls = replica.step(joined, batch_idx, weight)
-        replica.release_other_stages(self.optimizers)  # the first step has split the model: free the other stages
         params = replica.stage_parameters()
         held = held if len(held) == len(params) else [None] * len(params)
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
@@ -292,9 +316,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     # -- the whole model where every rank needs it -----------------------------------------------------------------
     def _gather_model(self) -> None:
+        if self.replica is not None:
+            self.replica.holding.hold_whole()
         if self.stage_sync is not None and self.stage_sync.partition is not None:
-            if self.replica is not None:
-                self.replica.hold_whole_model()
             self.stage_sync.broadcast_params(self.lightning_module)
 
     @override

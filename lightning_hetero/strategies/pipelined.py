@@ -32,6 +32,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
 import lightning_hetero._compat as _compat
 from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
 from lightning_hetero.plan.layout import micro_batch_count
+from lightning_hetero.strategies.stage_memory import StageHolding
 
 
 class _Called(Exception):
@@ -97,8 +98,8 @@ class PipelinedReplica:
     """This rank's stage of a pipeline (``ranks``: the pipeline's global ranks in stage order) and its steps.
 
     Args:
-        module: the LightningModule (its other stages' parameters keep no storage once the first step has split
-            the model, :meth:`release_other_stages`).
+        module: the LightningModule; this rank's device holds its stage's parameters alone (``holding``,
+            :class:`~lightning_hetero.strategies.stage_memory.StageHolding`).
         ranks: the pipeline's global ranks, stage order.
         group: the process group of those ranks.
         device: this rank's device.
@@ -120,7 +121,8 @@ class PipelinedReplica:
         self.micro_batches = micro_batches
         self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
         self._built: dict[tuple, Any] = {}
-        self._released: set[str] = set()  # other stages' parameters whose storage is freed
+        self.holding = StageHolding(module, device)
+        self.optimizers: Sequence[torch.optim.Optimizer] = ()  # whose state follows the stage's parameters
 
     @property
     def stages(self) -> int:
@@ -129,33 +131,6 @@ class PipelinedReplica:
     @property
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
-
-    def release_other_stages(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Free the storage of the parameters of every other stage (and any optimizer state for them, as a resumed
-        checkpoint loads it): each keeps its object, shape and dtype as a 1-element view expanded to its shape, which
-        is all a trace needs, so a stage rank holds its own stage's parameters alone while it trains."""
-        assert self.partition is not None
-        own = set(self.partition[self.stage])
-        for name, param in self.module.named_parameters():
-            if name in own or name in self._released:
-                continue
-            param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-            for optimizer in optimizers:
-                optimizer.state.pop(param, None)
-            self._released.add(name)
-
-    def hold_whole_model(self) -> None:
-        """Give the released parameters storage again (uninitialized: the caller fills them, e.g. by a broadcast
-        from the ranks that train them)."""
-        params = dict(self.module.named_parameters())
-        for name in self._released:
-            param = params[name]
-            param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        self._released.clear()
-
-    @property
-    def holds_whole_model(self) -> bool:
-        return not self._released
 
     def stage_parameters(self) -> list[nn.Parameter]:
         assert self.partition is not None
@@ -179,6 +154,8 @@ class PipelinedReplica:
             if self.partition is None:
                 self.partition = [[n for n, _ in pipe.get_stage_module(s).named_parameters()]
                                   for s in range(self.stages)]
+            # The split is known: this stage's parameters on the device, the others' nowhere on this rank.
+            self.holding.keep_only(self.partition[self.stage], self.optimizers)
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
             kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
             self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)

@@ -36,13 +36,17 @@ class NamedRecorder(Callback):
 
     def __init__(self, out_dir):
         self.out_dir, self.params, self.indices, self.logged = out_dir, [], [], []
-        self.held = []
+        self.held, self.state, self.start_held = [], [], None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
         self.indices.append([int(i) for i in batch[2]])
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
         self.held.append(held_bytes(pl_module))
+        self.state.append(state_bytes(trainer.optimizers))
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_held = held_bytes(pl_module)
 
     def teardown(self, trainer, pl_module, stage):
         # After the strategy's `on_train_end` (which Lightning runs after the callbacks'): a stage rank holds the
@@ -54,7 +58,7 @@ class NamedRecorder(Callback):
         profile = strategy.core.profiler.profile if hasattr(strategy, "core") else None
         torch.save({"pipelines": getattr(strategy, "pipelines", None), "replica_rates": None if profile is None else profile.extra.get("replica_rates"),
                     "params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
-                    "held": self.held, "bytes": {n: p.numel() * p.element_size() for n, p in
+                    "held": self.held, "state": self.state, "start_held": self.start_held, "bytes": {n: p.numel() * p.element_size() for n, p in
                                                  pl_module.named_parameters()},
                     "steps": trainer.global_step, "final": {n: p.detach().clone() for n, p in
                                                            pl_module.named_parameters()}},
@@ -65,6 +69,12 @@ def held_bytes(module):
     """Bytes of the storage the module's parameters hold (each storage once): what the rank keeps of the model."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
     return sum(storages.values())
+
+
+def state_bytes(optimizers):
+    """Bytes of optimizer state tensors (moments, momentum buffers; not Adam's step count)."""
+    return sum(v.numel() * v.element_size() for opt in optimizers for state in opt.state.values()
+               for k, v in state.items() if torch.is_tensor(v) and k != "step")
 
 
 def _flat(named):
@@ -125,6 +135,8 @@ def test_hybrid_equals_one_process(tmp_path, world, pipelines, capacities, optim
         for r in staged:  # a stage rank holds its stage's parameters alone (the others: 1-element placeholders)
             own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
             assert own <= records[r]["held"][step] <= own + 4 * len(names), (r, step)
+            assert records[r]["state"][step] == (2 if optimizer == "adamw" else 1) * own, (r, step)
+            assert records[r]["start_held"] <= 4 * len(names)  # before the first split: the model in host memory
         for r in dp:
             assert records[r]["held"][step] == sum(records[r]["bytes"].values())
         taken = sorted(i for r in range(world) for i in records[r]["indices"][step])
@@ -171,6 +183,10 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, first):
     (tmp_path / "b").mkdir()
     records = fit(Chain(optimizer="adamw", n=n), str(tmp_path / "b"), world, layouts[then](), epochs,
                   callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "unused"))], ckpt_path=path)
+    if then == "hybrid":  # the resumed optimizer state of the other stages is dropped on a stage rank
+        for r in (1, 2):
+            own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+            assert all(state == 2 * own for state in records[r]["state"])
     assert records[0]["steps"] == len(ref_params)
     final = _flat(records[0]["final"])
     for r in range(1, world):  # every rank ends with the whole trained model (stage ranks after the re-broadcast)
