@@ -91,6 +91,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages); the count used divides
             the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
+        stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
+            (inside a host: full precision), :class:`~lightning_hetero.grad.stage_sync.StageSync`; ``None``: exact.
         split_points: module names (``"blocks.6"``) where each stage after the first begins. Default: the model's
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
@@ -122,6 +124,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         pipelines: Union[list[list[int]], Literal["auto"], None] = None,
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
+        stage_compression: Optional[Literal["bf16", "fp16"]] = None,
         split_points: Optional[list[str]] = None,
         capacities: CapacitiesArg = "peak",
         global_batch_size: Optional[int] = None,
@@ -145,6 +148,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         check("", "micro_batches", micro_batches, micro_batches is None or (
             isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
         check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
+        check("", "stage_compression", stage_compression, stage_compression in (None, "bf16", "fp16"),
+              "None, 'bf16' or 'fp16'")
         check("", "split_points", split_points, split_points is None or (
             isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
             "a list of module names or None")
@@ -162,7 +167,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
-        self.split_points = split_points
+        self.split_points, self.stage_compression = split_points, stage_compression
         self.layout: Optional[HybridLayout] = None
         self.stage_sync: Optional[StageSync] = None
         # Measured capacities time a pipeline as one replica.
@@ -186,7 +191,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
                   f"one mode for all ranks of the pipeline {list(ranks)}")
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
-        self.stage_sync = StageSync(layout, self.global_rank)
+        hosts = [d.host for d in self.core.lab.lab.devices]
+        self.stage_sync = StageSync(layout, self.global_rank, hosts, self.stage_compression)
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
             module = self.lightning_module

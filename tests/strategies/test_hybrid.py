@@ -218,6 +218,8 @@ def test_per_rank_precision(tmp_path, bf16):
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="`pipelines`"):
         HeteroHybridStrategy(pipelines=[2, 3])
+    with pytest.raises(ValueError, match="`stage_compression`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], stage_compression="topk")
     with pytest.raises(ValueError, match="`schedule`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
@@ -289,3 +291,27 @@ def test_auto_pipelines_pair_the_cards_that_cannot_hold_a_replica(tmp_path):
     records = fit(model, str(tmp_path), 3, hybrid("auto", "equal", emulate=[None, small, small]), 1, max_steps=2)
     assert all(record["pipelines"] == [[1, 2]] for record in records)
     assert records[1]["owned"] and records[2]["owned"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", [["a", "b", "b"], ["a", "a", "a"]], ids=["pipeline on another host", "one host"])
+def test_stage_compression_only_across_hosts(tmp_path, hosts):
+    """`stage_compression="bf16"`: the stage groups that span two (emulated) hosts exchange bf16 sums between them,
+    a bf16-sized change that leaves every copy of a stage identical; on one host the exchange stays exact."""
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 1
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = run_hybrid(tmp_path, model, world, [[1, 2]], capacities, epochs, stage_compression="bf16",
+                         emulate=[{"host": h} for h in hosts])
+    final = records[0]["params"][-1]
+    diff = max_rel_diff(_flat(final), ref_params[-1])
+    print(f"hosts {hosts}: rel diff {diff:.2e}")
+    if len(set(hosts)) > 1:
+        assert 1e-6 < diff <= 2e-2
+    else:
+        assert diff <= 2e-5
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["params"][-1][name], final[name])
