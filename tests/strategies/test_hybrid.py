@@ -56,7 +56,10 @@ class NamedRecorder(Callback):
         if getattr(strategy, "replica", None) is not None:
             owned = strategy.replica.partition[strategy.replica.stage]
         profile = strategy.core.profiler.profile if hasattr(strategy, "core") else None
-        torch.save({"pipelines": getattr(strategy, "pipelines", None), "replica_rates": None if profile is None else profile.extra.get("replica_rates"),
+        torch.save({"pipelines": getattr(strategy, "pipelines", None),
+                    "micro_batches": None if profile is None else profile.extra.get("micro_batches"),
+                    "replica_micro_batches": getattr(getattr(strategy, "replica", None), "micro_batches", None),
+                    "replica_rates": None if profile is None else profile.extra.get("replica_rates"),
                     "params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
                     "held": self.held, "state": self.state, "start_held": self.start_held, "bytes": {n: p.numel() * p.element_size() for n, p in
                                                  pl_module.named_parameters()},
@@ -267,17 +270,22 @@ class Wide(Chain):
 @pytest.mark.slow
 def test_profiled_shares_follow_the_pipelines_speed(tmp_path):
     """`capacities="profile"` times each pipeline as one replica: of two pipelines of the same cards, the one whose
-    cards are emulated 4-fold slower measures, and so gets a share, about 4-fold smaller (asserted: at least
-    2-fold, to leave room for a busy host's noise; both pipelines run side by side, so they share that noise)."""
+    cards are emulated 4-fold slower measures, and so gets a share, about 4-fold smaller (asserted: below 0.6 of
+    the other's, where ignoring the slowdown gives about 1: a busy host stretches the unslowed compute but not the
+    emulator's pauses, which pulls the ratio up)."""
     seed_everything(0)
     model = Wide(n=256, batch_size=64)
-    strategy = hybrid([[0, 1], [2, 3]], "profile", profiling={"steps": 3},
+    strategy = hybrid([[0, 1], [2, 3]], "profile", profiling={"steps": 5},
                       emulate=[None, None, {"slowdown": 4.0}, {"slowdown": 4.0}])
     records = fit(model, str(tmp_path), 4, strategy, 1, max_steps=1)
     rates = records[0]["replica_rates"]
     print(f"replica rates: pipeline [0, 1] {rates[0]:.4g}, 4x slower pipeline [2, 3] {rates[1]:.4g}")
-    assert rates[1] < 0.5 * rates[0]
+    assert rates[1] < 0.6 * rates[0]
     assert all(record["steps"] == 1 for record in records)
+    # Each pipeline's micro-batch count is its fastest measured one, and trains at it.
+    picks = records[0]["micro_batches"]
+    assert len(picks) == 2 and set(picks) <= {2, 4, 8}
+    assert [records[r]["replica_micro_batches"] for r in range(4)] == [picks[0], picks[0], picks[1], picks[1]]
 
 
 @pytest.mark.slow
