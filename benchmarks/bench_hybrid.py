@@ -215,6 +215,7 @@ def run(config: str, args: argparse.Namespace) -> None:
             row["capacities"] = [round(c, 4) for c in strategy.plan.capacities]
             if profile is not None:
                 row["replica_rates"] = [round(r, 2) for r in profile.extra["replica_rates"]]
+                row["micro_batches"] = profile.extra.get("micro_batches")
         with open(os.path.join(args.out, f"{config}.json"), "w") as f:
             json.dump(row, f)
 

@@ -88,7 +88,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
             ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
             (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
-        micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages); the count used divides
+        micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages, or with measured
+            capacities the fastest of stages, 2 × and 4 × stages); the count used divides
             the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
         stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
