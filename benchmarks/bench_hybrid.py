@@ -5,6 +5,9 @@ Configurations, each a separate Lightning fit (its own process group, launched b
 
 - ``hybrid``: ``HeteroHybridStrategy(pipelines=[[2, 3]])``: ranks 0, 1 data-parallel, ranks 2, 3 (the emulated
   3090s) one 2-stage pipelined replica;
+- ``hybridauto``: ``HeteroHybridStrategy(pipelines="auto", capacities="profile")``: the cards that cannot hold a
+  replica paired by the planner, each replica's share from its timed steps (on CPU: ``pipelines=[[2, 3]]``, the
+  CPU emulator caps no memory);
 - ``fast2``: ``HeteroDDPStrategy`` on the two whole GPUs alone (a);
 - ``dp4``: ``HeteroDDPStrategy`` on all four (b): a 3090 must hold a whole replica, so it is expected not to fit;
 - ``fsdp4``: ``HeteroFSDPStrategy`` on all four (c);
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import GPT, GPTConfig  # noqa: E402
 
-CONFIGS = ("hybrid", "fast2", "dp4", "fsdp4", "lfsdp4")
+CONFIGS = ("hybrid", "hybridauto", "fast2", "dp4", "fsdp4", "lfsdp4")
 XL = GPTConfig(vocab=50304, seq=512, width=1600, layers=48, heads=25)  # GPT-2 XL shape, untied head: ~1.63B
 
 
@@ -114,6 +117,10 @@ def _strategy(config: str, args: argparse.Namespace, world: int) -> Any:
     peak: Any = [3, 3, 1, 1] if args.accelerator == "cpu" else "peak"
     if config == "hybrid":
         return HeteroHybridStrategy(pipelines=[[2, 3]], capacities=peak, emulate=emulate,
+                                    micro_batches=args.micro_batches, precision_policy=precision, **common)
+    if config == "hybridauto":
+        pipelines: Any = [[2, 3]] if args.accelerator == "cpu" else "auto"
+        return HeteroHybridStrategy(pipelines=pipelines, capacities="profile", emulate=emulate,
                                     micro_batches=args.micro_batches, precision_policy=precision, **common)
     if config == "fast2":
         return HeteroDDPStrategy(capacities="equal", precision_policy=precision, **common)
@@ -201,6 +208,14 @@ def run(config: str, args: argparse.Namespace) -> None:
         elapsed = timer.t1 - timer.t0
         row = {"config": config, "world": world, "samples_per_s": round(args.batch * world * args.steps / elapsed, 3),
                "step_s": round(elapsed / args.steps, 4), "peak_gib": peaks, **checks}
+        strategy = trainer.strategy
+        if config.startswith("hybrid"):
+            profile = strategy.core.profiler.profile
+            row["pipelines"] = strategy.pipelines
+            row["capacities"] = [round(c, 4) for c in strategy.plan.capacities]
+            if profile is not None:
+                row["replica_rates"] = [round(r, 2) for r in profile.extra["replica_rates"]]
+                row["micro_batches"] = profile.extra.get("micro_batches")
         with open(os.path.join(args.out, f"{config}.json"), "w") as f:
             json.dump(row, f)
 
@@ -252,20 +267,22 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
     with open(os.path.join(args.out, "bench_hybrid.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    best = max((r["samples_per_s"] for r in rows if r["config"] != "hybrid" and "samples_per_s" in r), default=None)
-    print(f"\n{'config':8} {'samples/s':>10} {'step s':>8}  peak GiB per rank / note")
+    best = max((r["samples_per_s"] for r in rows if not r["config"].startswith("hybrid") and "samples_per_s" in r),
+               default=None)
+    print(f"\n{'config':10} {'samples/s':>10} {'step s':>8}  peak GiB per rank / note")
     for r in rows:
         if "samples_per_s" in r:
-            print(f"{r['config']:8} {r['samples_per_s']:10.2f} {r['step_s']:8.3f}  {r['peak_gib']}")
+            print(f"{r['config']:10} {r['samples_per_s']:10.2f} {r['step_s']:8.3f}  {r['peak_gib']}")
         else:
-            print(f"{r['config']:8} {'-':>10} {'-':>8}  {r['error']}")
+            print(f"{r['config']:10} {'-':>10} {'-':>8}  {r['error']}")
     hybrid = next((r for r in rows if r["config"] == "hybrid" and "samples_per_s" in r), None)
     if hybrid is not None:
         for rank, check in enumerate(hybrid.get("emulation", [])):
             print(f"rank {rank} emulation: measured {check['measured_slowdown']}x, expected "
                   f"{check['expected_slowdown']}x")
-        if best:
-            print(f"hybrid / best other: {hybrid['samples_per_s'] / best:.2f}x")
+    for r in rows:
+        if r["config"].startswith("hybrid") and "samples_per_s" in r and best:
+            print(f"{r['config']} / best other: {r['samples_per_s'] / best:.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     python -m lightning_hetero doctor --model CONFIG [--script S] [--steps N]   # + a short monitored dry run
     python -m lightning_hetero doctor --model CONFIG --lab "A100-80GB,RTX3090,RTX3090" [--strategy hetero_fsdp]
                                       [--script S] [--json]                     # rehearse a lab one rank at a time
+    python -m lightning_hetero doctor --compare-layouts --params 1.5e9 --lab "A100-80GB,A100-80GB,RTX3090,RTX3090"
+                                      [--optimizer adamw] [--json]              # which layout fits that lab
     python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
 """
 
@@ -14,6 +16,25 @@ from lightning_hetero.registry import names
 
 # Training steps per rehearsed rank (the first 2 are not timed).
 DEFAULT_REHEARSAL_STEPS = 6
+
+
+# Parameter-sized optimizer state tensors per parameter.
+OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+
+
+def compare(lab: Optional[str], params: Optional[float], optimizer: str, as_json: bool) -> None:
+    """``doctor --compare-layouts``: the layouts on the ``--lab`` cards for a model of ``params`` fp32 parameters."""
+    import json
+    from dataclasses import asdict
+
+    from lightning_hetero.plan.layout_choice import compare_layouts, comparison_table
+    from lightning_hetero.rehearse.cards import lab_cards
+
+    if lab is None or params is None or params <= 0:
+        raise ValueError("`--compare-layouts` needs `--lab` (the cards) and `--params` (a positive count).")
+    cards = lab_cards(lab)
+    comparison = compare_layouts(int(params) * 4, OPTIMIZER_SLOTS[optimizer], cards)
+    print(json.dumps(asdict(comparison), indent=2) if as_json else comparison_table(comparison, cards))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -38,6 +59,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     doctor.add_argument("--strategy", choices=names(), help="with --lab: the strategy to "
                         "rehearse when the config's is not one of ours")
     doctor.add_argument("--out", help="with --lab: the folder for rehearsal.log/.json/.png (default ./rehearsal-TIME)")
+    doctor.add_argument("--compare-layouts", action="store_true", help="with --lab and --params: whether data "
+                        "parallel, sharded and hybrid fit every card, their predicted rates, and which to pick")
+    doctor.add_argument("--params", type=float, help="with --compare-layouts: the model's parameter count (fp32)")
+    doctor.add_argument("--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adamw",
+                        help="with --compare-layouts: the optimizer (its state per parameter)")
     report = commands.add_parser(
         "report", help="draw a monitored run's per-rank timeline and share history (PNG)",
         description="Draw a monitored run's per-rank timeline and share history as a PNG, from the "
@@ -50,6 +76,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             from lightning_hetero.observe.doctor import DRY_RUN_STEPS, dry_run
             from lightning_hetero.observe.doctor import main as doctor_main
 
+            if args.compare_layouts:
+                compare(args.lab, args.params, args.optimizer, args.json)
+                return
             if args.lab is not None:
                 import json
                 import sys

@@ -149,11 +149,14 @@ class LogCapture:
 
     @contextmanager
     def patched(self) -> Iterator[None]:
+        outer = self.module.__dict__.get("log")  # nested in another patch (profiling silences logging)
         self.module.log = self._log  # type: ignore[method-assign]
         try:
             yield
         finally:
             del self.module.log
+            if outer is not None:
+                self.module.log = outer  # type: ignore[method-assign]
 
     def combined(self) -> list[tuple[str, Any, tuple, dict]]:
         """One (name, value, args, kwargs) per name logged: the weighted combination of its calls."""

@@ -4,8 +4,14 @@ Every replica weights its loss by its own share, b_replica / G (a data-parallel 
 micro-batch's loss, :func:`~lightning_hetero.grad.weighting.loss_weight` with one rank per replica), so the sum over
 the holders of stage s's parameters is Σ_replicas (b / G) g: the gradient of one device on the global batch.
 A data-parallel rank holds every stage and issues one all-reduce per stage group; a stage rank one, on its group.
-The same groups re-broadcast the trained parameters when every rank needs the whole model (evaluation, a
-checkpoint): a stage rank's copies of the other stages' parameters are not trained.
+The same groups re-broadcast the trained parameters when every rank needs the whole model (evaluation, the end of
+training): a stage rank holds no values of the other stages' parameters.
+
+With ``wire="bf16"`` (or ``"fp16"``) the exchange that crosses hosts is compressed, as hierarchical sync does for
+the data-parallel strategy: each stage group sums in full precision inside every host, the hosts' leaders exchange
+their sums cast to ``wire`` (:func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook` with
+:func:`~lightning_hetero.grad.compress_hooks.cast_hook`), and each leader broadcasts the result inside its host. A
+stage group on one host stays exact.
 """
 
 from collections.abc import Sequence
@@ -15,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hetero.grad.bucket_state import CommCounter
+from lightning_hetero.grad.compress_hooks import CastState, HierarchicalState, cast_hook, hierarchical_hook
 from lightning_hetero.plan.layout import HybridLayout
 
 
@@ -25,11 +33,33 @@ class StageSync:
     stage's parameter names) is set once a pipeline has split the model (:meth:`share_partition`).
     """
 
-    def __init__(self, layout: HybridLayout, rank: int) -> None:
+    def __init__(self, layout: HybridLayout, rank: int, hosts: Optional[Sequence[str]] = None,
+                 wire: Optional[str] = None) -> None:
         self.layout = layout
         self.rank = rank
         self.groups = [dist.new_group(list(layout.stage_members(s))) for s in range(layout.stages)]
         self.partition: Optional[list[list[str]]] = None
+        self.counter = CommCounter()
+        # Per stage: the two-level exchange's state where the stage group spans hosts and `wire` is set, else None.
+        self.hops: list[Optional[HierarchicalState]] = [None] * layout.stages
+        if wire is not None and hosts is not None:
+            self.hops = [self._hop(layout.stage_members(s), hosts, wire) for s in range(layout.stages)]
+
+    def _hop(self, members: Sequence[int], hosts: Sequence[str], wire: str) -> Optional[HierarchicalState]:
+        """The stage group's hosts, each a full-precision group, and its leaders' group (collective: every rank
+        builds every group, in the same order)."""
+        by_host: dict[str, list[int]] = {}
+        for r in members:
+            by_host.setdefault(hosts[r], []).append(r)
+        local = [dist.new_group(ranks) for ranks in by_host.values()]
+        leaders = [ranks[0] for ranks in by_host.values()]
+        leaders_group = dist.new_group(leaders) if len(leaders) > 1 else None
+        if self.rank not in members or len(leaders) < 2:
+            return None
+        mine = next(i for i, ranks in enumerate(by_host.values()) if self.rank in ranks)
+        inner = CastState(wire, leaders_group, self.counter, "inter")
+        return HierarchicalState(local[mine], leaders[mine], leaders_group if self.rank in leaders else None,
+                                 len(leaders), len(members), cast_hook, inner, self.counter)
 
     def share_partition(self, partition: Optional[list[list[str]]], module: nn.Module) -> None:
         """Every rank adopts the stage split of the first pipeline's first rank (a collective over all ranks); a
@@ -61,7 +91,12 @@ class StageSync:
             params = self._params(module, stage)
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+            hop = self.hops[stage]
+            if hop is None:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+            else:
+                # The two-level hook averages over the group's ranks: times their count, the sum.
+                flat = hierarchical_hook(hop, _FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
 
     def broadcast_params(self, module: nn.Module) -> None:
@@ -71,6 +106,22 @@ class StageSync:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=self.layout.holder(stage))
             _unflatten_into(flat, params, as_grad=False)
+
+
+class _FlatBucket:
+    """One stage's flat gradients as the comm hooks read a DDP bucket (its buffer, the step's only bucket)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
 
 
 def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter], as_grad: bool) -> None:

@@ -5,8 +5,9 @@ list order). Every pipeline has the same number of stages, so parameters fall in
 stage s is held by every data-parallel rank and by stage s of every pipeline: one process group per stage
 (:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
 
-Pure planning, no torch: the stage split of a block list balanced by the stage cards' weights
-(:func:`balanced_starts`) and a pipeline's micro-batch count (:func:`micro_batch_count`).
+Pure planning, no torch: which ranks form pipelines from the cards' memory and speed (:func:`choose_pipelines`),
+the stage split of a block list balanced by the stage cards' weights (:func:`balanced_starts`) and a pipeline's
+micro-batch count (:func:`micro_batch_count`).
 
 Example::
 
@@ -74,6 +75,96 @@ class HybridLayout:
         pipeline trains on the union of its ranks' slices."""
         return ([rank_sizes[r] for r in self.data_parallel]
                 + [sum(rank_sizes[r] for r in p) for p in self.pipelines])
+
+    def rank_capacities(self, replica_capacities: Sequence[float]) -> list[float]:
+        """Per-rank capacities that give each replica (data-parallel ranks in order, then pipelines) its capacity: a
+        pipeline's spread evenly over its ranks, whose sum the sampler gives the pipeline.
+
+        Example::
+
+            >>> HybridLayout.from_pipelines([[2, 3]], world_size=4).rank_capacities([4.0, 3.0, 2.0])
+            [4.0, 3.0, 1.0, 1.0]
+        """
+        if len(replica_capacities) != len(self.data_parallel) + len(self.pipelines):
+            raise ValueError(f"{len(replica_capacities)} replica capacities for {len(self.data_parallel)} "
+                             f"data-parallel ranks and {len(self.pipelines)} pipelines.")
+        out = [0.0] * self.world_size
+        for rank, rate in zip(self.data_parallel, replica_capacities):
+            out[rank] = float(rate)
+        for pipeline, rate in zip(self.pipelines, replica_capacities[len(self.data_parallel):]):
+            for rank in pipeline:
+                out[rank] = float(rate) / len(pipeline)
+        return out
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The pipelines :func:`choose_pipelines` formed, and why, one line per replica."""
+
+    pipelines: tuple[tuple[int, ...], ...]
+    reasons: tuple[str, ...]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def choose_pipelines(budgets: Sequence[int], speeds: Sequence[float], replica_bytes: int, similar: float = 1.5,
+                     max_stages: int = 4) -> PipelineChoice:
+    """Which ranks form pipelines: a card whose ``budgets`` (bytes it may fill) hold ``replica_bytes`` (the model,
+    its gradients and optimizer state) stays data-parallel; the others are cut, in rank order, into pipelines of
+    consecutive ranks (one host's cards, usually) whose ``speeds`` differ by at most ``similar``×, with the fewest
+    stages (2 up to ``max_stages``, the same for every pipeline) at which each card holds its stage (the blocks are
+    cut in proportion to speed, :func:`balanced_starts`, so a stage's share of the bytes is its card's share of
+    the pipeline's speed). A ``ValueError`` says why no layout works.
+
+    Example::
+
+        >>> choice = choose_pipelines([80, 80, 24, 24], [3, 3, 1, 1], replica_bytes=40)
+        >>> choice.pipelines
+        ((2, 3),)
+    """
+    ranks = range(len(budgets))
+    if len(speeds) != len(budgets):
+        raise ValueError(f"{len(speeds)} speeds for {len(budgets)} memory budgets.")
+    small = [r for r in ranks if budgets[r] < replica_bytes]
+    if not small:
+        raise ValueError(f"`pipelines`='auto': every card holds a replica ({_gib(replica_bytes)}): use the "
+                         "data-parallel strategy.")
+    if 0 in small:
+        raise ValueError(f"`pipelines`='auto': rank 0 cannot hold a replica ({_gib(replica_bytes)} > "
+                         f"{_gib(budgets[0])}) but writes checkpoints as a data-parallel rank: give rank 0 a card "
+                         "that holds one, or use the sharded strategy.")
+    runs: list[list[int]] = []
+    for r in small:  # maximal runs of consecutive ranks
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    why_not = []
+    for stages in range(2, max_stages + 1):
+        chunks = [run[i:i + stages] for run in runs for i in range(0, len(run), stages)]
+        problem = next((c for c in chunks if len(c) < stages), None)
+        if problem is not None:
+            why_not.append(f"{stages} stages leave ranks {problem} without a pipeline")
+            continue
+        slow = next((c for c in chunks if max(speeds[r] for r in c) > similar * min(speeds[r] for r in c)), None)
+        if slow is not None:
+            why_not.append(f"{stages} stages pair ranks {slow} of speeds {[speeds[r] for r in slow]} (more than "
+                           f"{similar}x apart)")
+            continue
+        full = next((c for c in chunks if any(budgets[r] < replica_bytes * speeds[r] / sum(speeds[q] for q in c)
+                                              for r in c)), None)
+        if full is not None:
+            why_not.append(f"{stages} stages of {_gib(replica_bytes)} do not fit ranks {full}")
+            continue
+        reasons = [f"rank {r}: data-parallel (a replica's {_gib(replica_bytes)} fits its {_gib(budgets[r])})"
+                   for r in ranks if r not in small]
+        reasons += [f"ranks {c}: a {stages}-stage pipeline (a replica's {_gib(replica_bytes)} fits none of their "
+                    f"{[_gib(budgets[r]) for r in c]}; a stage each, in proportion to speed)" for c in chunks]
+        return PipelineChoice(tuple(tuple(c) for c in chunks), tuple(reasons))
+    raise ValueError(f"`pipelines`='auto': ranks {small} cannot hold a replica ({_gib(replica_bytes)}) and form no "
+                     f"pipeline: {'; '.join(why_not)}. Name `pipelines` yourself or use the sharded strategy.")
 
 
 def balanced_starts(blocks: int, weights: Sequence[float]) -> list[int]:

@@ -14,7 +14,7 @@ Example::
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -42,6 +42,8 @@ class ShareProfiler:
         # profile gives memory caps only, and capacities stay the published rates.
         self.sharded = sharded
         self.profile: Optional[ProfileResult] = None
+        # A layout whose replicas are not single ranks (a pipeline) measures its own way: (sampler, loader) -> result.
+        self.measure: Optional[Callable[[PlannedSampler, Any], Optional[ProfileResult]]] = None
 
     def plan_shares(self, sampler: PlannedSampler, dataloader: Any) -> None:
         """Profile once if asked (a collective) and adopt the measured capacities and caps; else the fixed caps."""
@@ -51,7 +53,7 @@ class ShareProfiler:
         # A sharded profile measures memory only, which exists on CUDA alone.
         measurable = not self.sharded or self.view.root_device.type == "cuda"
         if self.enabled and self.profile is None and sampler.world_size > 1 and rehearsal() is None and measurable:
-            self.profile = self._run(sampler, dataloader)
+            self.profile = (self.measure or self._run)(sampler, dataloader)
             if self.profile is not None:
                 # A sharded profile gives memory caps only: its capacities stay the ones in force.
                 if self.sharded:
@@ -88,11 +90,7 @@ class ShareProfiler:
             rank_zero_warn(f"{running_strategy()}: manual optimization cannot be profiled; keeping "
                            f"'{self.plan.source}' capacities.")
             return None
-        order = list(sampler.sampler)  # the epoch's order from its own generator: nothing global advances
-        # Up to a whole global batch: a refinement pass may time this rank at its (possibly large) share.
-        need = sampler.global_batch_size
-        offset = sampler.rank * max(1, need // sampler.world_size)
-        indices = [order[(offset + i) % len(order)] for i in range(need)]
+        indices = sample_indices(sampler)
         emulator = self.lab.emulation
         result = profile_lightning_module(
             module,
@@ -129,6 +127,15 @@ class ShareProfiler:
         rank_zero_info(f"{running_strategy()} profiled the model in {result.cost_s:.2f} s: forward + backward "
                        f"samples/s at the planned split [{rates}]" + (f", {caps}" if result.caps else ""))
         return result
+
+
+def sample_indices(sampler: PlannedSampler) -> list[int]:
+    """The samples this rank times: up to a whole global batch (a refinement pass may time it at its possibly large
+    share) of the epoch's order, from its own generator (nothing global advances)."""
+    order = list(sampler.sampler)
+    need = sampler.global_batch_size
+    offset = sampler.rank * max(1, need // sampler.world_size)
+    return [order[(offset + i) % len(order)] for i in range(need)]
 
 
 @contextmanager

@@ -245,13 +245,20 @@ def optimizer_reserve_bytes(module: nn.Module, optimizers: Sequence[torch.optim.
     return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
+def has_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has storage for all its elements: a pipeline stage's placeholder for a parameter it does
+    not hold (one element expanded to the shape, :mod:`~lightning_hetero.strategies.stage_memory`) has not."""
+    return tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size()
+
+
 @contextmanager
 def preserved(module: nn.Module) -> Iterator[None]:
-    """Put parameters, buffers, gradients, module train/eval modes and all RNG states back as they were."""
+    """Put parameters, buffers, gradients, module train/eval modes and all RNG states back as they were (parameters
+    without values of their own, :func:`has_values`, are left alone)."""
     modes = [(m, m.training) for m in module.modules()]
     # Kept in host memory: a forward that writes its weights (even through `.data`, which no version counter sees)
     # is undone without doubling the model on the device.
-    params = [(p, p.detach().to("cpu", copy=True)) for p in module.parameters()]
+    params = [(p, p.detach().to("cpu", copy=True)) for p in module.parameters() if has_values(p)]
     grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = _rng_state()
@@ -260,7 +267,8 @@ def preserved(module: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for p, saved in params:
-                p.copy_(saved.to(p.device))
+                if has_values(p):  # a pipeline stage may have released another stage's parameter meanwhile
+                    p.copy_(saved.to(p.device))
             for p, grad, saved in grads:
                 p.grad = grad
                 if grad is not None:
@@ -375,6 +383,15 @@ def _silenced_logging(module: nn.Module) -> Iterator[None]:
         del module.log
 
 
+@contextmanager
+def profiled(module: nn.Module) -> Iterator[None]:
+    """Around timed training steps of ``module``: train mode, gradients on, ``self.log`` silenced, and parameters,
+    buffers, gradients, modes and RNG put back afterwards (:func:`preserved`)."""
+    with preserved(module), _silenced_logging(module), torch.enable_grad():
+        module.train()
+        yield
+
+
 def training_loss(module: nn.Module, step: Optional[Callable[..., Any]] = None) -> Callable[[Any], Optional[torch.Tensor]]:
     """The loss ``module.training_step`` (or ``step``, the strategy's) returns (a tensor or ``{"loss": tensor}``), else
     ``None``."""
@@ -433,8 +450,7 @@ def profile_lightning_module(
     reserve = optimizer_reserve_bytes(module, optimizers) if device.type == "cuda" else 0
 
     def timed(batch_sizes: Sequence[int]) -> Optional[RankProfile]:
-        with preserved(module), _silenced_logging(module), torch.enable_grad():
-            module.train()
+        with profiled(module):
             batches = sample_batches(
                 dataset, collate_fn, list(indices), batch_sizes,
                 lambda b: _compat.move_batch_to_device(module, b, device),

@@ -3,7 +3,8 @@
 import json
 from typing import Any
 
-from lightning_hetero.lab.emulation import PRESETS, parse_emulate
+from lightning_hetero.lab.emulation import PRESETS, parse_emulate, preset_tflops
+from lightning_hetero.plan.layout_choice import Card
 
 
 def parse_lab(text: str) -> list[Any]:
@@ -30,3 +31,17 @@ def card_label(entry: Any) -> str:
     if isinstance(entry, str):
         return entry
     return str(entry.get("preset") or entry.get("name") or "custom")
+
+
+def lab_cards(text: str) -> list[Card]:
+    """The ``--lab`` cards as :func:`~lightning_hetero.plan.layout_choice.compare_layouts` reads them: each preset's
+    memory (a profile's ``memory_gib`` overrides it) and published rate as its speed."""
+    cards = []
+    for entry in parse_lab(text):
+        preset_name = entry if isinstance(entry, str) else entry.get("preset")
+        if preset_name is None:
+            raise ValueError(f"`--lab` card {entry!r}: comparing layouts needs a preset (its memory and rate).")
+        preset = PRESETS[preset_name]
+        gib = preset.memory_gib if isinstance(entry, str) or entry.get("memory_gib") is None else entry["memory_gib"]
+        cards.append(Card(card_label(entry), int(gib * 2**30), preset_tflops(preset)))
+    return cards

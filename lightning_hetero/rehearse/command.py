@@ -47,6 +47,9 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     memory on its card: the baselines are then not rehearsed). ``script``: the user's LightningCLI script the config
     belongs to; ``stream``: where the progress and the tables go (default stdout)."""
     stream = stream or sys.stdout
+    if strategy == "hetero_hybrid":
+        raise ValueError("`--strategy`='hetero_hybrid' cannot be rehearsed one rank at a time (a pipeline's stage "
+                         "ranks run together); `doctor --compare-layouts --params N --lab ...` says whether it fits.")
     if not os.path.isfile(config):
         raise ValueError(f"`--model`={config!r} is not a file.")
     if script is not None and not os.path.isfile(script):

@@ -7,14 +7,19 @@ data-parallel replica holding the whole model. The composition, in the order a f
 1. the loaders split each global batch by rank as the other strategies do; a pipeline trains on the union of its
    ranks' slices (gathered in the pipeline's group), so its share of the global batch is the sum of its ranks'
    capacities (:meth:`~lightning_hetero.plan.layout.HybridLayout.replica_sizes`);
-2. every rank keeps the whole LightningModule (no DDP wrapper); a stage rank trains its stage's parameters only;
+2. no DDP wrapper; a stage rank trains its stage's parameters only, and its device holds only those, their
+   gradients and optimizer state (:mod:`~lightning_hetero.strategies.stage_memory`): the model waits in host
+   memory until the first step's trace splits it;
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
-4. evaluation, predict and checkpoints first re-broadcast the trained parameters, so every rank evaluates the whole
-   model as a data-parallel replica, and rank 0 (a data-parallel rank) writes a full, layout-free checkpoint.
+4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
+   the ranks that train them; no gradients or optimizer state), so every rank evaluates the whole model as a
+   data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
+   trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -23,6 +28,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -34,12 +41,15 @@ from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
-from lightning_hetero.plan.capacity import CapacitiesArg, parse_capacities
-from lightning_hetero.plan.layout import HybridLayout, balanced_starts
+from lightning_hetero.plan.capacity import CapacitiesArg
+from lightning_hetero.plan.layout import HybridLayout, balanced_starts, choose_pipelines
+from lightning_hetero.plan.memory import device_budget, optimizer_slots
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
+from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
 
@@ -75,19 +85,25 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     Args:
         pipelines: the global ranks of each pipelined replica, in stage order (``[[2, 3]]``); all of the same
             length (2+); every other rank is a data-parallel replica. Rank 0 must be data-parallel (it writes the
-            checkpoint).
-        micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages); the count used divides
+            checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
+            ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
+            (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
+        micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages, or with measured
+            capacities the fastest of stages, 2 × and 4 × stages); the count used divides
             the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
+        stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
+            (inside a host: full precision), :class:`~lightning_hetero.grad.stage_sync.StageSync`; ``None``: exact.
         split_points: module names (``"blocks.6"``) where each stage after the first begins. Default: the model's
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
         capacities: relative speed of each rank (a list, a device-name mapping, ``"equal"`` or ``"peak"``); a
-            pipeline's share of the global batch is the sum of its ranks'. Measured capacities (``"profile"``,
-            ``"auto"``) are refused: profiling times whole-model replicas.
+            pipeline's share of the global batch is the sum of its ranks'. Measured (``"profile"``, ``"auto"``):
+            each replica is timed as it trains, a pipeline as one replica
+            (:mod:`~lightning_hetero.strategies.hybrid_profile`).
         global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
             world size).
-        profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (unused without measured capacities).
+        profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (``steps``; no memory caps are measured).
         data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches).
         precision_policy: per-rank precision (fp32 or bf16; fp16's loss scaling is refused).
         emulate: emulate a mixed lab on identical devices, one entry per rank (as for ``HeteroDDPStrategy``).
@@ -106,9 +122,10 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     def __init__(
         self,
-        pipelines: Optional[list[list[int]]] = None,
+        pipelines: Union[list[list[int]], Literal["auto"], None] = None,
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
+        stage_compression: Optional[Literal["bf16", "fp16"]] = None,
         split_points: Optional[list[str]] = None,
         capacities: CapacitiesArg = "peak",
         global_batch_size: Optional[int] = None,
@@ -126,18 +143,17 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        check("", "pipelines", pipelines, isinstance(pipelines, list) and all(
+        check("", "pipelines", pipelines, pipelines == "auto" or isinstance(pipelines, list) and all(
             isinstance(p, list) and all(isinstance(r, int) for r in p) for p in pipelines),
-            "a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
+            "'auto' or a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
         check("", "micro_batches", micro_batches, micro_batches is None or (
             isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
         check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
+        check("", "stage_compression", stage_compression, stage_compression in (None, "bf16", "fp16"),
+              "None, 'bf16' or 'fp16'")
         check("", "split_points", split_points, split_points is None or (
             isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
             "a list of module names or None")
-        source = parse_capacities(capacities).source
-        check("", "capacities", capacities, source not in ("profile", "auto"),
-              "a list, a device-name mapping, 'equal' or 'peak' (profiling times whole-model replicas)")
         options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with pipelines (a pipeline runs its share as its own micro-batches)")
@@ -152,15 +168,22 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
-        self.split_points = split_points
+        self.split_points, self.stage_compression = split_points, stage_compression
         self.layout: Optional[HybridLayout] = None
         self.stage_sync: Optional[StageSync] = None
+        # Measured capacities time a pipeline as one replica.
+        self.core.profiler.measure = self._profile_layout
+
+    def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:
+        return profile_layout(self, sampler, dataloader)
 
     # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.pipelines is not None
+        if self.pipelines == "auto":
+            self.pipelines = self._auto_pipelines()
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
         modes = self.core.precision.modes
         for ranks in layout.pipelines if modes else ():
@@ -169,13 +192,28 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
                   f"one mode for all ranks of the pipeline {list(ranks)}")
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
-        self.stage_sync = StageSync(layout, self.global_rank)
+        hosts = [d.host for d in self.core.lab.lab.devices]
+        self.stage_sync = StageSync(layout, self.global_rank, hosts, self.stage_compression)
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
             module = self.lightning_module
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, self._split_points(module, pipeline), self.schedule,
                                             self.micro_batches)
+
+    def _auto_pipelines(self) -> list[list[int]]:
+        """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
+        (:func:`~lightning_hetero.plan.layout.choose_pipelines`), on every rank alike (the lab is every rank's)."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        # Parameters, gradients and optimizer state (not built yet: Adam's two moments); activations must fit in
+        # the profiling headroom.
+        replica = sum(p.numel() * p.element_size() for p in params) * (2 + optimizer_slots(None))
+        headroom = float(self.core.options.profiling.memory_headroom)
+        choice = choose_pipelines([device_budget(d, headroom) for d in self.core.lab.lab.devices],
+                                  list(self.plan.capacities), replica)
+        rank_zero_info(f"{running_strategy()} pipelines='auto': {[list(p) for p in choice.pipelines]}; "
+                       + "; ".join(choice.reasons))
+        return [list(p) for p in choice.pipelines]
 
     def _split_points(self, module: torch.nn.Module, pipeline: tuple[int, ...]) -> list[str]:
         if self.split_points is not None:
@@ -191,9 +229,32 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
                              "bf16 or fp32 (`precision_policy`).")
         super().setup(trainer)
-        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's.
-        for tensor in self.lightning_module.state_dict().values():
-            dist.broadcast(tensor, src=0)
+        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
+        # are in host memory; NCCL sends device tensors, one at a time).
+        parked = self.replica.holding.host_values() if self.replica is not None else {}
+        for name, tensor in self.lightning_module.state_dict().items():
+            tensor = parked.get(name, tensor)
+            staged = tensor.to(self.root_device)
+            dist.broadcast(staged, src=0)
+            if staged is not tensor:
+                tensor.copy_(staged)
+        if self.replica is not None:
+            self.replica.optimizers = self.optimizers
+
+    @override
+    def model_to_device(self) -> None:
+        if self.replica is not None and _compat.trainer_of(self.lightning_module).state.fn == TrainerFn.FITTING:
+            self.replica.holding.park()  # the device gets placeholders; the first step's split places the stage
+        super().model_to_device()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.replica is None or not self.replica.holding.parked:
+            return super().load_optimizer_state_dict(checkpoint)
+        # Every stage's state to host memory; the first step's split moves this stage's to the device.
+        with self.replica.holding.on_host():
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                optimizer.load_state_dict(state)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     @override
@@ -202,6 +263,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         share = self.core.step.share
         if self.replica is None or share is None:
             return
+        if self.replica.partition is not None:
+            # Evaluation gave this rank the whole model's weights: training needs its stage's alone.
+            self.replica.holding.keep_only(self.replica.partition[self.replica.stage], self.optimizers)
         sizes = self.core.loaders.train_sampler.rank_sizes_at(batch_idx)
         replica = sum(sizes[r] for r in self.replica.ranks)
         # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
@@ -259,6 +323,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     # -- the whole model where every rank needs it -----------------------------------------------------------------
     def _gather_model(self) -> None:
+        if self.replica is not None:
+            self.replica.holding.hold_whole()
         if self.stage_sync is not None and self.stage_sync.partition is not None:
             self.stage_sync.broadcast_params(self.lightning_module)
 
@@ -288,5 +354,5 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if 0 not in self.layout.data_parallel:
             raise ValueError(f"HeteroHybridStrategy(pipelines={self.pipelines}): checkpoints are written by rank 0, "
                              "which must be a data-parallel rank (it holds the whole optimizer state).")
-        self._gather_model()
+        # Rank 0 holds every trained parameter: nothing to gather (a stage rank's state is not written).
         return super().lightning_module_state_dict()

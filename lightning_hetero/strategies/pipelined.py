@@ -32,6 +32,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
 import lightning_hetero._compat as _compat
 from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
 from lightning_hetero.plan.layout import micro_batch_count
+from lightning_hetero.strategies.stage_memory import StageHolding
 
 
 class _Called(Exception):
@@ -97,7 +98,8 @@ class PipelinedReplica:
     """This rank's stage of a pipeline (``ranks``: the pipeline's global ranks in stage order) and its steps.
 
     Args:
-        module: the LightningModule (every rank keeps it whole; this rank trains its stage's parameters).
+        module: the LightningModule; this rank's device holds its stage's parameters alone (``holding``,
+            :class:`~lightning_hetero.strategies.stage_memory.StageHolding`).
         ranks: the pipeline's global ranks, stage order.
         group: the process group of those ranks.
         device: this rank's device.
@@ -119,6 +121,8 @@ class PipelinedReplica:
         self.micro_batches = micro_batches
         self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
         self._built: dict[tuple, Any] = {}
+        self.holding = StageHolding(module, device)
+        self.optimizers: Sequence[torch.optim.Optimizer] = ()  # whose state follows the stage's parameters
 
     @property
     def stages(self) -> int:
@@ -150,6 +154,8 @@ class PipelinedReplica:
             if self.partition is None:
                 self.partition = [[n for n, _ in pipe.get_stage_module(s).named_parameters()]
                                   for s in range(self.stages)]
+            # The split is known: this stage's parameters on the device, the others' nowhere on this rank.
+            self.holding.keep_only(self.partition[self.stage], self.optimizers)
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
             kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
             self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)

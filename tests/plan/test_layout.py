@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hetero.plan.layout import HybridLayout, balanced_starts, micro_batch_count
+from lightning_hetero.plan.layout import HybridLayout, balanced_starts, choose_pipelines, micro_batch_count
 
 
 def test_stage_groups_hold_every_copy_of_a_stage():
@@ -31,3 +31,35 @@ def test_blocks_follow_the_stage_weights():
 def test_micro_batches_divide_the_share():
     assert [micro_batch_count(b, 2) for b in (12, 10, 7, 0, 3)] == [4, 2, 1, 1, 3]
     assert micro_batch_count(12, 2, requested=6) == 6
+
+
+GIB = 2**30
+
+
+def test_cards_that_hold_a_replica_stay_data_parallel_the_others_pair():
+    # Two 80 GiB cards, four 24 GiB cards; a replica of 40 GiB: the small ones pair in rank order.
+    choice = choose_pipelines([80 * GIB] * 2 + [24 * GIB] * 4, [3, 3, 1, 1, 1, 1], 40 * GIB)
+    assert choice.pipelines == ((2, 3), (4, 5))
+    assert choice.reasons[0].startswith("rank 0: data-parallel") and "2-stage pipeline" in choice.reasons[-1]
+
+
+def test_more_stages_when_two_cards_are_too_small():
+    assert choose_pipelines([80 * GIB, 16 * GIB, 16 * GIB, 16 * GIB], [3, 1, 1, 1], 40 * GIB).pipelines == ((1, 2, 3),)
+
+
+def test_a_faster_card_takes_a_larger_stage():
+    # 30 + 10 GiB of a 40 GiB replica: rank 1 (3x faster) holds 3/4 of it.
+    assert choose_pipelines([80 * GIB, 31 * GIB, 11 * GIB], [4, 3, 1], 40 * GIB, similar=4).pipelines == ((1, 2),)
+    with pytest.raises(ValueError, match=r"do not fit ranks \[1, 2\]"):
+        choose_pipelines([80 * GIB, 29 * GIB, 11 * GIB], [4, 3, 1], 40 * GIB, similar=4, max_stages=2)
+
+
+@pytest.mark.parametrize(("budgets", "speeds", "match"), [
+    ([80, 80], [1, 1], "every card holds a replica"),
+    ([24, 80, 24], [1, 3, 1], "rank 0 cannot hold a replica"),
+    ([80, 24, 80, 24], [3, 1, 3, 1], r"leave ranks \[1\] without a pipeline"),
+    ([80, 24, 24], [3, 1, 2], r"speeds \[1, 2\] \(more than 1.5x apart\)"),
+])
+def test_no_layout_says_why(budgets, speeds, match):
+    with pytest.raises(ValueError, match=match):
+        choose_pipelines([b * GIB for b in budgets], speeds, 40 * GIB)

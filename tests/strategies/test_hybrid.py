@@ -36,21 +36,48 @@ class NamedRecorder(Callback):
 
     def __init__(self, out_dir):
         self.out_dir, self.params, self.indices, self.logged = out_dir, [], [], []
+        self.held, self.state, self.start_held = [], [], None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
         self.indices.append([int(i) for i in batch[2]])
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.held.append(held_bytes(pl_module))
+        self.state.append(state_bytes(trainer.optimizers))
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_start(self, trainer, pl_module):
+        self.start_held = held_bytes(pl_module)
+
+    def teardown(self, trainer, pl_module, stage):
+        # After the strategy's `on_train_end` (which Lightning runs after the callbacks'): a stage rank holds the
+        # whole trained model from then on.
         strategy = trainer.strategy
         owned = None
         if getattr(strategy, "replica", None) is not None:
             owned = strategy.replica.partition[strategy.replica.stage]
-        torch.save({"params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
+        profile = strategy.core.profiler.profile if hasattr(strategy, "core") else None
+        torch.save({"pipelines": getattr(strategy, "pipelines", None),
+                    "micro_batches": None if profile is None else profile.extra.get("micro_batches"),
+                    "replica_micro_batches": getattr(getattr(strategy, "replica", None), "micro_batches", None),
+                    "replica_rates": None if profile is None else profile.extra.get("replica_rates"),
+                    "params": self.params, "indices": self.indices, "logged": self.logged, "owned": owned,
+                    "held": self.held, "state": self.state, "start_held": self.start_held, "bytes": {n: p.numel() * p.element_size() for n, p in
+                                                 pl_module.named_parameters()},
                     "steps": trainer.global_step, "final": {n: p.detach().clone() for n, p in
                                                            pl_module.named_parameters()}},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def held_bytes(module):
+    """Bytes of the storage the module's parameters hold (each storage once): what the rank keeps of the model."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
+    return sum(storages.values())
+
+
+def state_bytes(optimizers):
+    """Bytes of optimizer state tensors (moments, momentum buffers; not Adam's step count)."""
+    return sum(v.numel() * v.element_size() for opt in optimizers for state in opt.state.values()
+               for k, v in state.items() if torch.is_tensor(v) and k != "step")
 
 
 def _flat(named):
@@ -108,6 +135,13 @@ def test_hybrid_equals_one_process(tmp_path, world, pipelines, capacities, optim
         for r in staged:  # a stage rank's own parameters equal the data-parallel copies, bit for bit
             for name in records[r]["owned"]:
                 assert torch.equal(records[r]["params"][step][name], records[dp[0]]["params"][step][name]), name
+        for r in staged:  # a stage rank holds its stage's parameters alone (the others: 1-element placeholders)
+            own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+            assert own <= records[r]["held"][step] <= own + 4 * len(names), (r, step)
+            assert records[r]["state"][step] == (2 if optimizer == "adamw" else 1) * own, (r, step)
+            assert records[r]["start_held"] <= 4 * len(names)  # before the first split: the model in host memory
+        for r in dp:
+            assert records[r]["held"][step] == sum(records[r]["bytes"].values())
         taken = sorted(i for r in range(world) for i in records[r]["indices"][step])
         assert set(taken) == set(ref_batches[step])
         diff = max(diff, max_rel_diff(_flat(records[dp[0]]["params"][step]), expected))
@@ -152,6 +186,10 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, first):
     (tmp_path / "b").mkdir()
     records = fit(Chain(optimizer="adamw", n=n), str(tmp_path / "b"), world, layouts[then](), epochs,
                   callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "unused"))], ckpt_path=path)
+    if then == "hybrid":  # the resumed optimizer state of the other stages is dropped on a stage rank
+        for r in (1, 2):
+            own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+            assert all(state == 2 * own for state in records[r]["state"])
     assert records[0]["steps"] == len(ref_params)
     final = _flat(records[0]["final"])
     for r in range(1, world):  # every rank ends with the whole trained model (stage ranks after the re-broadcast)
@@ -183,9 +221,105 @@ def test_per_rank_precision(tmp_path, bf16):
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="`pipelines`"):
         HeteroHybridStrategy(pipelines=[2, 3])
-    with pytest.raises(ValueError, match="`capacities`"):
-        HeteroHybridStrategy(pipelines=[[2, 3]], capacities="profile")
+    with pytest.raises(ValueError, match="`stage_compression`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], stage_compression="topk")
     with pytest.raises(ValueError, match="`schedule`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], data={"micro_batch": 4})
+
+
+class Validated(Chain):
+    """Chain with a validation loader; records the validation loss each rank logged."""
+
+    def val_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from tests.helpers import IndexedDataset
+        return DataLoader(IndexedDataset(12, seed=1), batch_size=4)
+
+
+@pytest.mark.slow
+def test_validation_gives_the_whole_model_then_frees_it(tmp_path):
+    """Validation between epochs runs the whole model on a stage rank (its weights re-broadcast); the next training
+    step frees the other stages again; training stays exact."""
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 2
+    seed_everything(0)
+    model = Validated(optimizer="adamw", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = run_hybrid(tmp_path, model, world, [[1, 2]], capacities, epochs)
+    for r in (1, 2):
+        own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+        assert all(own <= held <= own + 64 for held in records[r]["held"])
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in (1, 2):  # after fit, every rank holds the whole trained model
+        assert torch.equal(_flat(records[r]["final"]), _flat(records[0]["final"]))
+
+
+class Wide(Chain):
+    """Chain wide enough that compute, not per-step overhead, sets a CPU step's time."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        width = 1536
+        self.net = nn.Sequential(nn.Linear(self.hparams.features, width), nn.Tanh(), nn.Linear(width, width),
+                                 nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, self.hparams.classes))
+
+
+@pytest.mark.slow
+def test_profiled_shares_follow_the_pipelines_speed(tmp_path):
+    """`capacities="profile"` times each pipeline as one replica: of two pipelines of the same cards, the one whose
+    cards are emulated 4-fold slower measures, and so gets a share, about 4-fold smaller (asserted: below 0.6 of
+    the other's, where ignoring the slowdown gives about 1: a busy host stretches the unslowed compute but not the
+    emulator's pauses, which pulls the ratio up)."""
+    seed_everything(0)
+    model = Wide(n=256, batch_size=64)
+    strategy = hybrid([[0, 1], [2, 3]], "profile", profiling={"steps": 5},
+                      emulate=[None, None, {"slowdown": 4.0}, {"slowdown": 4.0}])
+    records = fit(model, str(tmp_path), 4, strategy, 1, max_steps=1)
+    rates = records[0]["replica_rates"]
+    print(f"replica rates: pipeline [0, 1] {rates[0]:.4g}, 4x slower pipeline [2, 3] {rates[1]:.4g}")
+    assert rates[1] < 0.6 * rates[0]
+    assert all(record["steps"] == 1 for record in records)
+    # Each pipeline's micro-batch count is its fastest measured one, and trains at it.
+    picks = records[0]["micro_batches"]
+    assert len(picks) == 2 and set(picks) <= {2, 4, 8}
+    assert [records[r]["replica_micro_batches"] for r in range(4)] == [picks[0], picks[0], picks[1], picks[1]]
+
+
+@pytest.mark.slow
+def test_auto_pipelines_pair_the_cards_that_cannot_hold_a_replica(tmp_path):
+    """`pipelines="auto"`: ranks 1 and 2, emulated with room for half a replica (its parameters, gradients and
+    Adam's moments) each, become one 2-stage pipeline; rank 0 (the host's memory) stays data-parallel."""
+    seed_everything(0)
+    model = Chain(optimizer="adamw", n=24)
+    replica = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    small = {"memory_gib": 0.75 * replica / 0.9 / 2**30}  # 3/4 of a replica after the 10 % headroom
+    records = fit(model, str(tmp_path), 3, hybrid("auto", "equal", emulate=[None, small, small]), 1, max_steps=2)
+    assert all(record["pipelines"] == [[1, 2]] for record in records)
+    assert records[1]["owned"] and records[2]["owned"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", [["a", "b", "b"], ["a", "a", "a"]], ids=["pipeline on another host", "one host"])
+def test_stage_compression_only_across_hosts(tmp_path, hosts):
+    """`stage_compression="bf16"`: the stage groups that span two (emulated) hosts exchange bf16 sums between them,
+    a bf16-sized change that leaves every copy of a stage identical; on one host the exchange stays exact."""
+    world, capacities, n, epochs = 3, [2, 1, 1], 53, 1
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = run_hybrid(tmp_path, model, world, [[1, 2]], capacities, epochs, stage_compression="bf16",
+                         emulate=[{"host": h} for h in hosts])
+    final = records[0]["params"][-1]
+    diff = max_rel_diff(_flat(final), ref_params[-1])
+    print(f"hosts {hosts}: rel diff {diff:.2e}")
+    if len(set(hosts)) > 1:
+        assert 1e-6 < diff <= 2e-2
+    else:
+        assert diff <= 2e-5
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["params"][-1][name], final[name])
