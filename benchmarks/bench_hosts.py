@@ -37,6 +37,7 @@ Writes ``bench_hosts.json`` and ``bench_hosts.png`` (throughput and loss curves)
 
 import argparse
 import json
+import signal
 import math
 import os
 import sys
@@ -64,6 +65,8 @@ from bench_lab import (  # noqa: E402
     format_detail,
     format_table,
     solo_rate,
+    stop_on_sigterm,
+    Stopped,
 )
 
 LINKS = {"10gbe": 10.0, "25gbe": 25.0}
@@ -478,8 +481,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         raise SystemExit(f"layout {args.layout} needs {world} CUDA devices; found {torch.cuda.device_count()}.")
     started = time.perf_counter()
     part = os.path.join(args.out, ".bench_hosts.json")
+    stop_on_sigterm()
     try:
         mp.start_processes(worker, args=(args, _free_port(), part), nprocs=world, start_method="spawn")
+    except Stopped:
+        print("[bench_hosts] stopped by SIGTERM; reporting what was measured", flush=True)
     except Exception as err:  # keep the configurations that finished before the failure
         print(f"[bench_hosts] failed: {str(err)[-2000:]}", flush=True)
     rows: list[dict[str, Any]] = []

@@ -25,6 +25,7 @@ calls; samples/s = global batch × steps / seconds. Inputs are synthetic and mad
 
 import argparse
 import json
+import signal
 import os
 import socket
 import statistics
@@ -423,6 +424,19 @@ def _commit() -> str:
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
+class Stopped(Exception):
+    """SIGTERM (``timeout``) reached the driver: the configurations measured so far are still reported."""
+
+
+def stop_on_sigterm() -> None:
+    """``timeout`` signals the whole process group: the ranks end, the driver writes what they measured."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped()
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -557,8 +571,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="rounds of every configuration (solo first, the others reversed every other round); the "
                         "table shows medians with min-max, ratios taken within each round")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="a new round (or scenario) starts only if the last round would still end within this many "
-                        "seconds of the start; the first round of a scenario always runs")
+                   help="seconds for the whole command, shared equally by the scenarios: a new round starts only if "
+                        "it would end (as long as the last one) within its scenario's share; a scenario's first round "
+                        "always runs")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -581,7 +596,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--warmup, --steps and --rounds must be >= 1")
     if args.deadline_s is not None and args.deadline_s <= 0:
         p.error("--deadline-s must be > 0")
-    args.deadline_at = time.time() + (args.deadline_s if args.deadline_s is not None else float("inf"))
+    args.started_at = time.time()
+    args.deadline_at = float("inf")  # the current scenario's (set by main)
     args.batch = {"resnet50": args.resnet_batch or (4 if args.tiny else 128),
                   "gpt": args.gpt_batch or (4 if args.tiny else 8)}
     args.precision = "bf16-mixed" if args.accelerator == "gpu" else "32-true"
@@ -597,15 +613,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             raise SystemExit(f"{args.scenarios} need {need} CUDA devices; found {torch.cuda.device_count()}.")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for scenario in args.scenarios:
-        if time.time() > args.deadline_at:
-            print(f"[bench_lab] {scenario} skipped: --deadline-s {args.deadline_s:g} passed", flush=True)
-            continue
+    stop_on_sigterm()
+    for index, scenario in enumerate(args.scenarios):
+        if args.deadline_s is not None:
+            args.deadline_at = args.started_at + args.deadline_s * (index + 1) / len(args.scenarios)
         t = time.perf_counter()
         part = os.path.join(args.out, f".bench_{scenario}.json")
         world = len(SCENARIOS[scenario]["shares"])
+        stopped = False
         try:
             mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
+        except Stopped:
+            stopped = True
+            print(f"[bench_lab] {scenario}: stopped by SIGTERM; reporting what was measured", flush=True)
         except Exception as err:  # keep the configurations that finished before the failure
             print(f"[bench_lab] {scenario} failed: {str(err)[-2000:]}", flush=True)
         if os.path.exists(part):
@@ -613,6 +633,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 rows += json.load(f)
             os.remove(part)
         print(f"[bench_lab] {scenario}: {time.perf_counter() - t:.0f} s", flush=True)
+        if stopped:
+            break
     finish(rows)
     lines = summarize(rows)
     result = {
@@ -628,9 +650,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     png = plot(lines, os.path.join(args.out, "bench_lab.png"))
     print(f"[bench_lab] wrote {os.path.join(args.out, 'bench_lab.json')}" + (f" and {png}" if png else
           " (no matplotlib: no plot)") + f"; total {result['wall_s']:.0f} s on {result['device']}")
-    for line in lines:
-        if line["config"] == "solo" and line.get("emulation"):
-            print(f"[bench_lab] {line['scenario']} emulation per rank: " + "; ".join(line["emulation"]))
+    for scenario in dict.fromkeys(line["scenario"] for line in lines):
+        emulation = next((line["emulation"] for line in lines if line["scenario"] == scenario and line.get("emulation")),
+                         None)
+        if emulation:
+            print(f"[bench_lab] {scenario} emulation per rank: " + "; ".join(emulation))
     unemulated = [f"{l['scenario']}/{l['model']}/{l['config']} rank(s) {l['unemulated_ranks']}"
                   for l in lines if l["unemulated_ranks"]]
     if unemulated:
