@@ -68,12 +68,18 @@ CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
 # gradient compression (for communication-bound scenarios), and hetero-explicit with HeteroMonitor on, logging through
 # a CSVLogger (the monitor's overhead: benchmarks/monitor_overhead.py alternates it with hetero-explicit).
 # Levers on the slow link, each an A/B against hetero-explicit (the same split): bf16 gradients on the wire
-# (`compression="bf16"`), what `compression="auto"` picks, DDP buckets of 100 MB (`ddp_kwargs`, default 25).
-EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16", "hetero-monitor", "hetero-explicit-bf16",
-                 "hetero-explicit-auto", "hetero-explicit-bucket100")
+# (`compression="bf16"`), what `compression="auto"` picks, DDP buckets of 100 MB (`ddp_kwargs`, default 25), gradients
+# that are views of DDP's buckets (`ddp_kwargs={"gradient_as_bucket_view": True}`: no copy into the buckets, which on
+# an emulated slow card runs on its capped SMs).
+LEVERS: dict[str, dict[str, Any]] = {
+    "hetero-explicit-bf16": {"compression": "bf16"},
+    "hetero-explicit-auto": {"compression": "auto"},
+    "hetero-explicit-bucket100": {"ddp_kwargs": {"bucket_cap_mb": 100}},
+    "hetero-explicit-view": {"ddp_kwargs": {"gradient_as_bucket_view": True}},
+}
+EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16", "hetero-monitor", *LEVERS)
 # Configurations whose capacities are the solo rates measured in the first round.
-_EXPLICIT = ("hetero-explicit", "hetero-monitor", "hetero-explicit-bf16", "hetero-explicit-auto",
-             "hetero-explicit-bucket100")
+_EXPLICIT = ("hetero-explicit", "hetero-monitor", *LEVERS)
 MONITOR_EVERY = 10  # optimizer steps between the monitor's exchanges in "hetero-monitor"
 _TIMEOUT_S = 180  # a collective stuck this long fails the scenario instead of eating the device time
 
@@ -278,11 +284,11 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         capacities: Any = solos if config in _EXPLICIT else {
             "hetero-peak": "peak", "hetero-profile": "profile", "hetero-equal": "equal",
             "hetero-profile-bf16": "profile"}[config]
-        compression = "bf16" if config.endswith("-bf16") else "auto" if config.endswith("-auto") else "none"
-        ddp_kwargs = {"bucket_cap_mb": 100} if config.endswith("-bucket100") else None
+        lever = LEVERS.get(config, {"compression": "bf16" if config.endswith("-bf16") else "none"})
         strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs,
                                      observation={"print_table": False}, resilience={"timeout": _TIMEOUT_S},
-                                     compression=compression, ddp_kwargs=ddp_kwargs)
+                                     compression=lever.get("compression", "none"),
+                                     ddp_kwargs=lever.get("ddp_kwargs"))
     timer = _timer_class()(args.warmup, args.steps)
     callbacks: list[Any] = [timer]
     logger: Any = False

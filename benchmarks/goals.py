@@ -27,6 +27,7 @@ from bench_lab import format_table  # noqa: E402
 LAB_GOALS = (
     ("P1", "mix2", "hetero-explicit", "ratio_to_ideal", 0.92),
     ("P1 lever bf16", "mix2", "hetero-explicit-bf16", "ratio_to_ideal", 0.92),
+    ("P1 lever view", "mix2", "hetero-explicit-view", "ratio_to_ideal", 0.92),
     ("P1 profile", "mix2", "hetero-profile", "ratio_to_ideal", 0.92),
     ("P2", "mix4", "hetero-explicit", "ratio_to_ideal", 0.90),
     ("P2 lever bf16", "mix4", "hetero-explicit-bf16", "ratio_to_ideal", 0.90),

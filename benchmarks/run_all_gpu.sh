@@ -87,7 +87,7 @@ case "${1:-checks}" in
         lab="python3 benchmarks/bench_lab.py --models gpt,resnet50 --rounds $rounds $lab_steps $cpu"
         step p3 240 0,1 $lab --scenarios same2,same2-pcie --configs solo,ddp,hetero-equal --deadline-s 215 \
             --out "$LOGS/p3" >"$LOGS/lane_a.txt" 2>&1 &
-        step p1 240 2,3 $lab --scenarios mix2 --configs solo,ddp,hetero-explicit,hetero-explicit-bf16 \
+        step p1 240 2,3 $lab --scenarios mix2 --configs solo,ddp,hetero-explicit,hetero-explicit-bf16,hetero-explicit-view \
             --deadline-s 215 --out "$LOGS/p1"
         wait
         cat "$LOGS/lane_a.txt"
