@@ -47,7 +47,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -64,6 +63,7 @@ from bench_lab import (  # noqa: E402
     capped,
     format_detail,
     format_table,
+    run_ranks,
     solo_rate,
     stop_on_sigterm,
     Stopped,
@@ -483,7 +483,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     part = os.path.join(args.out, ".bench_hosts.json")
     stop_on_sigterm()
     try:
-        mp.start_processes(worker, args=(args, _free_port(), part), nprocs=world, start_method="spawn")
+        run_ranks(worker, (args, _free_port(), part), world)
     except Stopped:
         print("[bench_hosts] stopped by SIGTERM; reporting what was measured", flush=True)
     except Exception as err:  # keep the configurations that finished before the failure

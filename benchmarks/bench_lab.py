@@ -434,6 +434,24 @@ class Stopped(Exception):
     """SIGTERM (``timeout``) reached the driver: the configurations measured so far are still reported."""
 
 
+def run_ranks(worker: Any, args: tuple, nprocs: int) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` spawned processes, joined; on :class:`Stopped` the ranks are ended
+    (none is left holding a GPU for the next command) before it propagates."""
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    try:
+        while not context.join():
+            pass
+    except Stopped:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        raise
+
+
 def stop_on_sigterm() -> None:
     """``timeout`` signals the whole process group: the ranks end, the driver writes what they measured."""
 
@@ -628,7 +646,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         world = len(SCENARIOS[scenario]["shares"])
         stopped = False
         try:
-            mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
+            run_ranks(worker, (scenario, args, _free_port(), part), world)
         except Stopped:
             stopped = True
             print(f"[bench_lab] {scenario}: stopped by SIGTERM; reporting what was measured", flush=True)

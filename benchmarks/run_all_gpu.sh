@@ -25,7 +25,9 @@ step() {  # step NAME SECONDS GPUS command...
     local name=$1 limit=$2 devices=$3; shift 3
     echo "=== $name (GPUs $devices, limit ${limit}s)"
     local t0=$SECONDS
-    CUDA_VISIBLE_DEVICES=$devices timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    # SIGTERM to the step's process group at the limit (the benchmarks then report what they measured), SIGKILL
+    # 15 s later: nothing is left holding a GPU for the next step.
+    CUDA_VISIBLE_DEVICES=$devices timeout -k 15 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     echo "=== $name rc=$rc in $((SECONDS - t0))s"
     tail -n "$TAIL" "$LOGS/$name.log"
