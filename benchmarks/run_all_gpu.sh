@@ -26,8 +26,8 @@ step() {  # step NAME SECONDS GPUS command...
     echo "=== $name (GPUs $devices, limit ${limit}s)"
     local t0=$SECONDS
     # SIGTERM to the step's process group at the limit (the benchmarks then report what they measured), SIGKILL
-    # 15 s later: nothing is left holding a GPU for the next step.
-    CUDA_VISIBLE_DEVICES=$devices timeout -k 15 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    # 10 s later: nothing is left holding a GPU for the next step.
+    CUDA_VISIBLE_DEVICES=$devices timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     echo "=== $name rc=$rc in $((SECONDS - t0))s"
     tail -n "$TAIL" "$LOGS/$name.log"
@@ -74,26 +74,29 @@ case "${1:-checks}" in
         # would end past it are not started; a SIGTERM still reports what was measured). Lane A: P3 on identical
         # cards, NVLink then PCIe class (NCCL_P2P_DISABLE=1); lane B at the same time: P1, mix2 on PCIe class (the
         # two PCIe-class scenarios may share host memory bandwidth for a while). Then P2 (mix4) and P7 (2+2 hosts,
-        # 10 GbE paced). Expected ~360 s on 4x H100; the limits add up to 240 + 175 + 110 = 525 s at most.
+        # 10 GbE paced). Expected ~360-420 s on 4x H100 (from earlier runs: ~6-7 s per fit and ~15-25 s to start a
+        # scenario's ranks); the limits add up to 235 + 165 + 110 = 510 s at most (+ 10 s per step to kill).
+        # GOALS_P1_LEVERS: the lever configurations of mix2 (comma-separated; default the bf16 one: each adds ~12 s a
+        # round, and the third round must still fit; e.g. hetero-explicit-bf16,hetero-explicit-view).
         # GOALS_CPU=1: the same steps on CPU with tiny models and few steps (a check of this script's arguments).
         if [ -n "${GOALS_CPU:-}" ]; then
             cpu="--accelerator cpu --tiny" lab_steps="--warmup 1 --steps 2" host_steps="--warmup 2 --steps 2 --every 2"
         else
             [ "$gpus" -ge 4 ] || { echo "goals needs 4 GPUs (found $gpus)"; exit 1; }
-            cpu="" lab_steps="--warmup 4 --steps 16" host_steps="--warmup 8 --steps 56 --every 8"
+            cpu="" lab_steps="--warmup 4 --steps 16" host_steps="--warmup 8 --steps 40 --every 8"
         fi
         LOGS=${GOALS_WORK:-/tmp/lh_goals}
         rm -rf "$LOGS" && mkdir -p "$LOGS"
         TAIL=16
         rounds=${GOALS_ROUNDS:-3}
         lab="python3 benchmarks/bench_lab.py --models gpt,resnet50 --rounds $rounds $lab_steps $cpu"
-        step p3 240 0,1 $lab --scenarios same2,same2-pcie --configs solo,ddp,hetero-equal --deadline-s 215 \
+        step p3 235 0,1 $lab --scenarios same2,same2-pcie --configs solo,ddp,hetero-equal --deadline-s 220 \
             --out "$LOGS/p3" >"$LOGS/lane_a.txt" 2>&1 &
-        step p1 240 2,3 $lab --scenarios mix2 --configs solo,ddp,hetero-explicit,hetero-explicit-bf16,hetero-explicit-view \
-            --deadline-s 215 --out "$LOGS/p1"
+        step p1 235 2,3 $lab --scenarios mix2 --configs solo,ddp,hetero-explicit,${GOALS_P1_LEVERS:-hetero-explicit-bf16} \
+            --deadline-s 210 --out "$LOGS/p1"
         wait
         cat "$LOGS/lane_a.txt"
-        step p2 175 0,1,2,3 $lab --scenarios mix4 --configs solo,ddp,hetero-explicit --deadline-s 150 \
+        step p2 165 0,1,2,3 $lab --scenarios mix4 --configs solo,ddp,hetero-explicit --deadline-s 140 \
             --out "$LOGS/p2"
         step p7 110 0,1,2,3 python3 benchmarks/bench_hosts.py --layout 2+2 --models gpt --links 10gbe \
             --configs solo,ddp,periodic --quick $host_steps --time-limit 80 $cpu --out "$LOGS/p7"
