@@ -163,6 +163,15 @@ def _workload_class() -> type:
     return PoolWorkload
 
 
+def held_out_loss(module: Any, device: torch.device, batch: int, autocast: bool) -> Optional[float]:
+    """The module's held-out loss on ``device`` (Lightning's teardown moved it to the CPU), then back where it was."""
+    module.to(device)
+    try:
+        return module.held_out_loss(batch, autocast)
+    finally:
+        module.cpu()
+
+
 def _recorder_class() -> type:
     from lightning.pytorch import Callback
 
@@ -262,7 +271,7 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         "stopped_early": recorder.stopped_early,
         "losses": recorder.global_losses,
         "wall_s": time.perf_counter() - recorder.start,
-        "held_out_loss": module.held_out_loss(batch, args.accelerator == "gpu"),
+        "held_out_loss": held_out_loss(module, strategy.root_device, batch, args.accelerator == "gpu"),
         "capped_local": capped(module, emulator if config == "ddp" else strategy.emulation, slept_before),
     }
     if config != "ddp":

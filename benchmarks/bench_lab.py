@@ -499,12 +499,14 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         line["split"] = ok[-1].get("split") if ok else None
         line["compression"] = next((r["compression"][0] for r in ok if r.get("compression")), None)
         if key[2] == "solo" and ok:
-            per_rank = [statistics.median(r["solo_per_rank"][i] for r in ok) for i in range(len(ok[0]["solo_per_rank"]))]
+            ranks = range(len(ok[0]["solo_per_rank"]))
+            per_rank = [statistics.median(r["solo_per_rank"][i] for r in ok) for i in ranks]
             shares = SCENARIOS[key[0]]["shares"]
             fastest = max(range(len(shares)), key=lambda i: shares[i])
             line["solo_per_rank"] = per_rank
             # Each rank's speed relative to the fastest, over its share relative to the fastest's: 1.0 = as set.
-            line["speed_vs_share"] = [(v / per_rank[fastest]) / (sh / shares[fastest]) for v, sh in zip(per_rank, shares)]
+            line["speed_vs_share"] = [(v / per_rank[fastest]) / (sh / shares[fastest])
+                                      for v, sh in zip(per_rank, shares)]
             line["emulation"] = ok[0].get("emulation")
         lines.append(line)
     return lines
@@ -565,7 +567,8 @@ def plot(lines: list[dict[str, Any]], path: str) -> Optional[str]:
         names = [line["config"] for line in same]
         spreads = [line["samples_per_s"] or {"median": 0.0, "min": 0.0, "max": 0.0} for line in same]
         medians = [sp["median"] for sp in spreads]
-        errors = [[m - sp["min"] for m, sp in zip(medians, spreads)], [sp["max"] - m for m, sp in zip(medians, spreads)]]
+        errors = [[m - sp["min"] for m, sp in zip(medians, spreads)],
+                  [sp["max"] - m for m, sp in zip(medians, spreads)]]
         ax.bar(names, medians, yerr=errors, capsize=3,
                color=["#999999" if n == "solo" else "#1f77b4" if n == "ddp" else "#2ca02c" for n in names])
         ax.set_title(f"{scenario} / {model} (median, min-max)")
@@ -675,8 +678,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     print(f"[bench_lab] wrote {os.path.join(args.out, 'bench_lab.json')}" + (f" and {png}" if png else
           " (no matplotlib: no plot)") + f"; total {result['wall_s']:.0f} s on {result['device']}")
     for scenario in dict.fromkeys(line["scenario"] for line in lines):
-        emulation = next((line["emulation"] for line in lines if line["scenario"] == scenario and line.get("emulation")),
-                         None)
+        emulation = next((line["emulation"] for line in lines
+                          if line["scenario"] == scenario and line.get("emulation")), None)
         if emulation:
             print(f"[bench_lab] {scenario} emulation per rank: " + "; ".join(emulation))
     unemulated = [f"{l['scenario']}/{l['model']}/{l['config']} rank(s) {l['unemulated_ranks']}"

@@ -19,7 +19,8 @@ device idles through it. Compare a configuration with Lightning's ``DDPStrategy`
     census = StepCensus()
     trainer = Trainer(..., callbacks=[census.callback(warmup=5, steps=20, path="census.json")])
     trainer.fit(model)
-    census.per_step()   # in the process that ran rank 0, else json.load(open("census.json")): {"collectives": {"c10d::broadcast_": 1.0}, "host reads": {}, "host gap us": 210.0}
+    census.per_step()   # in rank 0's process (else json.load(open("census.json"))):
+    # {"collectives": {"c10d::broadcast_": 1.0}, "host reads": {"item": 1.0}, "host gap us": 210.0}
 """
 
 import collections

@@ -5,15 +5,18 @@ rank's handler only notes it; after every optimizer step the ranks take the maxi
 all-reduce, and read it one optimizer step later, so all of them see the stop at the same step. The one-step lag
 keeps the check off the critical path on GPUs: the all-reduce is queued behind the step's work and its result read
 once that step's work is done (by then the GPU is busy with the next step), instead of the host waiting for the
-GPU at every step's end, which left the GPU idle while the host prepared the next step. Then, on every rank: the fault watchdog is stopped (an exit
-is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume`` directory or the first
-``ModelCheckpoint`` directory (if there is none, no checkpoint), and the process exits with ``128 + signal`` (143 for
-SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and ``resume`` goes on from it.
+GPU at every step's end, which left the GPU idle while the host prepared the next step. Then, on every rank: the
+fault watchdog is stopped (an exit is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume``
+directory or the first ``ModelCheckpoint`` directory (if there is none, no checkpoint), and the process exits with
+``128 + signal`` (143 for SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and
+``resume`` goes on from it.
 
 With ``SLURMEnvironment(auto_requeue=True)``, its requeue signal (SIGUSR1 unless configured) is handled the same way,
 and at the agreed step Lightning's own SLURM requeue runs on every rank (HPC checkpoint, ``scontrol requeue``).
 Lightning's own SIGTERM handler is replaced while training runs: it broadcasts from inside the handler, a collective
-that the other ranks do not join.
+that the other ranks do not join. With it replaced, Lightning's SIGTERM flag stays unset, so the flag's broadcast that
+Lightning's training loop makes before every batch (a device tensor read back with ``.item()``: on GPUs the host
+waits for the device at every step) is turned off too while this handler is installed.
 
 The fork/spawn launcher's parent is no rank: :func:`forwarding_signals` makes it pass the signal on to its ranks and
 exit with their code.
@@ -87,6 +90,8 @@ class PreemptionHandler(Callback):
         self._rank = 0
         # The notes all-reduced after the last optimizer step, on their way to the host (read after the next one).
         self._pending: Optional[_Notes] = None
+        # Puts Lightning's per-step SIGTERM-flag broadcast back (see the module docstring).
+        self._restore_broadcast: Callable[[], None] = _nothing
 
     # -- signal handling (main thread) --------------------------------------------------------------------------
     def install(self, signals: tuple[int, ...]) -> None:
@@ -97,6 +102,8 @@ class PreemptionHandler(Callback):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
+        restore, self._restore_broadcast = self._restore_broadcast, _nothing
+        restore()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():
@@ -117,6 +124,9 @@ class PreemptionHandler(Callback):
         self._checked_step, self._rank = trainer.global_step, trainer.global_rank
         self._pending = None
         self.install(signals)
+        if signal.SIGTERM in self._previous and trainer.world_size > 1:
+            # Lightning's SIGTERM handler is replaced: its flag stays 0, its per-step broadcast is a host wait only.
+            self._restore_broadcast = _compat.skip_sigterm_broadcast(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -186,6 +196,10 @@ class PreemptionHandler(Callback):
         self.uninstall()
         _exit_quickly()
         raise Preempted(signum)
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Notes:

@@ -256,3 +256,33 @@ def test_with_several_ranks_the_stop_is_read_one_step_later(tmp_path):
         handler.uninstall()
         dist.destroy_process_group()
     assert trainer.global_step == 4 and trainer.saved == [os.path.join(str(tmp_path), "preempted.ckpt")]
+
+
+def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_handler_owns_sigterm(tmp_path):
+    """Lightning broadcasts its SIGTERM flag from the device before every batch and reads it back (a host wait for
+    the GPU per step); with its SIGTERM handler replaced the flag cannot be set, so the broadcast is skipped, and put
+    back when the handler is uninstalled."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_hetero.resilience.preemption import PreemptionHandler
+
+    calls = []
+
+    class EpochLoop:
+        def _broadcast_sigterm_tensor(self) -> None:
+            calls.append("broadcast")
+
+    trainer = _Trainer(LightningEnvironment(), str(tmp_path))
+    trainer.world_size = 2
+    trainer.fit_loop = SimpleNamespace(epoch_loop=EpochLoop())
+    handler = PreemptionHandler()
+    handler.on_train_start(trainer, None)
+    try:
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert calls == []
+    finally:
+        handler.teardown(trainer, None, "fit")
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == ["broadcast"]
