@@ -157,8 +157,8 @@ class PreemptionHandler(Callback):
         # Filled on the device: a tensor made from a Python list would be copied from the host, which waits for the
         # CUDA stream.
         notes = torch.zeros(2, dtype=torch.int32, device=device)
-        if received is not None:
-            notes[1 if received == self.requeue_signal else 0] = 1
+        if received is not None:  # a fill kernel (item assignment would copy a host scalar: a stream wait)
+            notes[1 if received == self.requeue_signal else 0].fill_(1)
         dist.all_reduce(notes, op=dist.ReduceOp.MAX)  # one collective (the strategy's `reduce` adds a barrier)
         pending, self._pending = self._pending, _Notes.copy_to_host(notes)
         if pending is None:
