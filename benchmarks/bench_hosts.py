@@ -13,6 +13,14 @@ Configurations, for each link and model, on the same processes (one per device, 
 - ``flat``: ``HeteroDDPStrategy(capacities="auto", compression="none")``: capacity split, flat fp32 all-reduce;
 - ``auto``: ``HeteroDDPStrategy(capacities="auto", compression="auto")``: capacity split, hierarchical sync with
   the method chosen from the measured link.
+- ``periodic``: ``HeteroDDPStrategy(capacities="auto", periodic_sync=PeriodicSync(every=--every, outer="average"))``:
+  exact sync inside each host every step, the hosts' parameters averaged (sample-weighted) every H steps over the
+  paced link. ``--steps`` is rounded up so that the run ends right after an outer step.
+
+After each fit every configuration's **held-out loss** (GPT: 64 unseen sequences of the same bigram language, rank
+0's model) is measured; the table's ``held-out vs ddp`` compares it with Lightning DDP's after the same samples.
+Every rank's steps are checked to run under its emulation (the capped stream on GPUs, a slowdown slept on CPU):
+the ``emulated`` column.
 
 Every configuration trains ``--warmup`` + ``--steps`` steps on the same data (a fixed pool of learnable synthetic
 samples: a bigram language for GPT, labelled images for ResNet-50) and records the global training loss of every
@@ -22,12 +30,14 @@ that exceeds ``--time-limit`` seconds stops early (all ranks agree) and is timed
     python benchmarks/bench_hosts.py --quick                         # 2 GPUs: 1 + 1, 10 and 25 GbE, GPT + ResNet-50
     python benchmarks/bench_hosts.py --layout 2+2                    # 4 GPUs: two per host
     python benchmarks/bench_hosts.py --tiny --accelerator cpu        # CPU smoke run (gloo, 2 hosts x 2 ranks)
+    python benchmarks/bench_hosts.py --layout 2+2 --models gpt --links 10gbe --configs solo,ddp,periodic --every 8
 
 Writes ``bench_hosts.json`` and ``bench_hosts.png`` (throughput and loss curves) to ``--out`` (default ``$OUT``).
 """
 
 import argparse
 import json
+import signal
 import math
 import os
 import sys
@@ -37,7 +47,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -46,13 +55,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_lab import (  # noqa: E402
     Indices,
+    _commit,
     _emulated_ddp_class,
     _free_port,
     _lightning_module_class,
     _sync,
+    capped,
     format_detail,
     format_table,
+    run_ranks,
     solo_rate,
+    stop_on_sigterm,
+    Stopped,
 )
 
 LINKS = {"10gbe": 10.0, "25gbe": 25.0}
@@ -63,6 +77,8 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[float, ...]]] = {
     "2+1": (("server", "server", "ws"), (1.0, 1.0, 0.25)),
 }
 CONFIGS = ("solo", "ddp", "flat", "auto")
+EXTRA_CONFIGS = ("periodic",)  # not run by default
+HELD_OUT = 64  # sequences (GPT) of the held-out pool
 _TIMEOUT_S = 300
 
 
@@ -92,9 +108,9 @@ def _workload_class() -> type:
         def inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise RuntimeError("use pool_inputs")
 
-        def _make_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        def _make_pool(self, held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             g = torch.Generator(device=self.device).manual_seed(1234)
-            p = self.pool_size
+            p = HELD_OUT if held_out else self.pool_size
             if self.kind == "resnet50":
                 x = torch.randn(p, 3, self.pixels, self.pixels, device=self.device, generator=g)
                 if self.device.type == "cuda":
@@ -103,6 +119,8 @@ def _workload_class() -> type:
             # A bigram language: each token's successor is a fixed one 3 times in 4, else uniform.
             seq, vocab = self.net.cfg.seq + 1, self.classes
             table = torch.randint(0, vocab, (vocab,), device=self.device, generator=g)
+            if held_out:  # the same language (table), other sentences
+                g = torch.Generator(device=self.device).manual_seed(4321)
             tokens = torch.empty(p, seq, dtype=torch.long, device=self.device)
             tokens[:, 0] = torch.randint(0, vocab, (p,), device=self.device, generator=g)
             noise = torch.randint(0, vocab, (p, seq), device=self.device, generator=g)
@@ -111,7 +129,27 @@ def _workload_class() -> type:
                 tokens[:, t] = torch.where(keep[:, t], table[tokens[:, t - 1]], noise[:, t])
             return tokens, tokens
 
+        @torch.no_grad()
+        def held_out_loss(self, batch: int, autocast: bool) -> Optional[float]:
+            """The mean loss of this rank's model on the held-out pool (GPT: unseen sequences of the language)."""
+            if self.kind != "gpt":
+                return None  # ResNet-50's pool is random labels: nothing to generalise to
+            tokens, _ = self._make_pool(held_out=True)
+            was_training = self.net.training
+            self.net.eval()
+            total = 0.0
+            for i in range(0, len(tokens), batch):
+                x = tokens[i:i + batch]
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    logits = self.net(x[:, :-1])
+                total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
+                                               reduction="sum"))
+            self.net.train(was_training)
+            return total / (len(tokens) * (tokens.shape[1] - 1))
+
         def loss(self, batch: torch.Tensor) -> torch.Tensor:
+            if self.device.type == "cuda":
+                self.streams.add(torch.cuda.current_stream(self.device).cuda_stream)
             pool = getattr(self, "_pool", None)
             if pool is None or pool[0].device != self.device:
                 pool = self._pool = self._make_pool()
@@ -123,6 +161,15 @@ def _workload_class() -> type:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y[:, 1:].reshape(-1))
 
     return PoolWorkload
+
+
+def held_out_loss(module: Any, device: torch.device, batch: int, autocast: bool) -> Optional[float]:
+    """The module's held-out loss on ``device`` (Lightning's teardown moved it to the CPU), then back where it was."""
+    module.to(device)
+    try:
+        return module.held_out_loss(batch, autocast)
+    finally:
+        module.cpu()
 
 
 def _recorder_class() -> type:
@@ -194,14 +241,18 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
 
     from lightning_hetero import HeteroDDPStrategy
 
+    from lightning_hetero import PeriodicSync
+
+    slept_before = emulator.slept_seconds if emulator is not None else 0.0
     if config == "ddp":
         strategy = _paced_ddp_class()(timeout=timedelta(seconds=_TIMEOUT_S))
         strategy.emulator, strategy.gbit = emulator, gbit
     else:
+        periodic = PeriodicSync(every=args.every, outer="average") if config == "periodic" else None
         strategy = HeteroDDPStrategy(capacities=args.capacities, emulate=specs,
                                      observation={"print_table": config == "auto"},
                                      resilience={"timeout": _TIMEOUT_S},
-                                     compression="none" if config == "flat" else "auto")
+                                     compression="auto" if config == "auto" else "none", periodic_sync=periodic)
     recorder = _recorder_class()(args.warmup, args.steps, args.time_limit)
     batch = args.batch[module.kind]
     trainer = Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, precision=args.precision,
@@ -220,6 +271,8 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
         "stopped_early": recorder.stopped_early,
         "losses": recorder.global_losses,
         "wall_s": time.perf_counter() - recorder.start,
+        "held_out_loss": held_out_loss(module, strategy.root_device, batch, args.accelerator == "gpu"),
+        "capped_local": capped(module, emulator if config == "ddp" else strategy.emulation, slept_before),
     }
     if config != "ddp":
         lab, plan = strategy.lab, strategy.plan
@@ -278,11 +331,19 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
                             dist.all_gather_object(gathered, rate)
                             solos[kind] = [float(r) for r in gathered]
                         row: dict[str, Any] = {"samples_per_s": sum(solos[kind]), "solo_per_rank": solos[kind]}
+                        if len(solos[kind]) == world:  # measured now: the emulation check of this loop
+                            row["capped_local"] = capped(module, emulator, 0.0)
                     else:
                         row = run_fit(config, module, args, world, specs, emulator, LINKS[link])
                 except Exception as err:  # an error on every rank (e.g. out of memory): report it, go on
                     row = {"error": f"{type(err).__name__}: {err}"[:400]}
                     print(f"[bench_hosts] rank {local_rank} {kind}/{link}/{config}: {row['error']}", flush=True)
+                # Every rank's emulation check (rank 0's held-out loss is its model's; the others' are in the JSON).
+                checks: list[Any] = [None] * world
+                dist.all_gather_object(checks, [row.pop("capped_local", None), row.get("held_out_loss")])
+                row["capped"] = [c[0] for c in checks]
+                if row.get("held_out_loss") is not None:
+                    row["held_out_per_rank"] = [c[1] for c in checks]
                 row.update(model=kind, link=link, config=config, layout=args.layout,
                            config_s=time.perf_counter() - started)
                 rows.append(row)
@@ -309,6 +370,8 @@ def finish(rows: list[dict[str, Any]]) -> None:
         ddp = get.get("ddp", {}).get("samples_per_s")
         row["fraction_of_ideal"] = value / ideal if ideal and value else None
         row["ratio_to_ddp"] = value / ddp if ddp and value else None
+        held, held_ddp = row.get("held_out_loss"), get.get("ddp", {}).get("held_out_loss")
+        row["held_out_vs_ddp"] = held / held_ddp - 1 if held is not None and held_ddp else None
         losses, flat = row.get("losses"), get.get("flat", {}).get("losses")
         if losses and flat:
             n = min(len(losses), len(flat))
@@ -321,7 +384,7 @@ def finish(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     headers = ["model", "link", "config", "samples/s", "/ideal", "/ddp", "step ms", "steps", "final loss",
-               "vs flat", "compression / split"]
+               "vs flat", "held-out", "vs ddp", "emulated", "compression / split"]
     lines = []
     for r in rows:
         comp = r.get("compression")
@@ -335,6 +398,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             str(r.get("timed_steps", "-")) + ("*" if r.get("stopped_early") else ""),
             f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "-",
             f"{100 * r['final_loss_vs_flat']:+.2f}%" if r.get("final_loss_vs_flat") is not None else "-",
+            f"{r['held_out_loss']:.4f}" if r.get("held_out_loss") is not None else "-",
+            f"{100 * r['held_out_vs_ddp']:+.2f}%" if r.get("held_out_vs_ddp") is not None else "-",
+            "NOT rank " + ",".join(str(i) for i, c in enumerate(r.get("capped") or []) if c is False)
+            if False in (r.get("capped") or []) else "ok",
             format_detail(detail),
         ])
     return format_table(headers, lines)
@@ -350,7 +417,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
         return None
     groups = list(dict.fromkeys((r["model"], r["link"]) for r in rows))
     fig, axes = plt.subplots(2, len(groups), figsize=(4.4 * len(groups), 7.0), squeeze=False)
-    colors = {"solo": "#999999", "ddp": "#1f77b4", "flat": "#ff7f0e", "auto": "#2ca02c"}
+    colors = {"solo": "#999999", "ddp": "#1f77b4", "flat": "#ff7f0e", "auto": "#2ca02c", "periodic": "#d62728"}
     for col, (model, link) in enumerate(groups):
         same = [r for r in rows if r["model"] == model and r["link"] == link]
         ax = axes[0][col]
@@ -375,7 +442,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layout", default="1+1", choices=list(LAYOUTS), help="GPUs per emulated host")
     p.add_argument("--links", default="10gbe,25gbe", help=f"comma-separated, of {list(LINKS)}")
     p.add_argument("--models", default="gpt,resnet50", help="comma-separated, of gpt, resnet50")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS + EXTRA_CONFIGS)}")
+    p.add_argument("--every", type=int, default=8, help="H of the periodic configuration (optimizer steps)")
     p.add_argument("--accelerator", default="gpu", choices=["gpu", "cuda", "cpu"])
     p.add_argument("--capacities", default="auto", help="capacities of the hetero configs (auto = profiled)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10; quick 5; tiny 2)")
@@ -393,7 +461,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     args.configs = [c for c in args.configs.split(",") if c]
     for name, values, known in (("--links", args.links, LINKS), ("--models", args.models, ("gpt", "resnet50")),
-                                ("--configs", args.configs, CONFIGS)):
+                                ("--configs", args.configs, CONFIGS + EXTRA_CONFIGS)):
         bad = [v for v in values if v not in known]
         if bad or not values:
             p.error(f"{name}: {bad or 'empty'} not in {list(known)}")
@@ -401,8 +469,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5 if args.quick else 10)
     args.steps = args.steps if args.steps is not None else (4 if args.tiny else 40 if args.quick else 200)
     args.time_limit = args.time_limit or (60.0 if args.tiny else 45.0 if args.quick else 120.0)
-    if args.warmup < 1 or args.steps < 1 or not math.isfinite(args.time_limit):
-        p.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or not math.isfinite(args.time_limit) or args.every < 1:
+        p.error("--warmup, --steps and --every must be >= 1")
+    if "periodic" in args.configs and (args.warmup + args.steps) % args.every:
+        # Every configuration trains the same samples; the periodic run ends right after an outer step.
+        args.steps += args.every - (args.warmup + args.steps) % args.every
+        print(f"[bench_hosts] --steps rounded up to {args.steps}: warm-up + steps a multiple of --every {args.every}")
     args.seq = args.seq or (512 if args.quick else 1024)
     args.batch = {"resnet50": args.resnet_batch or (4 if args.tiny else 64),
                   "gpt": args.gpt_batch or (4 if args.tiny else 8)}
@@ -418,8 +490,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         raise SystemExit(f"layout {args.layout} needs {world} CUDA devices; found {torch.cuda.device_count()}.")
     started = time.perf_counter()
     part = os.path.join(args.out, ".bench_hosts.json")
+    stop_on_sigterm()
     try:
-        mp.start_processes(worker, args=(args, _free_port(), part), nprocs=world, start_method="spawn")
+        run_ranks(worker, (args, _free_port(), part), world)
+    except Stopped:
+        print("[bench_hosts] stopped by SIGTERM; reporting what was measured", flush=True)
     except Exception as err:  # keep the configurations that finished before the failure
         print(f"[bench_hosts] failed: {str(err)[-2000:]}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -433,7 +508,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         "links_gbit": {k: LINKS[k] for k in args.links},
         "emulate": {k: emulate_specs(args.layout, LINKS[k], args.accelerator) for k in args.links},
         "warmup": args.warmup, "steps": args.steps, "batch_per_device": args.batch, "seq": args.seq,
-        "precision": args.precision, "tiny": args.tiny, "time_limit_s": args.time_limit,
+        "precision": args.precision, "tiny": args.tiny, "time_limit_s": args.time_limit, "every": args.every,
+        "commit": _commit(),
         "wall_s": time.perf_counter() - started,
         "device": torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu",
         "torch": torch.__version__, "rows": rows,

@@ -25,8 +25,10 @@ calls; samples/s = global batch × steps / seconds. Inputs are synthetic and mad
 
 import argparse
 import json
+import signal
 import os
 import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -56,6 +58,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mix4": {"shares": [1.0, 1.0, 0.5, 0.25], "memory_gib": [None, None, 48, 24], "link": "pcie"},
     # two identical GPUs on NVLink: the strategy's overhead over DDP
     "same2": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "nvlink"},
+    # the same over a PCIe-class link (NCCL_P2P_DISABLE=1 on every rank)
+    "same2-pcie": {"shares": [1.0, 1.0], "memory_gib": [None, None], "link": "pcie"},
     # one whole GPU (world size 1): the host-side cost of a configuration with nobody to wait for
     "one": {"shares": [1.0], "memory_gib": [None], "link": "nvlink"},
 }
@@ -63,7 +67,19 @@ CONFIGS = ("solo", "ddp", "hetero-explicit", "hetero-peak", "hetero-profile")
 # Not run by default: capacities="equal" (the strategy's overhead at DDP's split), profiled shares with bf16
 # gradient compression (for communication-bound scenarios), and hetero-explicit with HeteroMonitor on, logging through
 # a CSVLogger (the monitor's overhead: benchmarks/monitor_overhead.py alternates it with hetero-explicit).
-EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16", "hetero-monitor")
+# Levers on the slow link, each an A/B against hetero-explicit (the same split): bf16 gradients on the wire
+# (`compression="bf16"`), what `compression="auto"` picks, DDP buckets of 100 MB (`ddp_kwargs`, default 25), gradients
+# that are views of DDP's buckets (`ddp_kwargs={"gradient_as_bucket_view": True}`: no copy into the buckets, which on
+# an emulated slow card runs on its capped SMs).
+LEVERS: dict[str, dict[str, Any]] = {
+    "hetero-explicit-bf16": {"compression": "bf16"},
+    "hetero-explicit-auto": {"compression": "auto"},
+    "hetero-explicit-bucket100": {"ddp_kwargs": {"bucket_cap_mb": 100}},
+    "hetero-explicit-view": {"ddp_kwargs": {"gradient_as_bucket_view": True}},
+}
+EXTRA_CONFIGS = ("hetero-equal", "hetero-profile-bf16", "hetero-monitor", *LEVERS)
+# Configurations whose capacities are the solo rates measured in the first round.
+_EXPLICIT = ("hetero-explicit", "hetero-monitor", *LEVERS)
 MONITOR_EVERY = 10  # optimizer steps between the monitor's exchanges in "hetero-monitor"
 _TIMEOUT_S = 180  # a collective stuck this long fails the scenario instead of eating the device time
 
@@ -82,7 +98,7 @@ def emulate_specs(scenario: str, accelerator: str) -> Optional[list[Optional[dic
             if memory is not None:
                 spec["memory_gib"] = memory
             specs.append(spec)
-    if all(s is None for s in specs) and cfg["link"] == "nvlink":
+    if all(s is None for s in specs) and (cfg["link"] == "nvlink" or accelerator == "cpu"):
         return None
     if accelerator != "cpu" and specs[0] is None and cfg["link"] != "nvlink":
         specs[0] = {"link": cfg["link"]}
@@ -117,6 +133,8 @@ def _lightning_module_class() -> type:
                 cfg = GPTConfig.tiny() if tiny else GPTConfig.gpt2_small(seq)
                 self.net, self.classes = GPT(cfg), cfg.vocab
             self._inputs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # not buffers: DDP would broadcast them
+            # The CUDA streams the steps ran on: the emulated card's capped stream, or not (the emulation check).
+            self.streams: set[int] = set()
 
         def prepare(self, cuda: bool) -> None:
             if self.kind == "resnet50" and cuda:
@@ -139,6 +157,8 @@ def _lightning_module_class() -> type:
             return x[:n], y[:n]
 
         def loss(self, batch: torch.Tensor) -> torch.Tensor:
+            if self.device.type == "cuda":
+                self.streams.add(torch.cuda.current_stream(self.device).cuda_stream)
             x, y = self.inputs(len(batch))
             if self.kind == "resnet50":
                 return F.cross_entropy(self.net(x), y)
@@ -160,6 +180,18 @@ def _lightning_module_class() -> type:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def capped(module: Any, emulator: Any, slept_before: float = 0.0) -> Optional[bool]:
+    """Whether this rank's steps ran under its emulation: on GPUs every step on the capped (green-context) stream,
+    on CPU a slowdown slept. ``None``: nothing to cap on this rank (a whole card, or link settings only)."""
+    if emulator is None:
+        return None
+    if emulator.stream is not None:
+        return module.streams == {emulator.stream.cuda_stream}
+    if emulator.device.slowdown > 1.0:
+        return emulator.slept_seconds > slept_before
+    return None
 
 
 def solo_rate(module: Any, batch: int, steps: int, warmup: int, device: torch.device, emulator: Any,
@@ -244,16 +276,19 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
 
     from lightning_hetero import HeteroDDPStrategy
 
+    slept_before = emulator.slept_seconds if emulator is not None else 0.0
     if config == "ddp":
         strategy = _emulated_ddp_class()(timeout=timedelta(seconds=_TIMEOUT_S))
         strategy.emulator = emulator
     else:
-        capacities: Any = {"hetero-explicit": solos, "hetero-peak": "peak", "hetero-profile": "profile",
-                           "hetero-equal": "equal", "hetero-profile-bf16": "profile", "hetero-monitor": solos}[config]
-        compression = "bf16" if config.endswith("-bf16") else "none"
+        capacities: Any = solos if config in _EXPLICIT else {
+            "hetero-peak": "peak", "hetero-profile": "profile", "hetero-equal": "equal",
+            "hetero-profile-bf16": "profile"}[config]
+        lever = LEVERS.get(config, {"compression": "bf16" if config.endswith("-bf16") else "none"})
         strategy = HeteroDDPStrategy(capacities=capacities, emulate=specs,
                                      observation={"print_table": False}, resilience={"timeout": _TIMEOUT_S},
-                                     compression=compression)
+                                     compression=lever.get("compression", "none"),
+                                     ddp_kwargs=lever.get("ddp_kwargs"))
     timer = _timer_class()(args.warmup, args.steps)
     callbacks: list[Any] = [timer]
     logger: Any = False
@@ -280,11 +315,13 @@ def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, spec
     }
     if config != "ddp":
         lab, plan = strategy.lab, strategy.plan
+        columns = dict(lab.columns)
         row.update(capacity_source=plan.source, capacities=[round(c, 4) for c in plan.capacities],
                    split=list(plan.split), devices=[d.name for d in lab.devices],
-                   emulated=dict(lab.columns).get("emulated"))
+                   emulated=columns.get("emulated"), compression=columns.get("compression"),
+                   capped_local=capped(module, strategy.emulation))
     else:
-        row.update(split=[batch] * world)
+        row.update(split=[batch] * world, capped_local=capped(module, emulator, slept_before))
     return row
 
 
@@ -314,40 +351,116 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
     dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=world,
                             timeout=timedelta(seconds=_TIMEOUT_S), device_id=device if cuda else None)
     Workload = _lightning_module_class()
-    rows = []
-    for kind in args.models:
-        solos: list[float] = []
-        for config in args.configs:
-            seed_everything(0, workers=False, verbose=False)
-            module = Workload(kind, args.tiny, args.seq)
-            try:
+    rows: list[dict[str, Any]] = []
+    first_solos: dict[str, list[float]] = {}  # the capacities of hetero-explicit & co: round 1's solo rates
+    round_s = 0.0
+    for round_index in range(args.rounds):
+        # Every rank agrees whether another round ends before the deadline (a cut keeps the complete rounds).
+        round_began = time.time()
+        late = torch.tensor([float(round_index > 0 and round_began + round_s > args.deadline_at)], device=device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if late.item() > 0:
+            if local_rank == 0:
+                print(f"[bench_lab] {scenario}: another round would end past --deadline-s {args.deadline_s:g}: "
+                      f"{round_index} round(s)", flush=True)
+            break
+        for kind in args.models:
+            # Solo first (the ideal of this round); the others in reverse order every other round (drift cancels).
+            others = [c for c in args.configs if c != "solo"]
+            order = (["solo"] if "solo" in args.configs else []) + (others[::-1] if round_index % 2 else others)
+            solos: list[float] = []
+            for config in order:
+                seed_everything(0, workers=False, verbose=False)
+                module = Workload(kind, args.tiny, args.seq)
+                began = time.perf_counter()
+                try:
+                    if config == "solo":
+                        slept = emulator.slept_seconds if emulator is not None else 0.0
+                        rate = solo_rate(module, args.batch[kind], args.steps, args.warmup, device, emulator,
+                                         args.precision)
+                        gathered: list[Any] = [None] * world
+                        dist.all_gather_object(gathered, rate)
+                        solos = [float(r) for r in gathered]
+                        first_solos.setdefault(kind, solos)
+                        row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos,
+                                               "capped_local": capped(module, emulator, slept)}
+                    elif config in _EXPLICIT and kind not in first_solos:
+                        row = {"error": "needs the solo rates"}
+                    else:
+                        row = run_fit(config, module, args, world, specs, emulator, first_solos.get(kind, []))
+                except Exception as err:  # an error on every rank (e.g. out of memory): report it, go on
+                    row = {"error": f"{type(err).__name__}: {err}"[:300]}
+                    print(f"[bench_lab] rank {local_rank} {scenario}/{kind}/{config}: {row['error']}", flush=True)
+                # Every rank's emulation check, and what its emulation is (SMs granted against wanted, clamps).
+                checks: list[Any] = [None] * world
+                dist.all_gather_object(checks, [row.pop("capped_local", None),
+                                                emulator.device.summary() if emulator is not None else "whole"])
+                row["capped"] = [c[0] for c in checks]
                 if config == "solo":
-                    rate = solo_rate(module, args.batch[kind], args.steps, args.warmup, device, emulator,
-                                     args.precision)
-                    gathered: list[Any] = [None] * world
-                    dist.all_gather_object(gathered, rate)
-                    solos = [float(r) for r in gathered]
-                    row: dict[str, Any] = {"samples_per_s": sum(solos), "solo_per_rank": solos}
-                elif config in ("hetero-explicit", "hetero-monitor") and not solos:
-                    row = {"error": "needs the solo rates"}
-                else:
-                    row = run_fit(config, module, args, world, specs, emulator, solos)
-            except Exception as err:  # an error on every rank (e.g. out of memory): report it, go on
-                row = {"error": f"{type(err).__name__}: {err}"[:300]}
-                print(f"[bench_lab] rank {local_rank} {scenario}/{kind}/{config}: {row['error']}", flush=True)
-            row.update(scenario=scenario, model=kind, config=config)
-            rows.append(row)
-            del module
-            if cuda:
-                torch.cuda.empty_cache()
-            dist.barrier()
-            if local_rank == 0:  # after every configuration: a later crash keeps what was measured
-                with open(out_file, "w") as f:
-                    json.dump(rows, f)
+                    row["emulation"] = [c[1] for c in checks]
+                row.update(scenario=scenario, model=kind, config=config, round=round_index,
+                           config_s=time.perf_counter() - began)
+                rows.append(row)
+                del module
+                if cuda:
+                    torch.cuda.empty_cache()
+                dist.barrier()
+                if local_rank == 0:  # after every configuration: a later crash keeps what was measured
+                    print(f"[bench_lab] {scenario} round {round_index + 1} {kind}/{config}: "
+                          f"{row.get('samples_per_s', row.get('error'))} ({row['config_s']:.0f} s)", flush=True)
+                    with open(out_file, "w") as f:
+                        json.dump(rows, f)
+        round_s = time.time() - round_began
     dist.destroy_process_group()
 
 
 # -- driver -----------------------------------------------------------------------------------------------------------
+def _commit() -> str:
+    """The checkout's commit (and "+dirty" with uncommitted changes), or "unknown" outside git."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+class Stopped(Exception):
+    """SIGTERM (``timeout``) reached the driver: the configurations measured so far are still reported."""
+
+
+def run_ranks(worker: Any, args: tuple, nprocs: int) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` spawned processes, joined; on :class:`Stopped` the ranks are ended
+    (none is left holding a GPU for the next command) before it propagates."""
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    try:
+        while not context.join():
+            pass
+    except Stopped:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        raise
+
+
+def stop_on_sigterm() -> None:
+    """``timeout`` signals the whole process group: the ranks end, the driver writes what they measured."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped()
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -355,14 +468,48 @@ def _free_port() -> int:
 
 
 def finish(rows: list[dict[str, Any]]) -> None:
-    """Ratio to ideal (Σ solo) and to DDP for every configuration."""
+    """Each row's ratio to the ideal (Σ solo) and to Lightning's DDP of the same round."""
     for row in rows:
-        same = [r for r in rows if r["scenario"] == row["scenario"] and r["model"] == row["model"]]
+        same = [r for r in rows if r["scenario"] == row["scenario"] and r["model"] == row["model"]
+                and r.get("round", 0) == row.get("round", 0)]
         ideal = next((r.get("samples_per_s") for r in same if r["config"] == "solo"), None)
         ddp = next((r.get("samples_per_s") for r in same if r["config"] == "ddp"), None)
         value = row.get("samples_per_s")
         row["ratio_to_ideal"] = value / ideal if ideal and value else None
-        row["ratio_to_ddp"] = value / ddp if ddp and value else None
+        row["ratio_to_ddp"] = value / ddp if ddp and value and row["config"] != "solo" else None
+
+
+def _spread(values: list[float]) -> Optional[dict[str, float]]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per scenario, model and configuration over its rounds: medians with min and max, the emulation
+    check of every rank in every round, and (solo) each rank's speed against its share of the SMs."""
+    lines = []
+    for key in dict.fromkeys((r["scenario"], r["model"], r["config"]) for r in rows):
+        mine = [r for r in rows if (r["scenario"], r["model"], r["config"]) == key]
+        ok = [r for r in mine if "error" not in r]
+        line: dict[str, Any] = {"scenario": key[0], "model": key[1], "config": key[2], "rounds": len(ok)}
+        for name in ("samples_per_s", "ratio_to_ideal", "ratio_to_ddp", "step_s", "setup_s"):
+            line[name] = _spread([r[name] for r in ok if r.get(name) is not None])
+        unemulated = sorted({rank for r in mine for rank, c in enumerate(r.get("capped") or []) if c is False})
+        line["unemulated_ranks"] = unemulated
+        line["error"] = next((r["error"] for r in mine if "error" in r), None)
+        line["split"] = ok[-1].get("split") if ok else None
+        line["compression"] = next((r["compression"][0] for r in ok if r.get("compression")), None)
+        if key[2] == "solo" and ok:
+            ranks = range(len(ok[0]["solo_per_rank"]))
+            per_rank = [statistics.median(r["solo_per_rank"][i] for r in ok) for i in ranks]
+            shares = SCENARIOS[key[0]]["shares"]
+            fastest = max(range(len(shares)), key=lambda i: shares[i])
+            line["solo_per_rank"] = per_rank
+            # Each rank's speed relative to the fastest, over its share relative to the fastest's: 1.0 = as set.
+            line["speed_vs_share"] = [(v / per_rank[fastest]) / (sh / shares[fastest])
+                                      for v, sh in zip(per_rank, shares)]
+            line["emulation"] = ok[0].get("emulation")
+        lines.append(line)
+    return lines
 
 
 def format_detail(detail: Any) -> str:
@@ -379,35 +526,52 @@ def format_table(headers: list[str], lines: list[list[str]]) -> str:
     return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    headers = ["scenario", "model", "config", "samples/s", "/ideal", "/ddp", "step ms", "setup s", "split / solo"]
-    lines = []
-    for r in rows:
-        detail = r.get("error") or r.get("solo_per_rank") or r.get("split") or ""
-        lines.append([
-            r["scenario"], r["model"], r["config"], f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-",
-            f"{r['ratio_to_ideal']:.2f}" if r.get("ratio_to_ideal") else "-",
-            f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-",
-            f"{1000 * r['step_s']:.1f}" if "step_s" in r else "-",
-            f"{r['setup_s']:.1f}" if "setup_s" in r else "-",
-            format_detail(detail),
+def _cell(spread: Optional[dict[str, float]], fmt: str, scale: float = 1.0) -> str:
+    """median (min–max) of a spread, or '-'."""
+    if spread is None:
+        return "-"
+    median, low, high = (scale * spread[k] for k in ("median", "min", "max"))
+    return f"{median:{fmt}}" + (f" ({low:{fmt}}-{high:{fmt}})" if high > low else "")
+
+
+def table(lines: list[dict[str, Any]]) -> str:
+    headers = ["scenario", "model", "config", "n", "samples/s", "/ideal", "/ddp", "step ms", "setup s", "emulated",
+               "split / solo (speed vs share)"]
+    out = []
+    for line in lines:
+        if line["error"] and not line["rounds"]:
+            detail = line["error"]
+        elif line["config"] == "solo":
+            detail = (format_detail(line.get("solo_per_rank")) + " ("
+                      + ", ".join(f"{v:.2f}" for v in line.get("speed_vs_share") or []) + ")")
+        else:
+            detail = format_detail(line.get("split")) + (f" {line['compression']}" if line.get("compression") else "")
+        out.append([
+            line["scenario"], line["model"], line["config"], str(line["rounds"]),
+            _cell(line["samples_per_s"], ".1f"), _cell(line["ratio_to_ideal"], ".2f"),
+            _cell(line["ratio_to_ddp"], ".3f"), _cell(line["step_s"], ".1f", 1000.0), _cell(line["setup_s"], ".1f"),
+            "NOT rank " + ",".join(map(str, line["unemulated_ranks"])) if line["unemulated_ranks"] else "ok",
+            detail,
         ])
-    return format_table(headers, lines)
+    return format_table(headers, out)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> Optional[str]:
+def plot(lines: list[dict[str, Any]], path: str) -> Optional[str]:
     plt = pyplot()
     if plt is None:
         return None
-    groups = sorted({(r["scenario"], r["model"]) for r in rows}, key=lambda g: [r["scenario"] for r in rows].index(g[0]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    groups = list(dict.fromkeys((line["scenario"], line["model"]) for line in lines))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
     for ax, (scenario, model) in zip(axes[0], groups):
-        same = [r for r in rows if r["scenario"] == scenario and r["model"] == model]
-        names = [r["config"] for r in same]
-        values = [r.get("samples_per_s", 0.0) for r in same]
-        ax.bar(names, values, color=["#999999" if n == "solo" else "#1f77b4" if n == "ddp" else "#2ca02c"
-                                     for n in names])
-        ax.set_title(f"{scenario} / {model}")
+        same = [line for line in lines if (line["scenario"], line["model"]) == (scenario, model)]
+        names = [line["config"] for line in same]
+        spreads = [line["samples_per_s"] or {"median": 0.0, "min": 0.0, "max": 0.0} for line in same]
+        medians = [sp["median"] for sp in spreads]
+        errors = [[m - sp["min"] for m, sp in zip(medians, spreads)],
+                  [sp["max"] - m for m, sp in zip(medians, spreads)]]
+        ax.bar(names, medians, yerr=errors, capsize=3,
+               color=["#999999" if n == "solo" else "#1f77b4" if n == "ddp" else "#2ca02c" for n in names])
+        ax.set_title(f"{scenario} / {model} (median, min-max)")
         ax.set_ylabel("samples/s (solo = ideal sum)")
         ax.tick_params(axis="x", rotation=35)
     fig.tight_layout()
@@ -430,6 +594,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024, help="GPT sequence length (512-1024)")
     p.add_argument("--csv-logger", action="store_true",
                    help="every configuration logs to a CSVLogger under --out (hetero-monitor always does)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of every configuration (solo first, the others reversed every other round); the "
+                        "table shows medians with min-max, ratios taken within each round")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds for the whole command, shared equally by the scenarios: a new round starts only if "
+                        "it would end (as long as the last one) within its scenario's share; a scenario's first round "
+                        "always runs")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -440,7 +611,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         bad = [v for v in values if v not in known]
         if bad or not values:
             p.error(f"{name}: {bad or 'empty'} not in {list(known)}")
-    if "solo" not in args.configs and {"hetero-explicit", "hetero-monitor"} & set(args.configs):
+    if "solo" not in args.configs and set(_EXPLICIT) & set(args.configs):
         args.configs.insert(0, "solo")  # explicit capacities are the solo rates
     args.accelerator = "cpu" if args.accelerator == "cpu" else "gpu"
     if args.accelerator == "cpu" and "hetero-peak" in args.configs:
@@ -448,8 +619,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         print("[bench_lab] cpu: hetero-peak skipped (no published rate for CPUs)")
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3 if args.quick else 6)
     args.steps = args.steps if args.steps is not None else (3 if args.tiny else 8 if args.quick else 15)
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--warmup, --steps and --rounds must be >= 1")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        p.error("--deadline-s must be > 0")
+    args.started_at = time.time()
+    args.deadline_at = float("inf")  # the current scenario's (set by main)
     args.batch = {"resnet50": args.resnet_batch or (4 if args.tiny else 128),
                   "gpt": args.gpt_batch or (4 if args.tiny else 8)}
     args.precision = "bf16-mixed" if args.accelerator == "gpu" else "32-true"
@@ -465,12 +640,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             raise SystemExit(f"{args.scenarios} need {need} CUDA devices; found {torch.cuda.device_count()}.")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for scenario in args.scenarios:
+    stop_on_sigterm()
+    for index, scenario in enumerate(args.scenarios):
+        if args.deadline_s is not None:
+            args.deadline_at = args.started_at + args.deadline_s * (index + 1) / len(args.scenarios)
         t = time.perf_counter()
         part = os.path.join(args.out, f".bench_{scenario}.json")
         world = len(SCENARIOS[scenario]["shares"])
+        stopped = False
         try:
-            mp.start_processes(worker, args=(scenario, args, _free_port(), part), nprocs=world, start_method="spawn")
+            run_ranks(worker, (scenario, args, _free_port(), part), world)
+        except Stopped:
+            stopped = True
+            print(f"[bench_lab] {scenario}: stopped by SIGTERM; reporting what was measured", flush=True)
         except Exception as err:  # keep the configurations that finished before the failure
             print(f"[bench_lab] {scenario} failed: {str(err)[-2000:]}", flush=True)
         if os.path.exists(part):
@@ -478,20 +660,36 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 rows += json.load(f)
             os.remove(part)
         print(f"[bench_lab] {scenario}: {time.perf_counter() - t:.0f} s", flush=True)
+        if stopped:
+            break
     finish(rows)
+    lines = summarize(rows)
     result = {
         "scenarios": {s: {**SCENARIOS[s], "emulate": emulate_specs(s, args.accelerator)} for s in args.scenarios},
         "warmup": args.warmup, "steps": args.steps, "batch_per_device": args.batch, "seq": args.seq,
-        "precision": args.precision, "tiny": args.tiny, "wall_s": time.perf_counter() - started,
+        "precision": args.precision, "tiny": args.tiny, "rounds": args.rounds, "deadline_s": args.deadline_s,
+        "wall_s": time.perf_counter() - started, "commit": _commit(),
         "device": torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu",
-        "torch": torch.__version__, "rows": rows,
+        "torch": torch.__version__, "summary": lines, "rows": rows,
     }
     with open(os.path.join(args.out, "bench_lab.json"), "w") as f:
         json.dump(result, f, indent=1)
-    png = plot(rows, os.path.join(args.out, "bench_lab.png"))
+    png = plot(lines, os.path.join(args.out, "bench_lab.png"))
     print(f"[bench_lab] wrote {os.path.join(args.out, 'bench_lab.json')}" + (f" and {png}" if png else
           " (no matplotlib: no plot)") + f"; total {result['wall_s']:.0f} s on {result['device']}")
-    print(table(rows))
+    for scenario in dict.fromkeys(line["scenario"] for line in lines):
+        emulation = next((line["emulation"] for line in lines
+                          if line["scenario"] == scenario and line.get("emulation")), None)
+        if emulation:
+            print(f"[bench_lab] {scenario} emulation per rank: " + "; ".join(emulation))
+    unemulated = [f"{l['scenario']}/{l['model']}/{l['config']} rank(s) {l['unemulated_ranks']}"
+                  for l in lines if l["unemulated_ranks"]]
+    if unemulated:
+        print("[bench_lab] NOT EMULATED (steps off the capped stream / no slowdown): " + "; ".join(unemulated))
+    print(f"[bench_lab] {result['device']}, commit {result['commit']}, {args.rounds} round(s) of {args.warmup} + "
+          f"{args.steps} steps; median (min-max) over rounds; /ideal = ours / Σ solo (ddp row: Lightning / Σ solo), "
+          "/ddp = ours / Lightning DDP, both within each round; emulated: every emulated rank's steps ran capped")
+    print(table(lines))
     return rows
 
 

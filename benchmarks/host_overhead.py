@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py                      # the five configurations below, 3 alternating rounds
     python benchmarks/host_overhead.py --profile hetero-2   # plus cProfile of rank 0: the package's costliest functions
+    python benchmarks/host_overhead.py --rounds 1 --census ddp-2,hetero-2   # plus collectives / host reads per step
 
 Configurations (tiny GPT of ``bench_lab``, ``--batch`` samples per rank, the fork launcher for 2 gloo ranks):
 
@@ -27,6 +28,10 @@ What is measured, on every rank, over ``--steps`` steps after ``--warmup`` (CPU 
 The model logs its loss every step (``--log``: with ``sync_dist``, a weighted mean over ranks in the strategy's
 ``reduce``). Rounds run every configuration once, in reverse order every other round; the table holds medians over
 rounds of rank 0's numbers (every rank's are in the JSON).
+
+``--census``: an extra fit per configuration counting, per step, the collectives and the host reads of device values
+(``.item()``, ``.tolist()``, ``torch.tensor(..., device=)`` ...) and the host gap after Lightning's per-step
+synchronisation (:mod:`step_census`): what costs GPU time beyond the kernels, though little CPU time.
 """
 
 import argparse
@@ -54,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_lab import Indices, format_table  # noqa: E402
 from one_device import logging_workload_class  # noqa: E402
+from step_census import StepCensus  # noqa: E402
 
 CONFIGS = ("plain-1", "hetero-1", "ddp-2", "hetero-2", "hetero-2-fp16")
 REFERENCE = {"plain-1": "plain-1", "hetero-1": "plain-1", "ddp-2": "ddp-2", "hetero-2": "ddp-2",
@@ -189,8 +195,8 @@ def top_functions(profiler: cProfile.Profile, steps: int, count: int = 15) -> li
     return sorted(rows, key=lambda r: -r["own_us"])[:count]
 
 
-def run_config(config: str, args: argparse.Namespace, profile: bool) -> list[dict[str, Any]]:
-    """One fit of ``config``; every rank's numbers."""
+def run_config(config: str, args: argparse.Namespace, profile: bool, census: bool = False) -> list[dict[str, Any]]:
+    """One fit of ``config``; every rank's numbers (``census``: rank 0's :class:`StepCensus` as well)."""
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -221,6 +227,8 @@ def run_config(config: str, args: argparse.Namespace, profile: bool) -> list[dic
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                       callbacks=[window])
+    if census:
+        trainer.callbacks.append(StepCensus().callback(args.warmup, args.steps, os.path.join(out, "census.json")))
     loader = DataLoader(Indices(args.batch * devices * (args.warmup + args.steps + 1)), batch_size=args.batch)
     trainer.fit(module, train_dataloaders=loader)
     del trainer, strategy
@@ -232,6 +240,9 @@ def run_config(config: str, args: argparse.Namespace, profile: bool) -> list[dic
     for rank in range(devices):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
             results.append(json.load(f))
+    if census:
+        with open(os.path.join(out, "census.json")) as f:
+            results[0]["census"] = json.load(f)
     return results
 
 
@@ -274,6 +285,15 @@ def table(summary: dict[str, Any]) -> str:
     return format_table(headers, lines)
 
 
+def census_table(censuses: dict[str, dict[str, Any]]) -> str:
+    def cell(counts: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in counts.items()) or "-"
+
+    lines = [[config, cell(c["collectives"]), cell(c["host reads"]),
+              f"{c['host gap us']:.0f}" if c["host gap us"] is not None else "-"] for config, c in censuses.items()]
+    return format_table(["config", "collectives/step", "host reads/step", "host gap us"], lines)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
@@ -284,11 +304,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--log", choices=("none", "local", "sync"), default="sync",
                    help="the model logs its loss every step: not at all, on its rank, or with sync_dist")
     p.add_argument("--profile", default="", help="comma-separated configurations to cProfile (an extra fit each)")
+    p.add_argument("--census", default="", help="comma-separated configurations whose collectives, host reads and "
+                   "host gap per step are counted (an extra fit each)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.profile = [c for c in args.profile.split(",") if c]
-    for name, values in (("--configs", args.configs), ("--profile", args.profile)):
+    args.census = [c for c in args.census.split(",") if c]
+    for name, values in (("--configs", args.configs), ("--profile", args.profile), ("--census", args.census)):
         bad = [v for v in values if v not in CONFIGS]
         if bad:
             p.error(f"{name}: {bad} not in {list(CONFIGS)}")
@@ -312,11 +335,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"{config}: step {ranks[0]['step_us']:.0f} us CPU, in hooks "
                   f"{sum(ranks[0]['hooks_us'].values()):.1f} us", flush=True)
     profiles = {config: [r.get("profile") for r in run_config(config, args, profile=True)] for config in args.profile}
+    censuses = {config: run_config(config, args, profile=False, census=True)[0]["census"] for config in args.census}
     summary = summarize(runs)
     result = {"device": f"CPU ({os.cpu_count()} cores), gloo, {os.environ['OMP_NUM_THREADS']} thread(s) per rank",
               "torch": torch.__version__, "model": "bench_lab tiny GPT", "batch_per_rank": args.batch,
               "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "log": args.log,
-              "wall_s": time.perf_counter() - started, "summary": summary, "runs": runs, "profiles": profiles}
+              "wall_s": time.perf_counter() - started, "summary": summary, "runs": runs, "profiles": profiles,
+              "census": censuses}
     path = os.path.join(args.out, "host_overhead.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -327,6 +352,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         print(format_table(["function", "calls/step", "own us", "incl. us"],
                            [[r["function"], f"{r['calls_per_step']:g}", f"{r['own_us']:.1f}",
                              f"{r['inclusive_us']:.1f}"] for r in ranks[0] or []]))
+    if censuses:
+        print("\nrank 0, per step: collectives issued from Python, host reads of tensor values (on a GPU each waits "
+              "for the stream), and the host gap from Lightning's per-step sync to training_step (wall us, median)")
+        print(census_table(censuses))
     print("\nrank 0's CPU time per step (us): the whole step, the package's own time in each hook (reference rows: "
           "the timing's own cost), Lightning's reduce, the batch sampler, the comm hook")
     print(table(summary))

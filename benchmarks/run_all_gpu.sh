@@ -6,6 +6,9 @@
 #                                          # the GPU checks again on GPUs 0,1 while GPUs 2,3 benchmark)
 #   bash benchmarks/run_all_gpu.sh monitor  # the monitor's GPU test and its overhead A/B (mix2, GPT + ResNet-50)
 #   bash benchmarks/run_all_gpu.sh tokens   # token-balanced vs sample-count splits on a length-skewed set
+#   bash benchmarks/run_all_gpu.sh goals    # 4 GPUs, <= 540 s: the throughput goals P1 (mix2), P2 (mix4), P3 (same2
+#                                          # on NVLink and PCIe), P7 (hosts 2+2, periodic sync); 3 rounds each;
+#                                          # $OUT gets goals.json, goals.txt, p1/p2/p3/p7 plots, logs.txt
 # Each step has its own time limit, so one hang cannot take the rest with it.
 set -u
 cd "$(dirname "$0")/.."
@@ -14,16 +17,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/hardware.txt"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/hardware.txt"
 
+LOGS=$OUT  # where each step's log goes
+TAIL=40    # log lines each step shows
 step() {  # step NAME SECONDS GPUS command...
     local name=$1 limit=$2 devices=$3; shift 3
     echo "=== $name (GPUs $devices, limit ${limit}s)"
     local t0=$SECONDS
-    CUDA_VISIBLE_DEVICES=$devices timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    # SIGTERM to the step's process group at the limit (the benchmarks then report what they measured), SIGKILL
+    # 10 s later: nothing is left holding a GPU for the next step.
+    CUDA_VISIBLE_DEVICES=$devices timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     echo "=== $name rc=$rc in $((SECONDS - t0))s"
-    tail -n 40 "$OUT/$name.log"
+    tail -n "$TAIL" "$LOGS/$name.log"
 }
 
 case "${1:-checks}" in
@@ -61,5 +68,46 @@ case "${1:-checks}" in
         else
             step lab2 330 0,1 python3 benchmarks/bench_lab.py --scenarios mix2,same2 --out "$OUT/lab2"
         fi
+        ;;
+    goals)
+        # Two lanes of two GPUs, then all four. Each step's limit is a backstop above its --deadline-s (rounds that
+        # would end past it are not started; a SIGTERM still reports what was measured). Lane A: P3 on identical
+        # cards, NVLink then PCIe class (NCCL_P2P_DISABLE=1); lane B at the same time: P1, mix2 on PCIe class (the
+        # two PCIe-class scenarios may share host memory bandwidth for a while). Then P2 (mix4) and P7 (2+2 hosts,
+        # 10 GbE paced). Expected ~360-420 s on 4x H100 (from earlier runs: ~6-7 s per fit and ~15-25 s to start a
+        # scenario's ranks); the limits add up to 235 + 165 + 110 = 510 s at most (+ 10 s per step to kill).
+        # GOALS_P1_LEVERS: the lever configurations of mix2 (comma-separated; default the bf16 one: each adds ~12 s a
+        # round, and the third round must still fit; e.g. hetero-explicit-bf16,hetero-explicit-view).
+        # GOALS_CPU=1: the same steps on CPU with tiny models and few steps (a check of this script's arguments).
+        if [ -n "${GOALS_CPU:-}" ]; then
+            cpu="--accelerator cpu --tiny" lab_steps="--warmup 1 --steps 2" host_steps="--warmup 2 --steps 2 --every 2"
+        else
+            [ "$gpus" -ge 4 ] || { echo "goals needs 4 GPUs (found $gpus)"; exit 1; }
+            cpu="" lab_steps="--warmup 4 --steps 16" host_steps="--warmup 8 --steps 40 --every 8"
+        fi
+        LOGS=${GOALS_WORK:-/tmp/lh_goals}
+        rm -rf "$LOGS" && mkdir -p "$LOGS"
+        TAIL=16
+        rounds=${GOALS_ROUNDS:-3}
+        lab="python3 benchmarks/bench_lab.py --models gpt,resnet50 --rounds $rounds $lab_steps $cpu"
+        step p3 235 0,1 $lab --scenarios same2,same2-pcie --configs solo,ddp,hetero-equal --deadline-s 220 \
+            --out "$LOGS/p3" >"$LOGS/lane_a.txt" 2>&1 &
+        step p1 235 2,3 $lab --scenarios mix2 --configs solo,ddp,hetero-explicit,${GOALS_P1_LEVERS:-hetero-explicit-bf16} \
+            --deadline-s 210 --out "$LOGS/p1"
+        wait
+        cat "$LOGS/lane_a.txt"
+        step p2 165 0,1,2,3 $lab --scenarios mix4 --configs solo,ddp,hetero-explicit --deadline-s 140 \
+            --out "$LOGS/p2"
+        step p7 110 0,1,2,3 python3 benchmarks/bench_hosts.py --layout 2+2 --models gpt --links 10gbe \
+            --configs solo,ddp,periodic --quick $host_steps --time-limit 80 $cpu --out "$LOGS/p7"
+        python3 benchmarks/goals.py --lab "$LOGS/p3/bench_lab.json" "$LOGS/p1/bench_lab.json" \
+            "$LOGS/p2/bench_lab.json" --hosts "$LOGS/p7/bench_hosts.json" --out "$LOGS" >"$LOGS/goals.txt" 2>&1
+        # At most 8 files come back: the goals (all results inside goals.json), the plots, the logs in one file.
+        cp "$LOGS/goals.json" "$LOGS/goals.txt" "$OUT/" 2>/dev/null
+        for p in p1 p2 p3; do cp "$LOGS/$p/bench_lab.png" "$OUT/$p.png" 2>/dev/null; done
+        cp "$LOGS/p7/bench_hosts.png" "$OUT/p7.png" 2>/dev/null
+        { cat "$OUT/hardware.txt"; for f in "$LOGS"/*.log; do echo "=== $f"; tail -n 150 "$f"; done; } >"$OUT/logs.txt"
+        rm -f "$OUT/hardware.txt"
+        cat "$LOGS/goals.txt"
         ;;
 esac

@@ -169,6 +169,25 @@ def slurm_requeue(trainer: object, signum: int) -> None:
     """
     trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[attr-defined]
 
+def skip_sigterm_broadcast(trainer: object) -> Callable[[], None]:
+    """Turn off the training loop's per-step broadcast of Lightning's SIGTERM flag; returns the undo.
+
+    Lightning's training loop (2.6; releases without the method have nothing to turn off) makes rank 0's flag a
+    device tensor, broadcasts it and reads it back with ``.item()`` before every training batch with several ranks: on
+    GPUs the host waits for the device at every step, and the device idles while the host fetches the next batch. No
+    public switch turns it off.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+        return lambda: None
+    loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute over the method: this trainer only
+
+    def undo() -> None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+    return undo
+
+
 def weights_only_argument(load: Callable[..., Any], weights_only: Optional[bool]) -> dict[str, Optional[bool]]:
     """``{"weights_only": weights_only}`` when ``load`` takes that argument, else ``{}``.
 

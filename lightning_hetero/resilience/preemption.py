@@ -2,15 +2,21 @@
 
 A signal reaches the ranks of a job at different times, or only some of them (the launcher's parent, one host). Each
 rank's handler only notes it; after every optimizer step the ranks take the maximum of their notes in one small
-all-reduce, so all of them see the stop at the same step. Then, on every rank: the fault watchdog is stopped (an exit
-is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume`` directory or the first
-``ModelCheckpoint`` directory (if there is none, no checkpoint), and the process exits with ``128 + signal`` (143 for
-SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and ``resume`` goes on from it.
+all-reduce, and read it one optimizer step later, so all of them see the stop at the same step. The one-step lag
+keeps the check off the critical path on GPUs: the all-reduce is queued behind the step's work and its result read
+once that step's work is done (by then the GPU is busy with the next step), instead of the host waiting for the
+GPU at every step's end, which left the GPU idle while the host prepared the next step. Then, on every rank: the
+fault watchdog is stopped (an exit is not a fault), a checkpoint is written to ``preempted.ckpt`` in the ``resume``
+directory or the first ``ModelCheckpoint`` directory (if there is none, no checkpoint), and the process exits with
+``128 + signal`` (143 for SIGTERM): ``torchrun --max-restarts`` or a requeued job runs the same command again and
+``resume`` goes on from it.
 
 With ``SLURMEnvironment(auto_requeue=True)``, its requeue signal (SIGUSR1 unless configured) is handled the same way,
 and at the agreed step Lightning's own SLURM requeue runs on every rank (HPC checkpoint, ``scontrol requeue``).
 Lightning's own SIGTERM handler is replaced while training runs: it broadcasts from inside the handler, a collective
-that the other ranks do not join.
+that the other ranks do not join. With it replaced, Lightning's SIGTERM flag stays unset, so the flag's broadcast that
+Lightning's training loop makes before every batch (a device tensor read back with ``.item()``: on GPUs the host
+waits for the device at every step) is turned off too while this handler is installed.
 
 The fork/spawn launcher's parent is no rank: :func:`forwarding_signals` makes it pass the signal on to its ranks and
 exit with their code.
@@ -82,6 +88,10 @@ class PreemptionHandler(Callback):
         self._previous: dict[int, Any] = {}
         self._checked_step = -1
         self._rank = 0
+        # The notes all-reduced after the last optimizer step, on their way to the host (read after the next one).
+        self._pending: Optional[_Notes] = None
+        # Puts Lightning's per-step SIGTERM-flag broadcast back (see the module docstring).
+        self._restore_broadcast: Callable[[], None] = _nothing
 
     # -- signal handling (main thread) --------------------------------------------------------------------------
     def install(self, signals: tuple[int, ...]) -> None:
@@ -92,6 +102,8 @@ class PreemptionHandler(Callback):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
+        restore, self._restore_broadcast = self._restore_broadcast, _nothing
+        restore()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():
@@ -110,7 +122,11 @@ class PreemptionHandler(Callback):
         signals = stop_signals(trainer.strategy.cluster_environment)
         self.requeue_signal = signals[1] if len(signals) > 1 else None
         self._checked_step, self._rank = trainer.global_step, trainer.global_rank
+        self._pending = None
         self.install(signals)
+        if signal.SIGTERM in self._previous and trainer.world_size > 1:
+            # Lightning's SIGTERM handler is replaced: its flag stays 0, its per-step broadcast is a host wait only.
+            self._restore_broadcast = _compat.skip_sigterm_broadcast(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -122,6 +138,7 @@ class PreemptionHandler(Callback):
             self.stop(trainer, agreed)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._pending = None
         self.uninstall()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -129,15 +146,24 @@ class PreemptionHandler(Callback):
 
     # -- the stop -------------------------------------------------------------------------------------------------
     def agree(self, trainer: Trainer) -> Optional[int]:
-        """The stop signal any rank got (the requeue signal first), the same on every rank; ``None``: go on."""
+        """The stop signal any rank got (the requeue signal first), the same on every rank; ``None``: go on.
+
+        With several ranks the answer is that of the previous optimizer step's notes: this step's are all-reduced on
+        the device now and read at the next call, so the host never waits here for the step it just queued."""
         received = self.received
         if trainer.world_size == 1 or not dist.is_initialized():  # nobody to agree with: no device work, no sync
             return None if received is None else int(received)
-        notes = torch.tensor([int(received is not None and received != self.requeue_signal),
-                              int(received is not None and received == self.requeue_signal)],
-                             dtype=torch.int32, device=trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        # Filled on the device: a tensor made from a Python list would be copied from the host, which waits for the
+        # CUDA stream.
+        notes = torch.zeros(2, dtype=torch.int32, device=device)
+        if received is not None:  # a fill kernel (item assignment would copy a host scalar: a stream wait)
+            notes[1 if received == self.requeue_signal else 0].fill_(1)
         dist.all_reduce(notes, op=dist.ReduceOp.MAX)  # one collective (the strategy's `reduce` adds a barrier)
-        term, requeue = (bool(v) for v in notes.tolist())
+        pending, self._pending = self._pending, _Notes.copy_to_host(notes)
+        if pending is None:
+            return None
+        term, requeue = pending.read()
         if requeue:
             return self.requeue_signal
         return int(signal.SIGTERM) if term else None
@@ -170,6 +196,33 @@ class PreemptionHandler(Callback):
         self.uninstall()
         _exit_quickly()
         raise Preempted(signum)
+
+
+def _nothing() -> None:
+    pass
+
+
+class _Notes:
+    """All-reduced stop notes on their way to the host: a non-blocking copy and, on CUDA, the event that ends it."""
+
+    def __init__(self, values: torch.Tensor, done: Optional[Any]) -> None:
+        self.values, self.done = values, done
+
+    @classmethod
+    def copy_to_host(cls, notes: torch.Tensor) -> "_Notes":
+        if notes.device.type != "cuda":  # CPU: the values are there; other devices: read them as they come
+            return cls(notes, None)
+        values = notes.to("cpu", non_blocking=True)  # into pinned memory, behind the all-reduce on the stream
+        done = torch.cuda.Event()
+        done.record()
+        return cls(values, done)
+
+    def read(self) -> tuple[bool, bool]:
+        """(SIGTERM noted, requeue signal noted) on any rank. Waits for the copy only (a step ago on CUDA)."""
+        if self.done is not None:
+            self.done.synchronize()
+        term, requeue = self.values.tolist()
+        return bool(term), bool(requeue)
 
 
 @contextmanager

@@ -40,7 +40,7 @@ from lightning_hetero.grad.compression import GradientCompression
 from lightning_hetero.grad.compression_config import CompressionArg, parse_compression
 from lightning_hetero.grad.periodic import PeriodicSyncArg, periodic_runtime
 from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.weighting import WeightingState, loss_weight, weighted_allreduce_hook
+from lightning_hetero.grad.weighting import WeightingState, loss_weight, scaled, weighted_allreduce_hook
 from lightning_hetero.lab.link_pacing import PacedState, paced_hook
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
@@ -269,8 +269,8 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         if share is None or self.world_size == 1:
             return loss
         if self.weighting is not None:
-            return loss * self.weighting.loss_factor
-        return loss * loss_weight(share[0], share[1], self.world_size)
+            return scaled(loss, self.weighting.loss_factor)
+        return scaled(loss, loss_weight(share[0], share[1], self.world_size))
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
         # One host leaves periodic sync inactive: DDP then syncs every rank each step, and so may BatchNorm.

@@ -69,7 +69,7 @@ from lightning_hetero.grad.sharding import (
     set_gradient_sync,
     shard_module,
 )
-from lightning_hetero.grad.weighting import loss_weight
+from lightning_hetero.grad.weighting import loss_weight, scaled
 from lightning_hetero.plan.blocks import default_blocks, tied_parameters
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
@@ -398,7 +398,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         share = self.core.step.share
         if share is None or self.world_size == 1:
             return loss
-        return loss * loss_weight(share[0], share[1], self.world_size)
+        return scaled(loss, loss_weight(share[0], share[1], self.world_size))
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

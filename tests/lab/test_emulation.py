@@ -323,14 +323,36 @@ def test_bench_lab_tiny_cpu_run(tmp_path):
 
     rows = bench_lab.main(["--tiny", "--accelerator", "cpu", "--scenarios", "mix2", "--models", "gpt",
                            "--configs", "solo,ddp,hetero-explicit", "--warmup", "1", "--steps", "2",
-                           "--out", str(tmp_path)])
-    by_config = {r["config"]: r for r in rows}
-    assert set(by_config) == {"solo", "ddp", "hetero-explicit"}
+                           "--rounds", "2", "--out", str(tmp_path)])
+    assert [(r["round"], r["config"]) for r in rows] == [(0, "solo"), (0, "ddp"), (0, "hetero-explicit"),
+                                                        (1, "solo"), (1, "hetero-explicit"), (1, "ddp")]
+    by_config = {r["config"]: r for r in rows if r["round"] == 0}
     fast, slow = by_config["solo"]["solo_per_rank"]
     assert fast > 1.5 * slow  # rank 1 is emulated at a quarter of the speed
     hetero = by_config["hetero-explicit"]
     assert hetero["split"][0] > hetero["split"][1] and sum(hetero["split"]) == 8
     assert hetero["devices"][1].endswith("(emulated)")
     assert by_config["ddp"]["ratio_to_ideal"] > 0
+    # Every configuration's rank 1 ran under its emulation (the DDP baseline included); rank 0 is whole.
+    assert all(r["capped"] == [None, True] for r in rows), [(r["config"], r["capped"]) for r in rows]
     saved = json.loads((tmp_path / "bench_lab.json").read_text())
-    assert [r["config"] for r in saved["rows"]] == ["solo", "ddp", "hetero-explicit"]
+    assert [(s["config"], s["rounds"], s["unemulated_ranks"]) for s in saved["summary"]] == [
+        ("solo", 2, []), ("ddp", 2, []), ("hetero-explicit", 2, [])]
+    assert saved["summary"][2]["ratio_to_ddp"]["min"] <= saved["summary"][2]["ratio_to_ddp"]["max"]
+
+
+def test_bench_lab_emulation_check_names_a_rank_off_its_emulation():
+    import sys
+    from types import SimpleNamespace
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import bench_lab
+
+    green = SimpleNamespace(stream=SimpleNamespace(cuda_stream=7), device=SimpleNamespace(slowdown=1.0))
+    assert bench_lab.capped(SimpleNamespace(streams={7}), green) is True
+    assert bench_lab.capped(SimpleNamespace(streams={7, 1}), green) is False  # some steps on the default stream
+    assert bench_lab.capped(SimpleNamespace(streams={1}), None) is None  # no emulation asked for this rank
+    slowed = SimpleNamespace(stream=None, device=SimpleNamespace(slowdown=4.0), slept_seconds=2.0)
+    assert bench_lab.capped(SimpleNamespace(streams=set()), slowed, slept_before=2.0) is False  # nothing slept
+    assert bench_lab.capped(SimpleNamespace(streams=set()), slowed, slept_before=1.0) is True

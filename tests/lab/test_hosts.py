@@ -282,9 +282,13 @@ def test_bench_hosts_tiny_cpu_run(tmp_path):
     import bench_hosts
 
     rows = bench_hosts.main(["--tiny", "--accelerator", "cpu", "--layout", "1+1", "--models", "gpt", "--links", "10gbe",
-                             "--configs", "solo,ddp,auto", "--warmup", "1", "--steps", "3", "--out", str(tmp_path)])
+                             "--configs", "solo,ddp,auto,periodic", "--every", "2", "--warmup", "1", "--steps", "3",
+                             "--out", str(tmp_path)])
     by = {r["config"]: r for r in rows}
-    assert set(by) == {"solo", "ddp", "auto"} and not any("error" in r for r in rows), rows
+    assert set(by) == {"solo", "ddp", "auto", "periodic"} and not any("error" in r for r in rows), rows
+    # The workstation's rank ran under its emulation in every configuration; held-out losses after the same samples.
+    assert all(r["capped"] == [None, True] for r in rows), [(r["config"], r["capped"]) for r in rows]
+    assert by["periodic"]["held_out_vs_ddp"] is not None and by["ddp"]["held_out_vs_ddp"] == 0.0
     assert by["auto"]["hosts"] == {"server": [0], "ws": [1]}
     assert by["auto"]["compression"][0].startswith("auto: ") and "across" in by["auto"]["compression"][0]
     for config in ("ddp", "auto"):
@@ -292,4 +296,4 @@ def test_bench_hosts_tiny_cpu_run(tmp_path):
         assert all(loss == loss and loss > 0 for loss in by[config]["losses"])
         assert by[config]["fraction_of_ideal"] is not None and by[config]["ratio_to_ddp"] is not None
     saved = json.loads((tmp_path / "bench_hosts.json").read_text())
-    assert saved["layout"] == "1+1" and len(saved["rows"]) == 3
+    assert saved["layout"] == "1+1" and len(saved["rows"]) == 4

@@ -230,3 +230,59 @@ def test_the_launching_process_forwards_and_its_forked_ranks_do_not_inherit_it(m
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1.0)
     assert killed == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_with_several_ranks_the_stop_is_read_one_step_later(tmp_path):
+    """The notes are all-reduced after every optimizer step and read after the next one, so the host never waits for
+    the step it just queued (on CUDA a read of this step's notes would wait for the whole step)."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_hetero.resilience.preemption import Preempted, PreemptionHandler
+    from tests.helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    handler = PreemptionHandler()
+    trainer = _Trainer(LightningEnvironment(), str(tmp_path))
+    trainer.world_size = 2  # the agreement's path: a collective (over this one process's group)
+    handler.on_train_start(trainer, None)
+    try:
+        _steps(handler, trainer, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        _steps(handler, trainer, 1)  # the signal's step: its notes are queued, not read
+        with pytest.raises(Preempted):
+            _steps(handler, trainer, 1)
+    finally:
+        handler.uninstall()
+        dist.destroy_process_group()
+    assert trainer.global_step == 4 and trainer.saved == [os.path.join(str(tmp_path), "preempted.ckpt")]
+
+
+def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_handler_owns_sigterm(tmp_path):
+    """Lightning broadcasts its SIGTERM flag from the device before every batch and reads it back (a host wait for
+    the GPU per step); with its SIGTERM handler replaced the flag cannot be set, so the broadcast is skipped, and put
+    back when the handler is uninstalled."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_hetero.resilience.preemption import PreemptionHandler
+
+    calls = []
+
+    class EpochLoop:
+        def _broadcast_sigterm_tensor(self) -> None:
+            calls.append("broadcast")
+
+    trainer = _Trainer(LightningEnvironment(), str(tmp_path))
+    trainer.world_size = 2
+    trainer.fit_loop = SimpleNamespace(epoch_loop=EpochLoop())
+    handler = PreemptionHandler()
+    handler.on_train_start(trainer, None)
+    try:
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert calls == []
+    finally:
+        handler.teardown(trainer, None, "fit")
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == ["broadcast"]
