@@ -172,6 +172,10 @@ def run(config: str, args: argparse.Namespace) -> None:
 
     from bench_lab import _timer_class
 
+    if args.dump_every:  # where each rank is, every N s, on stderr (a configuration that runs past its limit)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_every, repeat=True)
     world = 2 if config == "fast2" else 4
     cfg = GPTConfig.tiny() if args.tiny else XL
     seed_everything(0, verbose=False)
@@ -231,6 +235,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--timeout", type=int, default=100, help="seconds per configuration")
+    p.add_argument("--dump-every", type=int, default=0, help="dump every rank's stack every N s (0: never)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -245,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             continue
         command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work,
                    "--accelerator", args.accelerator, "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (
+                   "--steps", str(args.steps), "--dump-every", str(args.dump_every)] + (["--tiny"] if args.tiny else []) + (
                    ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
         log_path = os.path.join(work, f"{config}.log")
         began = time.perf_counter()
@@ -262,6 +267,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             oom = "out of memory" in text.lower()
             row = {"config": config, "error": "does not fit (out of memory)" if oom else f"failed ({code})",
                    "tail": text[-600:]}
+            with open(os.path.join(args.out, f"{config}.log"), "w") as f:  # the whole log of a failed configuration
+                f.write(text)
         row["wall_s"] = round(time.perf_counter() - began, 1)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
