@@ -250,8 +250,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             continue
         command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work,
                    "--accelerator", args.accelerator, "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--dump-every", str(args.dump_every)] + (["--tiny"] if args.tiny else []) + (
-                   ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
+                   "--steps", str(args.steps), "--dump-every", str(args.dump_every)]
+        command += (["--tiny"] if args.tiny else []) + (
+            ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
         log_path = os.path.join(work, f"{config}.log")
         began = time.perf_counter()
         try:
