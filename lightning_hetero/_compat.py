@@ -264,3 +264,9 @@ def in_backward() -> bool:
     import torch
 
     return torch._C._current_graph_task_id() != -1
+
+
+
+# A hook on every tensor operation, to follow the bytes of CPU tensors as they are created (the memory plan's peak
+# where no caching allocator keeps one): torch exposes the dispatch mode under a private module only.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
