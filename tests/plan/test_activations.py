@@ -2,6 +2,7 @@
 real steps (CPU, a tiny GPT, two shares and two plans), where the counted estimate it replaces is far off; and the
 pieces it is built from (the line through two points, the sample counts, the live-bytes tracker)."""
 
+import os
 from contextlib import ExitStack
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from benchmarks.lm import GPTModule, RandomTokens
 from lightning_hetero import HeteroFSDPStrategy
 from lightning_hetero.plan.activations import LiveBytes, StepBytes, measure_step_bytes, measured_samples
 from lightning_hetero.plan.memory import estimate
+from tests.helpers import free_port
 
 CPU = torch.device("cpu")
 
@@ -85,6 +87,9 @@ class _Peak(pl.Callback):
 @pytest.mark.parametrize("share, mode", [(4, "keep"), (12, "checkpoint")])
 def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
     torch.manual_seed(0)
+    # The launcher leaves LOCAL_RANK, MASTER_PORT ... and Lightning a thread count behind: later tests get them back.
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    os.environ["MASTER_PORT"] = str(free_port())
     peak = _Peak()
     strategy = HeteroFSDPStrategy(memory=mode, global_batch_size=share)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, strategy=strategy, logger=False,
@@ -96,6 +101,9 @@ def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
     plan = strategy.memory_plan[0]
     assert plan.source == "live tensors" and plan.samples == share
     # Steps 2 and 3 hold AdamW's state (the first step's peak is lower: the state is made in its optimizer step).
