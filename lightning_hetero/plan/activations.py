@@ -61,14 +61,14 @@ class StepBytes:
 
 def measured_samples(share: int) -> tuple[int, ...]:
     """The sample counts a rank of ``share`` samples (a forward/backward's) measures: half of it and all of it, or 1
-    alone when its steps never hold more.
+    twice when its steps never hold more (every rank runs as many trials: they meet in the same collectives).
 
     Example::
 
         >>> measured_samples(7), measured_samples(2), measured_samples(1), measured_samples(0)
-        ((3, 7), (1, 2), (1,), (1,))
+        ((3, 7), (1, 2), (1, 1), (1, 1))
     """
-    return (share // 2, share) if share >= 2 else (1,)
+    return (share // 2, share) if share >= 2 else (1, 1)
 
 
 class LiveBytes(_compat.TorchDispatchMode):
@@ -144,10 +144,12 @@ def _peak_over_rest(device: torch.device, found: list[int]) -> Iterator[None]:
 def measure_step_bytes(run: Callable[[int], None], share: int, device: torch.device,
                        counts: Sequence[int] = ()) -> StepBytes:
     """Run ``run(samples)`` (a forward and backward of that many samples, leaving nothing behind) once at the first of
-    ``counts`` (default :func:`measured_samples` of ``share``), then at each, and fit :class:`StepBytes` to the peaks.
+    ``counts`` (two; default :func:`measured_samples` of ``share``), then at each, and fit :class:`StepBytes` to the peaks.
     The first run's peak also holds what a first step allocates once and keeps (kernel workspaces): it counts in
     ``fixed``, as it stays allocated under every later step."""
     counts = tuple(counts or measured_samples(share))
+    if len(counts) != 2:
+        raise ValueError(f"measure_step_bytes runs two measured trials (and a first one), got counts {counts}")
     peaks = []
     for samples in (counts[0],) + counts:
         found: list[int] = []
@@ -155,7 +157,7 @@ def measure_step_bytes(run: Callable[[int], None], share: int, device: torch.dev
             run(samples)
         peaks.append(found[0])
     source = SOURCES[0] if device.type == "cuda" else SOURCES[1]
-    if len(counts) == 1:
+    if counts[0] == counts[1]:
         return StepBytes.from_points({counts[0]: max(peaks)}, source)
     line = StepBytes.from_points(dict(zip(counts, peaks[1:])), source)
     first_fixed = peaks[0] - line.per_sample * counts[0]

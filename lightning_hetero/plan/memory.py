@@ -108,6 +108,11 @@ class MemoryPolicy:
             which no block checkpoint frees. It depends on the model (a large vocabulary keeps much outside).
         granularity: what ``"auto"`` chooses: ``"block"`` (how many blocks offload and recompute, filling each card
             to its budget) or ``"rank"`` (the first whole-rank mode that fits: keep, checkpoint, offload, both).
+        measure: before the first step, measure each rank's step (a trial forward and backward of its share and of
+            half of it, under its plan; see :mod:`lightning_hetero.plan.activations`) and check and report that
+            instead of the counted activations. ``False``: count (for a training step whose side effects a trial
+            would disturb: the trial restores parameters, gradients, buffers, random state and the modules' plain
+            attributes only).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
@@ -115,6 +120,7 @@ class MemoryPolicy:
     activation_bytes_per_sample: Optional[int] = None
     checkpointed_fraction: float = 0.5
     granularity: Granularity = "block"
+    measure: bool = True
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -127,6 +133,7 @@ class MemoryPolicy:
               "a number in [0, 1)")
         check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
               f"one of {get_args(Granularity)}")
+        check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")
@@ -290,8 +297,9 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     source = "formula"
     if step is not None:
         # What the step holds over its resting state. The gradients `shard` counts are the last step's: alive through
-        # the forward (Lightning frees them before the backward), when the peak is often reached.
-        gathered = max(step.fixed, micro_batch_gathered_bytes(footprint, pieces))
+        # the forward (Lightning frees them before the backward), when the peak is often reached. The trial ran one
+        # piece with its blocks gathered one at a time: micro-batches add the whole model held gathered (a bound).
+        gathered = step.fixed + micro_batch_gathered_bytes(footprint, pieces)
         per_sample, source = step.per_sample, step.source
     return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
                       piece_samples, budget, offload, checkpoint, n, pieces, source)

@@ -278,6 +278,8 @@ def run_rank(job: RankJob) -> RankResult:
             memory_plan = getattr(strategy, "memory_plan", None)
             result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
             result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
+            result.blocks = memory_plan[job.rank].blocks if memory_plan else None
+            result.estimate_source = memory_plan[job.rank].source if memory_plan else None
             result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
         else:
             result.global_batch = (result.batch or 0) * world

@@ -383,8 +383,13 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         """Every rank's step bytes, measured by trial forward/backward passes under its plan (a collective: every
         rank runs the same trials); ``None`` (the plan counts them) where no rank can build a sample batch."""
         module = self.lightning_module
-        why = "manual optimization (the training step runs its own backward)" if not module.automatic_optimization \
-            else ""
+        why = ""
+        if not self.memory_policy.measure:
+            why = "`memory.measure` is off"
+        elif self.memory_policy.activation_bytes_per_sample is not None:
+            why = "`memory.activation_bytes_per_sample` is given"
+        elif not module.automatic_optimization:
+            why = "manual optimization (the training step runs its own backward)"
         batches, no_batches = sample_batches(module.trainer.train_dataloader) if not why else (None, why)
         if batches is None:
             rank_zero_info(f"memory plan: counted, not measured: {no_batches}.")

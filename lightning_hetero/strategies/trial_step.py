@@ -2,11 +2,15 @@
 memory plan measures what a step of its rank holds (:mod:`lightning_hetero.plan.activations`) with it.
 
 What it leaves untouched: the parameters (no optimizer step), their gradients (set back to ``None``), the buffers
-(BatchNorm's running statistics restored), every random generator (forked), what the step logs (``log`` is silenced)
-and the loaders (samples are read from the map-style dataset by index, no iterator is started). Every rank runs the
+(BatchNorm's running statistics restored), the modules' plain attributes (numbers, strings, flags: a step counter
+kept on the module) and the contents of their lists, dicts and sets (a record the step appends to), every random
+generator (forked), what the step logs (``log`` is silenced) and the loaders (samples are read from the map-style
+dataset by index, no iterator is started). Other Python state a training step changes (an object it mutates) is not
+restored: ``MemoryPolicy(measure=False)`` counts instead of measuring. Every rank runs the
 same trials, so the collectives (FSDP's all-gathers and reduce-scatters) match across ranks.
 """
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
@@ -34,6 +38,11 @@ def sample_batches(loader: Any) -> tuple[Optional[Callable[[int], Any]], str]:
 @contextmanager
 def _as_it_was(module: nn.Module, device: torch.device) -> Iterator[None]:
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    plain = [(m, {k: v for k, v in vars(m).items() if isinstance(v, (int, float, str, bool, type(None)))})
+             for m in module.modules()]
+    # Containers keep their identity (something else may hold them): their contents are put back in place.
+    containers = [(v, copy.copy(v)) for m in module.modules() for v in vars(m).values()
+                  if type(v) in (list, dict, set)]
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         # A step that logs would log outside Lightning's loop: the trial's values are not the job's.
@@ -44,6 +53,11 @@ def _as_it_was(module: nn.Module, device: torch.device) -> Iterator[None]:
             yield
         finally:
             module.zero_grad(set_to_none=True)
+            for m, attributes in plain:
+                m.__dict__.update(attributes)
+            for container, contents in containers:
+                container.clear()
+                (container.update if isinstance(container, (dict, set)) else container.extend)(contents)
             with torch.no_grad():
                 for name, b in module.named_buffers():
                     if name in buffers:
