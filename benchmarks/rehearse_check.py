@@ -149,13 +149,15 @@ if __name__ == "__main__":
                                        "'hetero_ddp') or Lightning's ('ddp', 'fsdp'); default: --strategy's")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu",
                         help="with --real-gpus: 'cpu' runs the same paths on CPU (gloo), to exercise them")
+    parser.add_argument("--timeout", type=float, default=400.0,
+                        help="with --real-gpus: seconds one launch of a run's ranks may take")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.real_gpus:
         from benchmarks.rehearse_real import real_check
 
         runs = args.runs.split(",") if args.runs else [args.strategy or "hetero_fsdp"]
-        checked = real_check(args.model, args.lab, runs, args.steps, args.out, accelerator=args.accelerator)
+        checked = real_check(args.model, args.lab, runs, args.steps, args.out, args.timeout, args.accelerator)
         raise SystemExit(1 if checked["disagreements"] else 0)
     report = honesty_check(args.model, args.lab, args.steps, args.out, args.strategy)
     raise SystemExit(1 if report["check"]["disagreements"] else 0)

@@ -59,16 +59,18 @@ class StepBytes:
         return cls(max(0, points[low] - per_sample * low), per_sample, source, tuple(counts))
 
 
-def measured_samples(share: int) -> tuple[int, ...]:
-    """The sample counts a rank of ``share`` samples (a forward/backward's) measures: half of it and all of it, or 1
-    twice when its steps never hold more (every rank runs as many trials: they meet in the same collectives).
+def measured_samples(share: int, least: int = 1) -> tuple[int, int]:
+    """The sample counts a rank of ``share`` samples (a forward/backward's) measures: half of it and all of it, or one
+    count twice when its steps never hold more (every rank runs as many trials: they meet in the same collectives).
+    No trial has fewer than ``least`` samples (2 where BatchNorm layers train: one sample has no batch statistics).
 
     Example::
 
-        >>> measured_samples(7), measured_samples(2), measured_samples(1), measured_samples(0)
-        ((3, 7), (1, 2), (1, 1), (1, 1))
+        >>> measured_samples(7), measured_samples(2), measured_samples(1), measured_samples(0), measured_samples(3, 2)
+        ((3, 7), (1, 2), (1, 1), (1, 1), (2, 3))
     """
-    return (share // 2, share) if share >= 2 else (1, 1)
+    low, high = max(least, share // 2), max(least, share, 1)
+    return (low, high) if low < high else (high, high)
 
 
 class LiveBytes(_compat.TorchDispatchMode):
@@ -141,13 +143,14 @@ def _peak_over_rest(device: torch.device, found: list[int]) -> Iterator[None]:
         found.append(live.peak)
 
 
-def measure_step_bytes(run: Callable[[int], None], share: int, device: torch.device,
-                       counts: Sequence[int] = ()) -> StepBytes:
+def measure_step_bytes(run: Callable[[int], None], share: int, device: torch.device, counts: Sequence[int] = (),
+                       least: int = 1) -> StepBytes:
     """Run ``run(samples)`` (a forward and backward of that many samples, leaving nothing behind) once at the first of
-    ``counts`` (two; default :func:`measured_samples` of ``share``), then at each, and fit :class:`StepBytes` to the peaks.
-    The first run's peak also holds what a first step allocates once and keeps (kernel workspaces): it counts in
-    ``fixed``, as it stays allocated under every later step."""
-    counts = tuple(counts or measured_samples(share))
+    ``counts`` (two; default :func:`measured_samples` of ``share`` and ``least``), then at each, and fit
+    :class:`StepBytes` to the peaks. The first run's peak also holds what a first step allocates once and keeps
+    (kernel workspaces): it counts in ``fixed``, as it stays allocated under every later step. One count above the
+    share (``least`` forced it) is taken as fixed: an upper bound at the share."""
+    counts = tuple(counts or measured_samples(share, least))
     if len(counts) != 2:
         raise ValueError(f"measure_step_bytes runs two measured trials (and a first one), got counts {counts}")
     peaks = []
@@ -158,6 +161,8 @@ def measure_step_bytes(run: Callable[[int], None], share: int, device: torch.dev
         peaks.append(found[0])
     source = SOURCES[0] if device.type == "cuda" else SOURCES[1]
     if counts[0] == counts[1]:
+        if counts[0] > max(share, 1):
+            return StepBytes(max(peaks), 0, source, counts[:1])
         return StepBytes.from_points({counts[0]: max(peaks)}, source)
     line = StepBytes.from_points(dict(zip(counts, peaks[1:])), source)
     first_fixed = peaks[0] - line.per_sample * counts[0]

@@ -401,8 +401,11 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
 
         # A rank that splits its share measures one micro-batch, as its forward/backward runs it.
         limits = self._micro_limits()
+        # BatchNorm layers that train need two samples (torch refuses one) and the synced layer
+        # synchronises only inside a step.
+        batch_norm = any(isinstance(m, _compat.BatchNormBase) and m.training for m in module.modules())
         step = measure_step_bytes(run, micro_batches(share, limits[self.global_rank] if limits else None)[1],
-                                  self.root_device)
+                                  self.root_device, least=2 if batch_norm else 1)
         if self.world_size == 1:
             return [step]
         gathered: list[Optional[StepBytes]] = [None] * self.world_size

@@ -31,6 +31,8 @@ def test_line_through_two_points_and_one_point():
 def test_measured_samples_are_the_top_of_the_range():
     # Always two (and a first run): every rank runs as many trials, as they meet in the same collectives.
     assert [measured_samples(s) for s in (0, 1, 2, 3, 7, 12)] == [(1, 1), (1, 1), (1, 2), (1, 3), (3, 7), (6, 12)]
+    # No trial under `least` samples (BatchNorm layers that train need two).
+    assert [measured_samples(s, least=2) for s in (1, 2, 3, 5)] == [(2, 2), (2, 2), (2, 3), (2, 5)]
 
 
 def test_live_bytes_follow_creation_free_and_resize():
