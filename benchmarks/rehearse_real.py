@@ -169,9 +169,10 @@ def real_check(config: str, lab_text: str, runs: Sequence[str], steps: int = 5, 
             summary["real"] = [asdict(r) for r in real]
             results["runs"].append(summary)
             results["disagreements"] += differs
+            # Written after every run: a check cut short by a time limit keeps what it measured.
+            with open(os.path.join(out_dir, "real_check.json"), "w") as f:
+                json.dump(results, f, indent=2)
             print(f"  {run.name}: rehearsed and run ({len(differs)} misses)", flush=True)
-    with open(os.path.join(out_dir, "real_check.json"), "w") as f:
-        json.dump(results, f, indent=2)
     print(format_real_check(results))
     return results
 
