@@ -6,7 +6,9 @@ at once, to save time: each rank is still one process on one GPU) and then run f
 rank emulated as its card by its own process). Per rank: the rehearsed peak against the real one, the memory plan's
 estimate (made before the first step) against the real peak, and the rank's emulation at work (a fixed workload timed
 under it: across ranks the times go as the inverse of the emulated speeds, a rank left unemulated stands out). Per
-run: the predicted step (overlap modelled) and its no-overlap bound against the real step (the slowest rank's).
+run: the predicted step (overlap modelled) and its no-overlap bound against the real step (the slowest rank's), with
+the link class's table bandwidth and again with the link measured first on these GPUs under the emulator's NCCL
+settings (``benchmarks/link_rank.py``: all-gathers and reduce-scatters of 1 MiB and 128 MiB).
 
     python benchmarks/rehearse_check.py --model configs/rehearse_gpt_check.yaml \\
         --lab "A100-80GB,RTX3090,RTX3090,A100-40GB" --real-gpus \\
@@ -15,6 +17,8 @@ run: the predicted step (overlap modelled) and its no-overlap bound against the 
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -73,6 +77,47 @@ def run_jobs(config: str, lab: list[Any], run: Run, mode: str, steps: int, scrat
     return launch_ranks(jobs, timeout, log)
 
 
+def measure_link(world: int, link: str, scratch: str, timeout: float) -> Optional[dict[str, Any]]:
+    """The lab's link measured on this machine's first ``world`` GPUs (rank r on GPU r): GB/s and seconds per ring
+    hop fitted to all-gathers of two sizes (reduce-scatters beside them), or ``None`` if the measurement failed."""
+    from benchmarks.link_rank import SIZES
+
+    port = str(free_port())
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "link_rank.py")
+    outs = [os.path.join(scratch, f"link{r}.json") for r in range(world)]
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    processes = [subprocess.Popen([sys.executable, script, str(r), str(world), port, link, outs[r]],
+                                  env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible[r] if r < len(visible) else str(r)),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(world)]
+    try:
+        for process in processes:
+            process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for process in processes:
+            process.kill()
+    if not all(os.path.exists(o) for o in outs):
+        return None
+    with open(outs[0]) as f:
+        seconds = json.load(f)["seconds"]
+    small, large = SIZES
+    ring = (world - 1) / world
+    fitted: dict[str, Any] = {"seconds": seconds}
+    for kind in ("all_gather", "reduce_scatter"):
+        t_small, t_large = seconds.get(f"{kind}:{small}"), seconds.get(f"{kind}:{large}")
+        if t_small is None or t_large is None or t_large <= t_small:
+            continue
+        gbytes = ring * (large - small) / (t_large - t_small) / 1e9
+        fitted[kind] = (gbytes, max(0.0, (t_small - ring * small / (gbytes * 1e9)) / max(1, world - 1)))
+    if "all_gather" not in fitted:
+        return None
+    # One figure for the model's collectives: the slower of the two kinds measured.
+    fitted["gbytes_per_s"], fitted["latency_s"] = min((fitted[k] for k in ("all_gather", "reduce_scatter")
+                                                       if k in fitted), key=lambda pair: pair[0])
+    return fitted
+
+
 def emulation_rows(results: Sequence[RankResult]) -> list[dict[str, Any]]:
     """Each rank's workload time under its emulation, against rank 0's scaled by the emulated speeds."""
     base = results[0] if results else None
@@ -92,8 +137,8 @@ def _relative(value: Optional[float], reference: Optional[float]) -> Optional[fl
     return None if not value or not reference else value / reference - 1.0
 
 
-def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], prediction: dict[str, Any]
-                ) -> tuple[dict[str, Any], list[str]]:
+def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], prediction: dict[str, Any],
+                measured: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], list[str]]:
     """One run's rows (per rank) and summary, and each miss of the bars in words."""
     differs: list[str] = []
     emulation = emulation_rows(real)
@@ -124,11 +169,14 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
                            f"{e['expected_ratio']:.2f}x from the emulated speeds")
     real_step = max((r.step_time for r in real if r.step_time), default=None)
     predicted = next(iter(prediction.get("strategies", {}).values()), None)
+    with_link = next(iter((measured or {}).get("strategies", {}).values()), None)
     summary = {"run": run.name, "ranks": ranks, "real_step_seconds": real_step,
                "predicted_step_seconds": predicted["step_seconds"] if predicted else None,
                "no_overlap_step_seconds": predicted["no_overlap_step_seconds"] if predicted else None,
+               "measured_link_step_seconds": with_link["step_seconds"] if with_link else None,
                "compute_seconds": predicted["compute_seconds"] if predicted else None}
     summary["step_error"] = _relative(summary["predicted_step_seconds"], real_step)
+    summary["measured_link_step_error"] = _relative(summary["measured_link_step_seconds"], real_step)
     if summary["step_error"] is not None and abs(summary["step_error"]) > STEP_AGREEMENT:
         differs.append(f"{run.name}: predicted step {summary['predicted_step_seconds'] * 1e3:.1f} ms vs real "
                        f"{real_step * 1e3:.1f} ms ({summary['step_error']:+.1%})")
@@ -150,21 +198,19 @@ def real_check(config: str, lab_text: str, runs: Sequence[str], steps: int = 5, 
     ours_rehearsed: list[RankResult] = []
     with tempfile.TemporaryDirectory(prefix="hetero-real-check-") as scratch, \
             open(os.path.join(out_dir, "real.log"), "w") as log:
+        link_measured = measure_link(len(lab), link, scratch, timeout)
+        results["measured_link"] = link_measured
+        pair = (link_measured["gbytes_per_s"], link_measured["latency_s"]) if link_measured else None
+        print(f"  link {link}: " + (f"{pair[0]:.1f} GB/s, {pair[1] * 1e6:.0f} us a hop (measured)" if pair else
+                                   "not measured"), flush=True)
         for run in parsed:
             rehearsed_mode, real_mode = run.modes()
             rehearsed = run_jobs(config, lab, run, rehearsed_mode, steps, scratch, accelerator, timeout, log)
             real = run_jobs(config, lab, run, real_mode, steps, scratch, accelerator, timeout, log)
-            if run.strategy is not None:
-                ours_rehearsed = ours_rehearsed or rehearsed
-                prediction = predict(rehearsed, [], [], run.strategy, link)
-            else:
-                # Lightning's step is predicted from its own rehearsed ranks (ours gives each card's rate).
-                base = ours_rehearsed or rehearsed
-                prediction = predict(base, *((rehearsed, []) if run.name == "ddp" else ([], rehearsed)),
-                                     run.strategy or "", link)
-                prediction["strategies"] = {k: v for k, v in prediction.get("strategies", {}).items()
-                                            if k == run.name}
-            summary, differs = compare_run(run, rehearsed, real, prediction)
+            ours_rehearsed = ours_rehearsed or (rehearsed if run.strategy is not None else [])
+            prediction, measured = (predicted_step(run, rehearsed, ours_rehearsed, link, measured_link)
+                                    for measured_link in (None, pair))
+            summary, differs = compare_run(run, rehearsed, real, prediction, measured if pair else None)
             summary["rehearsed"] = [asdict(r) for r in rehearsed]
             summary["real"] = [asdict(r) for r in real]
             results["runs"].append(summary)
@@ -175,6 +221,19 @@ def real_check(config: str, lab_text: str, runs: Sequence[str], steps: int = 5, 
             print(f"  {run.name}: rehearsed and run ({len(differs)} misses)", flush=True)
     print(format_real_check(results))
     return results
+
+
+def predicted_step(run: Run, rehearsed: list[RankResult], ours: list[RankResult], link: str,
+                   measured_link: Optional[tuple[float, float]]) -> dict[str, Any]:
+    """The rehearsal's prediction for ``run`` alone (Lightning's from its own rehearsed ranks, ours giving each card's
+    rate)."""
+    if run.strategy is not None:
+        return predict(rehearsed, [], [], run.strategy, link, measured_link)
+    base = ours or rehearsed
+    prediction = predict(base, *((rehearsed, []) if run.name == "ddp" else ([], rehearsed)), "", link,
+                         measured_link)
+    prediction["strategies"] = {k: v for k, v in prediction.get("strategies", {}).items() if k == run.name}
+    return prediction
 
 
 def format_real_check(results: dict[str, Any]) -> str:
@@ -197,11 +256,17 @@ def format_real_check(results: dict[str, Any]) -> str:
                          f"{gib(peaks[0])}/{gib(peaks[1])}", pct(row["peak_error"]),
                          f"{gib(row['estimate_bytes'])} ({row['estimate_source'] or '-'})"
                          if row["estimate_bytes"] else "-", pct(row["estimate_error"]), probe))
-    steps = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err")]
+    steps = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err",
+              "with link measured ms", "err")]
     for run in results["runs"]:
         compute = "/".join(ms(c) for c in run["compute_seconds"] or [])
         steps.append((run["run"], compute or "-", ms(run["predicted_step_seconds"]),
-                      ms(run["no_overlap_step_seconds"]), ms(run["real_step_seconds"]), pct(run["step_error"])))
+                      ms(run["no_overlap_step_seconds"]), ms(run["real_step_seconds"]), pct(run["step_error"]),
+                      ms(run["measured_link_step_seconds"]), pct(run["measured_link_step_error"])))
+    link = results.get("measured_link")
+    if link:
+        steps.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
+                      "", "", "", "", ""))
     lines = [f"Rehearsed vs really run, one GPU per card (link {results['link']}); peaks "
              "torch.cuda.max_memory_allocated; estimate: the memory plan's, made before the first step"]
     lines += aligned(rows) + [""] + aligned(steps)

@@ -1,7 +1,7 @@
 """The job's step time, throughput and ratio to the sum of the cards' solo rates, predicted from the rehearsed ranks."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.rehearse.job import RankResult
@@ -28,16 +28,18 @@ FORWARD_FRACTION = 1 / 3
 
 
 def step_seconds(mode: str, compute: Sequence[float], blocks: int, param_bytes: int, compute_bytes: int,
-                 link: str) -> tuple[float, float, float]:
+                 link: str, measured_link: Optional[tuple[float, float]] = None) -> tuple[float, float, float]:
     """The step (overlap modelled, see :mod:`lightning_hetero.rehearse.timeline`), its no-overlap bound, and its
     communication time, from each rank's measured compute time (the rehearsed step, collectives stood in for).
 
     Replicas (DDP): the gradients (``param_bytes``) all-reduced in 25 MiB buckets through the backward. Sharded
     (FSDP, ours and Lightning's): each of ``blocks`` equal blocks all-gathered (compute dtype) before its forward and
     its backward, its gradients reduce-scattered (the same dtype: both strategies reduce in the compute dtype) after
-    its backward. Each rank's compute is spread evenly over the blocks, a third forward.
+    its backward. Each rank's compute is spread evenly over the blocks, a third forward. ``measured_link``: (GB/s,
+    seconds per hop) measured on the lab's link, in place of the link class's figures.
     """
-    world, gbytes, latency = len(compute), LINK_GBYTES[link], LINK_LATENCY_S[link]
+    world = len(compute)
+    gbytes, latency = measured_link or (LINK_GBYTES[link], LINK_LATENCY_S[link])
     forward = [[t * FORWARD_FRACTION / blocks] * blocks for t in compute]
     backward = [[t * (1 - FORWARD_FRACTION) / blocks] * blocks for t in compute]
     if mode in ("hetero_ddp", "ddp"):
@@ -54,18 +56,21 @@ def step_seconds(mode: str, compute: Sequence[float], blocks: int, param_bytes: 
 
 
 def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Sequence[RankResult], strategy: str,
-            link: str) -> dict[str, Any]:
+            link: str, measured_link: Optional[tuple[float, float]] = None) -> dict[str, Any]:
     """Step time, throughput and ratio to Σ solo of ours vs DDP vs FSDP, from the rehearsed step times.
 
     Each strategy's compute time on a card is that rank's own measured step time; a rank that did not run (out of
     memory) is extrapolated from our rank's rate on that card, linearly in the batch, and listed in ``estimated``.
     A card's solo rate is its best measured samples/s over the rehearsed runs. Under ``capacities`` "profile" or
     "auto" (measured at the start of a real run, which a rank alone cannot) our batches are the split of the measured
-    rates (``profiled_split``), each rank's compute its measured rate at that batch.
+    rates (``profiled_split``), each rank's compute its measured rate at that batch. ``measured_link``: the link's
+    (GB/s, seconds per hop) measured, in place of the link class's table.
     """
     rates = [r.batch / r.step_time if r.ok and r.batch and r.step_time else None for r in hetero]
     base = next((r for r in hetero if r.ok), None)
-    out: dict[str, Any] = {"link": link, "link_gbytes_per_s": LINK_GBYTES[link], "rates": rates, "strategies": {}}
+    gbytes = measured_link[0] if measured_link else LINK_GBYTES[link]
+    out: dict[str, Any] = {"link": link, "link_gbytes_per_s": gbytes, "link_measured": measured_link is not None,
+                           "rates": rates, "strategies": {}}
     if base is None or any(rate is None for rate in rates):
         return out
     world = len(hetero)
@@ -91,7 +96,7 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
                     if r.ok and r.step_time and (name != ours or r.batch == batches[r.rank])}
         compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
         step, bound, comm = step_seconds(name, compute, base.blocks or 1, base.param_bytes or 0,
-                                         base.compute_bytes or 0, link)
+                                         base.compute_bytes or 0, link, measured_link)
         out["strategies"][name] = {
             "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,
             "estimated": [i for i in range(world) if i not in measured],
