@@ -1,6 +1,6 @@
 """What one training step adds to a rank's device memory, measured before training: a forward and backward of the
-rank's share and of half of it, as the rank will run them (its precision, its blocks' checkpoint and offload choices, FSDP's gathered and
-prefetched blocks, the logits and the loss), each measured as the peak over the resting state.
+rank's share and of half of it, as the rank will run them (its precision, its blocks' checkpoint and offload choices,
+FSDP's gathered and prefetched blocks, the logits and the loss), each measured as the peak over the resting state.
 
 A step's peak is linear in its samples: ``fixed + per_sample × b``. ``fixed`` is what a step holds whatever its
 batch (gathered blocks, their casts, the new gradient shards, kernel workspaces); ``per_sample`` is one sample's

@@ -276,9 +276,9 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all.
     ``micro_limit``: the rank's samples per forward/backward (``data.micro_batch``); a share above it runs as several
     micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations.
-    ``step``: the rank's step bytes measured under ``mode`` (:func:`~lightning_hetero.plan.activations.measure_step_bytes`):
-    they replace the counted activations, and the gathered blocks and new gradient shards with what the step holds
-    whatever its batch."""
+    ``step``: the rank's step bytes measured under ``mode``
+    (:func:`~lightning_hetero.plan.activations.measure_step_bytes`): they replace the counted activations, and the
+    gathered blocks with what the step holds whatever its batch."""
     counts = parse_rule(mode)
     n = footprint.blocks
     offload = n if counts.offload is None else counts.offload
