@@ -40,9 +40,10 @@ def _as_it_was(module: nn.Module, device: torch.device) -> Iterator[None]:
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     plain = [(m, {k: v for k, v in vars(m).items() if isinstance(v, (int, float, str, bool, type(None)))})
              for m in module.modules()]
-    # Containers keep their identity (something else may hold them): their contents are put back in place.
-    containers = [(v, copy.copy(v)) for m in module.modules() for v in vars(m).values()
-                  if type(v) in (list, dict, set)]
+    # Containers keep their identity (something else may hold them): their contents are put back in place. The
+    # module's own (underscored: parameters, hooks, FSDP's state) are left to their owners.
+    containers = [(v, copy.copy(v)) for m in module.modules() for k, v in vars(m).items()
+                  if type(v) in (list, dict, set) and not k.startswith("_")]
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         # A step that logs would log outside Lightning's loop: the trial's values are not the job's.
