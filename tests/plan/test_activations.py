@@ -116,3 +116,19 @@ def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
     counted = estimate(strategy._footprint, mode, strategy.lab.devices[0], 1, share, 0, plan.budget)
     assert counted.source == "formula"
     assert abs(counted.needed - steady) > 0.10 * steady
+
+
+def test_a_measured_plan_near_its_budget_says_so():
+    from lightning_hetero.lab.devices import DeviceInfo
+    from lightning_hetero.plan.memory import ModelFootprint
+
+    footprint = ModelFootprint(parameter_bytes=4000, largest_block_bytes=1000, blocks=4, optimizer_slots=2)
+    device = DeviceInfo(rank=0, host="h", type="cuda", name="card", capability=(8, 0), memory_bytes=10**6,
+                        multiprocessors=108)
+    step = StepBytes(fixed=2000, per_sample=1000, source="allocator", samples=(2, 4))
+    plan = estimate(footprint, "keep", device, 1, 4, 0, budget=10**6, step=step)
+    # Parameters and gradients 8000, AdamW 8000, the measured step at 4 samples 6000.
+    assert (plan.needed, plan.source, plan.near_budget) == (22000, "allocator", False)
+    tight = estimate(footprint, "keep", device, 1, 4, 0, budget=22100, step=step)
+    assert tight.fits and tight.near_budget and "within 2 % of its budget" in tight.describe()
+    assert not estimate(footprint, "keep", device, 1, 4, 0, budget=21000, step=step).fits
