@@ -3,7 +3,8 @@ memory plan measures what a step of its rank holds (:mod:`lightning_hetero.plan.
 
 What it leaves untouched: the parameters (no optimizer step), their gradients (set back to ``None``), the buffers
 (BatchNorm's running statistics restored), the modules' plain attributes (numbers, strings, flags: a step counter
-kept on the module) and the contents of their lists, dicts and sets (a record the step appends to), every random
+kept on the module), their tensor attributes (a torchmetrics metric's state) and the contents of their lists, dicts
+and sets (a record the step appends to), every random
 generator (forked), what the step logs (``log`` is silenced) and the loaders (samples are read from the map-style
 dataset by index, no iterator is started). Other Python state a training step changes (an object it mutates) is not
 restored: ``MemoryPolicy(measure=False)`` counts instead of measuring. Every rank runs the
@@ -38,8 +39,8 @@ def sample_batches(loader: Any) -> tuple[Optional[Callable[[int], Any]], str]:
 @contextmanager
 def _as_it_was(module: nn.Module, device: torch.device) -> Iterator[None]:
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    plain = [(m, {k: v for k, v in vars(m).items() if isinstance(v, (int, float, str, bool, type(None)))})
-             for m in module.modules()]
+    plain = [(m, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in vars(m).items()
+                  if isinstance(v, (int, float, str, bool, type(None), torch.Tensor))}) for m in module.modules()]
     # Containers keep their identity (something else may hold them): their contents are put back in place. The
     # module's own (underscored: parameters, hooks, FSDP's state) are left to their owners.
     containers = [(v, copy.copy(v)) for m in module.modules() for k, v in vars(m).items()
