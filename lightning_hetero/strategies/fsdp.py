@@ -358,11 +358,17 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
         samples = list(sampler.split_at(0, sampler.global_batch_len(0)))
+        steps = self._measure_steps(samples[self.global_rank])
         try:
-            self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(),
-                                                 self._measure_steps(samples[self.global_rank]))
+            self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
         except MemoryFitError as err:
             unknown = []
+            if steps is not None and any(rule == "auto" for _, rule in self.memory_policy.rank_rules.rules):
+                # "auto" chose its blocks when the model was sharded, before the step could be measured: with the
+                # measured bytes per sample given, it plans with them there.
+                most = max(s.per_sample for s in steps if s is not None)
+                unknown.append(f"give `memory.activation_bytes_per_sample` >= {most} (the most a sample measured "
+                               "here) so that `auto` plans with it when the model is sharded")
             if self.plan.global_batch_size is None:
                 unknown.append("give `global_batch_size` so that it counts each rank's activations")
             if self.core.loaders.micro_batch == "auto":
@@ -370,8 +376,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             if not unknown:
                 raise
             # The model was sharded before the loader existed: its plan could not count what only the loader knows.
-            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares and memory caps were "
-                                 f"known: {'; '.join(unknown)}.") from None
+            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares, memory caps and "
+                                 f"step bytes were known: {'; '.join(unknown)}.") from None
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
         near = [p for p in self.memory_plan if p.near_budget]
         if near and self.global_rank == 0:

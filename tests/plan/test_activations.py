@@ -87,17 +87,14 @@ class _Peak(pl.Callback):
         self.stack.close()
 
 
-@pytest.mark.parametrize("share, mode", [(4, "keep"), (12, "checkpoint")])
-def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
-    torch.manual_seed(0)
+def _fit_one_rank(strategy: HeteroFSDPStrategy, share: int, callbacks: list) -> None:
+    """Three steps of a tiny GPT on one CPU rank under ``strategy``, the process as it was afterwards."""
     # The launcher leaves LOCAL_RANK, MASTER_PORT ... and Lightning a thread count behind: later tests get them back.
     environ, threads = dict(os.environ), torch.get_num_threads()
     os.environ["MASTER_PORT"] = str(free_port())
-    peak = _Peak()
-    strategy = HeteroFSDPStrategy(memory=mode, global_batch_size=share)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, strategy=strategy, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[peak])
+                         callbacks=callbacks)
     try:
         trainer.fit(GPTModule(vocab=512, seq=64, width=64, layers=3, heads=2),
                     RandomTokens(batch_size=share, seq=64, vocab=512, samples=64))
@@ -107,6 +104,14 @@ def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("share, mode", [(4, "keep"), (12, "checkpoint")])
+def test_the_measured_estimate_is_within_ten_percent_of_the_peak(share, mode):
+    torch.manual_seed(0)
+    peak = _Peak()
+    strategy = HeteroFSDPStrategy(memory=mode, global_batch_size=share)
+    _fit_one_rank(strategy, share, [peak])
     plan = strategy.memory_plan[0]
     assert plan.source == "live tensors" and plan.samples == share
     # Steps 2 and 3 hold AdamW's state (the first step's peak is lower: the state is made in its optimizer step).
@@ -132,3 +137,21 @@ def test_a_measured_plan_near_its_budget_says_so():
     tight = estimate(footprint, "keep", device, 1, 4, 0, budget=22100, step=step)
     assert tight.fits and tight.near_budget and "within 2 % of its budget" in tight.describe()
     assert not estimate(footprint, "keep", device, 1, 4, 0, budget=21000, step=step).fits
+
+
+def test_an_auto_plan_the_measurement_finds_short_fails_before_the_first_step_naming_the_bytes():
+    """The setup plan counts no activations (none given) and fits; the measured step does not: the job stops before
+    its first step and says what to give `activation_bytes_per_sample`."""
+    from lightning_hetero import MemoryPolicy
+    from lightning_hetero.plan.memory import MemoryFitError
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # A budget of 10 MB: the counted plan (about 4 MB) fits it, the measured step at 12 samples (about 18 MB) not.
+    policy = MemoryPolicy(rules={"*": "auto"}, headroom=1 - 10e6 / memory)
+    strategy = HeteroFSDPStrategy(memory=policy, global_batch_size=12)
+    with pytest.raises(Exception) as err:
+        _fit_one_rank(strategy, 12, [])
+    message = "".join(str(e) for e in (err.value, err.value.__cause__) if e is not None)
+    assert isinstance(err.value, MemoryFitError) or "MemoryFitError" in message, message
+    assert "measured: live tensors" in message and "give `memory.activation_bytes_per_sample` >= " in message
+    assert strategy.lightning_module.trainer.global_step == 0
