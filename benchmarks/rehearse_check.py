@@ -2,7 +2,8 @@
 
     python benchmarks/rehearse_check.py --model configs/rehearse_gpt_check.yaml --lab "A100-40GB,RTX3090" --out DIR
     python benchmarks/rehearse_check.py --model configs/rehearse_gpt.yaml --lab "A100-80GB,RTX3090" \
-        --strategy hetero_fsdp --real-gpus --out DIR   # against the lab really run, one GPU per card (NCCL)
+        --real-gpus --runs hetero_fsdp:keep,hetero_fsdp:offload,hetero_ddp,ddp,fsdp --out DIR
+        # against the lab really run, one GPU per card (NCCL): benchmarks/rehearse_real.py
 
 Rehearses the lab one rank at a time, then runs the same ranks together on this device and each card alone, and
 prints rehearsed vs measured (plan, split, peak memory, step time); ``DIR/check.json`` holds every figure. The
@@ -134,72 +135,6 @@ def format_check(check: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def real_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "rehearsal-check",
-               strategy: Optional[str] = None, timeout: float = 900.0) -> dict[str, Any]:
-    """Rehearse ``lab_text`` on this machine's first GPU, then run the same lab for real, rank ``r`` alone on GPU
-    ``r`` (its own process group: NCCL; each rank emulated as its card, as ``emulate=`` does): the rehearsed peak
-    against the real one per rank, with the peak before the first step and after each step on both sides, so that a
-    difference shows where it arises. Needs as many GPUs as the lab has cards."""
-    report = rehearse(config, lab_text, strategy, steps=steps, out_dir=out_dir, baselines=False, timeout=timeout)
-    lab = report["lab"]
-    rehearsed = [RankResult(**r) for r in report["hetero"]]
-    chosen = entry(strategy).class_path if strategy else None
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="hetero-real-check-") as scratch, \
-            open(os.path.join(out_dir, "real.log"), "w") as log:
-        real = launch_ranks([RankJob(config, "real", r, lab, steps, os.path.join(scratch, f"real-rank{r}.json"),
-                                     chosen, "gpu", port=port) for r in range(len(lab))], timeout, log)
-    rows, disagreements = [], []
-    for r, real_rank in enumerate(real):
-        mine = rehearsed[r] if r < len(rehearsed) else RankResult("hetero", r, real_rank.card, error="not rehearsed")
-        peaks = [mine.peak_allocated_bytes, real_rank.peak_allocated_bytes]
-        row = {"rank": r, "card": mine.card, "plan": [mine.plan, real_rank.plan], "split": [mine.split, real_rank.split],
-               "peak_bytes": peaks, "peak_error": _relative(*peaks),
-               "setup_peak_bytes": [mine.setup_peak_bytes, real_rank.setup_peak_bytes],
-               "step_peak_bytes": [mine.step_peak_bytes, real_rank.step_peak_bytes],
-               "step_seconds": [mine.step_time, real_rank.step_time],
-               "errors": [mine.error, real_rank.error]}
-        row["step_error"] = _relative(*row["step_seconds"])
-        rows.append(row)
-        if row["peak_error"] is None or abs(row["peak_error"]) > PEAK_AGREEMENT:
-            disagreements.append(f"rank {r}: rehearsed peak {gib(peaks[0])} GiB vs {gib(peaks[1])} GiB really run"
-                                 + (f" ({mine.error or real_rank.error})" if mine.error or real_rank.error else ""))
-    check = {"rows": rows, "disagreements": disagreements, "real": [asdict(r) for r in real]}
-    report["real_check"] = check
-    with open(os.path.join(out_dir, "real_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    print(format_real_check(check))
-    return report
-
-
-# A rehearsed peak agrees with the real run's within this fraction (issue 37: 5 %).
-PEAK_AGREEMENT = 0.05
-
-
-def format_real_check(check: dict[str, Any]) -> str:
-    def trail(peaks: Sequence[int]) -> str:
-        return " ".join(gib(p) for p in peaks) or "-"
-
-    rows = [("rank", "card", "plan (reh/real)", "split (reh/real)", "peak GiB (reh/real)", "err",
-             "before step 1 GiB (reh/real)", "step ms (reh/real)")]
-    for row in check["rows"]:
-        peaks, setup = row["peak_bytes"], row["setup_peak_bytes"]
-        steps = [f"{s * 1e3:.1f}" if s else "-" for s in row["step_seconds"]]
-        rows.append((str(row["rank"]), row["card"], "/".join(map(str, row["plan"])), "/".join(map(str, row["split"])),
-                     f"{gib(peaks[0])}/{gib(peaks[1])}",
-                     f"{row['peak_error']:+.1%}" if row["peak_error"] is not None else "n/a",
-                     f"{gib(setup[0])}/{gib(setup[1])}", "/".join(steps)))
-    lines = ["Rehearsed on one GPU vs the same lab really run, one GPU per rank (NCCL); peaks are "
-             "torch.cuda.max_memory_allocated"]
-    lines += aligned(rows)
-    for row in check["rows"]:
-        lines.append(f"rank {row['rank']} peak after each step, GiB: rehearsed {trail(row['step_peak_bytes'][0])}; "
-                     f"real {trail(row['step_peak_bytes'][1])}")
-    lines += [f"DIFFERS (> {PEAK_AGREEMENT:.0%}): {d}" for d in check["disagreements"]] or \
-        [f"every peak within {PEAK_AGREEMENT:.0%}"]
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
@@ -210,10 +145,19 @@ if __name__ == "__main__":
     parser.add_argument("--real-gpus", action="store_true",
                         help="compare with the lab really run, one GPU per card (needs that many GPUs), not with the "
                              "ranks sharing this one")
+    parser.add_argument("--runs", help="with --real-gpus: comma-separated runs, each ours ('hetero_fsdp:offload', "
+                                       "'hetero_ddp') or Lightning's ('ddp', 'fsdp'); default: --strategy's")
+    parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu",
+                        help="with --real-gpus: 'cpu' runs the same paths on CPU (gloo), to exercise them")
+    parser.add_argument("--timeout", type=float, default=400.0,
+                        help="with --real-gpus: seconds one launch of a run's ranks may take")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.real_gpus:
-        report = real_check(args.model, args.lab, args.steps, args.out, args.strategy)
-        raise SystemExit(1 if report["real_check"]["disagreements"] else 0)
+        from benchmarks.rehearse_real import real_check
+
+        runs = args.runs.split(",") if args.runs else [args.strategy or "hetero_fsdp"]
+        checked = real_check(args.model, args.lab, runs, args.steps, args.out, args.timeout, args.accelerator)
+        raise SystemExit(1 if checked["disagreements"] else 0)
     report = honesty_check(args.model, args.lab, args.steps, args.out, args.strategy)
     raise SystemExit(1 if report["check"]["disagreements"] else 0)

@@ -293,3 +293,8 @@ def undo_split_annotations(module: object, names: "list[str]") -> None:
         target = module.get_submodule(name)  # type: ignore[attr-defined]
         for attribute in ("forward", "_orig_forward"):
             target.__dict__.pop(attribute, None)
+
+
+# A hook on every tensor operation, to follow the bytes of CPU tensors as they are created (the memory plan's peak
+# where no caching allocator keeps one): torch exposes the dispatch mode under a private module only.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

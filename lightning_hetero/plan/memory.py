@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.plan.activations import StepBytes
 from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.rules import RankRules
 
@@ -50,6 +51,8 @@ MEMORY_RULES: tuple[str, ...] = ("auto",) + MEMORY_MODES
 MemoryRule = str
 Granularity = Literal["block", "rank"]
 GIB = 2**30
+# A plan whose estimate comes this close to its budget says so: an allocator fragment more and the rank is out.
+NEAR_BUDGET = 0.02
 _BLOCK_RULE_HINT = "or per-block counts such as 'offload:4', 'checkpoint:all', 'offload:4,checkpoint:10'"
 
 
@@ -105,6 +108,11 @@ class MemoryPolicy:
             which no block checkpoint frees. It depends on the model (a large vocabulary keeps much outside).
         granularity: what ``"auto"`` chooses: ``"block"`` (how many blocks offload and recompute, filling each card
             to its budget) or ``"rank"`` (the first whole-rank mode that fits: keep, checkpoint, offload, both).
+        measure: before the first step, measure each rank's step (a trial forward and backward of its share and of
+            half of it, under its plan; see :mod:`lightning_hetero.plan.activations`) and check and report that
+            instead of the counted activations. ``False``: count (for a training step whose side effects a trial
+            would disturb: the trial restores parameters, gradients, buffers, random state and the modules' plain
+            attributes only).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
@@ -112,6 +120,7 @@ class MemoryPolicy:
     activation_bytes_per_sample: Optional[int] = None
     checkpointed_fraction: float = 0.5
     granularity: Granularity = "block"
+    measure: bool = True
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -124,6 +133,7 @@ class MemoryPolicy:
               "a number in [0, 1)")
         check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
               f"one of {get_args(Granularity)}")
+        check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")
@@ -215,6 +225,9 @@ class RankMemory:
     blocks: int = 1
     # Pieces the rank runs its share in; ``samples`` is then the largest piece's (activations exist for one at a time).
     micro_batches: int = 1
+    # Where the step's bytes come from: "formula" (counted from the model's sizes and the policy), or measured by a
+    # forward and backward at setup (:mod:`lightning_hetero.plan.activations`: "allocator", "live tensors").
+    source: str = "formula"
 
     @property
     def activations(self) -> int:
@@ -227,6 +240,11 @@ class RankMemory:
     @property
     def fits(self) -> bool:
         return self.needed <= self.budget
+
+    @property
+    def near_budget(self) -> bool:
+        """It fits with less than :data:`NEAR_BUDGET` of its budget to spare."""
+        return self.fits and self.needed > (1 - NEAR_BUDGET) * self.budget
 
     @property
     def gathered_what(self) -> str:
@@ -245,17 +263,22 @@ class RankMemory:
             f"{self.gathered_what} {self.gathered / GIB:.3g} GiB, "
             f"activations {self.activations_per_sample / 2**20:.3g} MiB/sample x {self.samples}{self.per_piece} = "
             f"{self.activations / GIB:.3g} GiB; needs {self.needed / GIB:.3g} GiB of {self.budget / GIB:.3g} GiB free"
+            f" ({'measured: ' + self.source if self.source != 'formula' else 'formula'}"
+            f"{', within 2 % of its budget' if self.near_budget else ''})"
         )
 
 
 def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ranks: int, samples: int,
              activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5,
-             micro_limit: Optional[int] = None) -> RankMemory:
+             micro_limit: Optional[int] = None, step: Optional[StepBytes] = None) -> RankMemory:
     """A rank's device memory under ``mode`` (a whole-rank mode or per-block counts, see :func:`parse_rule`):
     offloaded blocks keep their shard, gradients and optimizer state on the host; each checkpointed block frees its
     share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all.
     ``micro_limit``: the rank's samples per forward/backward (``data.micro_batch``); a share above it runs as several
-    micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations."""
+    micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations.
+    ``step``: the rank's step bytes measured under ``mode``
+    (:func:`~lightning_hetero.plan.activations.measure_step_bytes`): they replace the counted activations, and the
+    gathered blocks with what the step holds whatever its batch."""
     counts = parse_rule(mode)
     n = footprint.blocks
     offload = n if counts.offload is None else counts.offload
@@ -271,8 +294,15 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     # Parameters + gradients of the computing block and the prefetched one; with micro-batches the whole model's,
     # offloaded blocks included (they are gathered on the device like the others).
     gathered = max(2 * 2 * footprint.largest_block_bytes, micro_batch_gathered_bytes(footprint, pieces))
+    source = "formula"
+    if step is not None:
+        # What the step holds over its resting state. The gradients `shard` counts are the last step's: alive through
+        # the forward (Lightning frees them before the backward), when the peak is often reached. The trial ran one
+        # piece with its blocks gathered one at a time: micro-batches add the whole model held gathered (a bound).
+        gathered = step.fixed + micro_batch_gathered_bytes(footprint, pieces)
+        per_sample, source = step.per_sample, step.source
     return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
-                      piece_samples, budget, offload, checkpoint, n, pieces)
+                      piece_samples, budget, offload, checkpoint, n, pieces, source)
 
 
 def micro_batches(samples: int, micro_limit: Optional[int]) -> tuple[int, int]:
@@ -331,24 +361,30 @@ def _auto_plan(footprint: ModelFootprint, granularity: str, estimate_for: Callab
 def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Sequence[DeviceInfo],
                    samples: Sequence[int], budgets: Sequence[int], shard_ranks: int,
                    activation_bytes_per_sample: Optional[int] = None,
-                   micro_limits: Optional[Sequence[Optional[int]]] = None) -> list[RankMemory]:
+                   micro_limits: Optional[Sequence[Optional[int]]] = None,
+                   steps: Optional[Sequence[Optional[StepBytes]]] = None) -> list[RankMemory]:
     """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fits (see
     :func:`_auto_plan`). ``micro_limits``: each rank's samples per forward/backward (``None``: no micro-batches), so a
     rank that splits its share is planned with the model gathered across its micro-batches and one micro-batch's
-    activations. Deterministic in its inputs, so every rank derives the same list. Raises :class:`MemoryFitError`
+    activations. ``steps``: each rank's step bytes measured under its rule (``None``: counted); a rule of
+    ``"auto"`` with a measurement is an error (the measurement holds for the plan it ran). Deterministic in its
+    inputs, so every rank derives the same list. Raises :class:`MemoryFitError`
     naming every rank's numbers when some rank does not fit."""
     per_sample = policy.activation_bytes_per_sample
     if per_sample is None:
         per_sample = activation_bytes_per_sample or 0
     limits = list(micro_limits) if micro_limits is not None else [None] * len(devices)
+    measured = list(steps) if steps is not None else [None] * len(devices)
     plans = []
-    for device, count, budget, limit in zip(devices, samples, budgets, limits):
+    for device, count, budget, limit, step in zip(devices, samples, budgets, limits, measured):
         rule = policy.rank_rules.for_device(device)
+        if rule == "auto" and step is not None:
+            raise ValueError(f"rank {device.rank}: a measured step holds for the plan it ran, not for `memory` 'auto'.")
 
         def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget,
-                         limit: Optional[int] = limit) -> RankMemory:
+                         limit: Optional[int] = limit, step: Optional[StepBytes] = step) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
-                            policy.checkpointed_fraction, limit)
+                            policy.checkpointed_fraction, limit, step)
 
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
     short = [p for p in plans if not p.fits]
@@ -394,11 +430,11 @@ def peak_report(plans: Sequence[RankMemory], peaks: Sequence[Optional[int]], hea
 
         >>> text, low = peak_report(strategy.memory_plan, [26 * GIB, None], [8 * GIB, 2 * GIB], steps=2)
     """
-    rows = [("rank", "device", "plan", "estimate", "peak", "peak - estimate")]
+    rows = [("rank", "device", "plan", "estimate", "from", "peak", "peak - estimate")]
     low = []
     for p, peak, spare in zip(plans, peaks, headroom_bytes):
-        gap = "n/a" if peak is None else f"{(peak - p.needed) / GIB:+.2f} GiB"
-        rows.append((str(p.rank), p.device, p.mode, f"{p.needed / GIB:.2f} GiB",
+        gap = "n/a" if peak is None else f"{(peak - p.needed) / GIB:+.2f} GiB ({(peak - p.needed) / p.needed:+.1%})"
+        rows.append((str(p.rank), p.device, p.mode, f"{p.needed / GIB:.2f} GiB", p.source,
                      "n/a" if peak is None else f"{peak / GIB:.2f} GiB", gap))
         if peak is not None and peak - p.needed > spare:
             low.append(p.rank)

@@ -9,6 +9,11 @@ WARMUP_STEPS = 2
 # A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
 # host then waits for the device less than this share of the step (medians over the timed steps).
 HOST_BOUND_WAIT = 0.01
+# Modes that run the job for real, rank r alone on GPU r with its own process group (NCCL), each rank emulated as its
+# card: ours, Lightning's DDPStrategy, Lightning's FSDPStrategy.
+REAL_MODES = ("real", "real_ddp", "real_fsdp")
+# Lightning's strategy each of its modes runs (rehearsed on the fake process group, or for real).
+LIGHTNING_MODES = {"ddp": "ddp", "fsdp": "fsdp", "real_ddp": "ddp", "real_fsdp": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -16,8 +21,9 @@ class RankJob:
     """What one rehearsal process runs: ``mode`` is ``"hetero"`` (the config's strategy, or ``strategy``), ``"ddp"``
     or ``"fsdp"`` (Lightning's, equal batches), all with the fake process group; the honesty checks also run
     ``"shared"`` (our strategy for real: the lab's ranks together on this one device, gloo), ``"real"`` (our strategy
-    for real, rank ``r`` alone on the machine's GPU ``r``, with its own process group: NCCL) and ``"solo"`` (one card
-    alone, a world of one, ``batch_size`` its rehearsed batch)."""
+    for real, rank ``r`` alone on the machine's GPU ``r``, with its own process group: NCCL), ``"real_ddp"`` and
+    ``"real_fsdp"`` (Lightning's, likewise) and ``"solo"`` (one card alone, a world of one, ``batch_size`` its
+    rehearsed batch)."""
 
     config: str
     mode: str
@@ -31,6 +37,10 @@ class RankJob:
     batch_size: Optional[int] = None
     # The user's LightningCLI script the config belongs to (None: a generic CLI over the config's class paths).
     script: Optional[str] = None
+    # The GPU (of those visible) the rank's process gets alone; None: the first (rehearsals), rank r (real runs).
+    gpu: Optional[int] = None
+    # A sharded strategy's `memory` rule for every rank ("keep", "offload:4", ...); None: the config's.
+    memory: Optional[str] = None
 
 
 @dataclass
@@ -66,6 +76,14 @@ class RankResult:
     param_bytes: Optional[int] = None
     compute_bytes: Optional[int] = None
     device: Optional[str] = None
+    # The blocks a sharded strategy gathers one at a time (its memory plan's), for the step's timeline.
+    blocks: Optional[int] = None
+    # Where the memory plan's estimate came from: "formula", or measured before training ("allocator", ...).
+    estimate_source: Optional[str] = None
+    # The rank's emulation shown at work: its speed as emulated (CUDA: SMs; CPU: 1/slowdown; None: not emulated) and
+    # the time of a fixed workload run under it before the first step, to hold against the other ranks'.
+    emulated_speed: Optional[float] = None
+    emulation_probe_seconds: Optional[float] = None
 
     @property
     def step_time(self) -> Optional[float]:

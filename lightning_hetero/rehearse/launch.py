@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from lightning_hetero.lab.rehearsal import REHEARSE_ENV
 from lightning_hetero.rehearse.cards import card_label
-from lightning_hetero.rehearse.job import RankJob, RankResult
+from lightning_hetero.rehearse.job import REAL_MODES, RankJob, RankResult
 
 # The longest error a rank's output gives its result (the whole output is in the log).
 ERROR_CHARS = 400
@@ -25,10 +25,11 @@ def rank_environment(job: RankJob) -> dict[str, str]:
     env.pop(REHEARSE_ENV, None)
     if job.mode == "hetero":
         env[REHEARSE_ENV] = f"{job.rank}/{len(job.lab)}"
-    if job.mode == "real":
+    gpu = job.rank if job.mode in REAL_MODES and job.gpu is None else job.gpu
+    if gpu is not None:
         # Rank r alone on this machine's GPU r (of those visible), as its own node would have it.
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = visible[job.rank] if job.rank < len(visible) else str(job.rank)
+        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
     return env
 
 

@@ -1,10 +1,18 @@
 """The job's step time, throughput and ratio to the sum of the cards' solo rates, predicted from the rehearsed ranks."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.rehearse.job import RankResult
+from lightning_hetero.rehearse.timeline import (
+    buckets_of,
+    no_overlap,
+    replicated_step,
+    ring_seconds,
+    sharded_step,
+    slowest,
+)
 
 # The `capacities` a real run measures across its ranks at its start.
 PROFILED = ("auto", "profile")
@@ -12,36 +20,57 @@ PROFILED = ("auto", "profile")
 # Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
 # P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
 LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
+# Per ring hop (s): not measured here; NCCL's usual small-message latencies per link class (they matter only for
+# many small blocks: 20 blocks x 2 ranks on PCIe come to 1.2 ms a step).
+LINK_LATENCY_S = {"nvlink": 10e-6, "pcie": 20e-6, "ethernet": 60e-6}
+# A step's compute split between forward and backward (the backward computes two gradients per forward product).
+FORWARD_FRACTION = 1 / 3
 
 
-def communication_seconds(mode: str, world: int, param_bytes: int, compute_bytes: int, gbytes: float) -> float:
-    """Seconds per step of a ring collective path on a link of ``gbytes`` GB/s (every rank sends what a ring sends).
+def step_seconds(mode: str, compute: Sequence[float], blocks: int, param_bytes: int, compute_bytes: int,
+                 link: str, measured_link: Optional[tuple[float, float]] = None) -> tuple[float, float, float]:
+    """The step (overlap modelled, see :mod:`lightning_hetero.rehearse.timeline`), its no-overlap bound, and its
+    communication time, from each rank's measured compute time (the rehearsed step, collectives stood in for).
 
-    Replicas (DDP): one all-reduce of the gradients, 2 (N-1)/N × gradient bytes. Sharded (FSDP): the parameters
-    all-gathered for forward and again for backward, (N-1)/N × compute-dtype bytes each, and one reduce-scatter of
-    the gradients, (N-1)/N × gradient bytes.
+    Replicas (DDP): the gradients (``param_bytes``) all-reduced in 25 MiB buckets through the backward. Sharded
+    (FSDP, ours and Lightning's): each of ``blocks`` equal blocks all-gathered (compute dtype) before its forward and
+    its backward, its gradients reduce-scattered (the same dtype: both strategies reduce in the compute dtype) after
+    its backward. Each rank's compute is spread evenly over the blocks, a third forward. ``measured_link``: (GB/s,
+    seconds per hop) measured on the lab's link, in place of the link class's figures.
     """
-    ring = (world - 1) / world
+    world = len(compute)
+    gbytes, latency = measured_link or (LINK_GBYTES[link], LINK_LATENCY_S[link])
+    forward = [[t * FORWARD_FRACTION / blocks] * blocks for t in compute]
+    backward = [[t * (1 - FORWARD_FRACTION) / blocks] * blocks for t in compute]
     if mode in ("hetero_ddp", "ddp"):
-        wire = 2 * ring * param_bytes
-    else:
-        wire = 2 * ring * compute_bytes + ring * param_bytes
-    return wire / (gbytes * 1e9)
+        reduce = ring_seconds("all_reduce", param_bytes, world, gbytes, latency)
+        slow = max(compute)
+        step = replicated_step(slow * FORWARD_FRACTION, slow * (1 - FORWARD_FRACTION), reduce,
+                               buckets_of(param_bytes))
+        return step, slow + reduce, reduce
+    gather = [ring_seconds("all_gather", compute_bytes / blocks, world, gbytes, latency)] * blocks
+    scatter = [ring_seconds("reduce_scatter", compute_bytes / blocks, world, gbytes, latency)] * blocks
+    fwd, bwd = slowest(forward), slowest(backward)
+    return (sharded_step(fwd, bwd, gather, scatter), no_overlap(fwd, bwd, gather, scatter),
+            2 * sum(gather) + sum(scatter))
 
 
 def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Sequence[RankResult], strategy: str,
-            link: str) -> dict[str, Any]:
+            link: str, measured_link: Optional[tuple[float, float]] = None) -> dict[str, Any]:
     """Step time, throughput and ratio to Σ solo of ours vs DDP vs FSDP, from the rehearsed step times.
 
     Each strategy's compute time on a card is that rank's own measured step time; a rank that did not run (out of
     memory) is extrapolated from our rank's rate on that card, linearly in the batch, and listed in ``estimated``.
     A card's solo rate is its best measured samples/s over the rehearsed runs. Under ``capacities`` "profile" or
     "auto" (measured at the start of a real run, which a rank alone cannot) our batches are the split of the measured
-    rates (``profiled_split``), each rank's compute its measured rate at that batch.
+    rates (``profiled_split``), each rank's compute its measured rate at that batch. ``measured_link``: the link's
+    (GB/s, seconds per hop) measured, in place of the link class's table.
     """
     rates = [r.batch / r.step_time if r.ok and r.batch and r.step_time else None for r in hetero]
     base = next((r for r in hetero if r.ok), None)
-    out: dict[str, Any] = {"link": link, "link_gbytes_per_s": LINK_GBYTES[link], "rates": rates, "strategies": {}}
+    gbytes = measured_link[0] if measured_link else LINK_GBYTES[link]
+    out: dict[str, Any] = {"link": link, "link_gbytes_per_s": gbytes, "link_measured": measured_link is not None,
+                           "rates": rates, "strategies": {}}
     if base is None or any(rate is None for rate in rates):
         return out
     world = len(hetero)
@@ -66,12 +95,13 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
         measured = {r.rank: r.step_time for r in results
                     if r.ok and r.step_time and (name != ours or r.batch == batches[r.rank])}
         compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
-        comm = communication_seconds(name, world, base.param_bytes or 0, base.compute_bytes or 0, LINK_GBYTES[link])
-        step = max(compute) + comm
+        step, bound, comm = step_seconds(name, compute, base.blocks or 1, base.param_bytes or 0,
+                                         base.compute_bytes or 0, link, measured_link)
         out["strategies"][name] = {
             "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,
             "estimated": [i for i in range(world) if i not in measured],
-            "step_seconds": step, "samples_per_s": global_batch / step if fits else None,
+            "step_seconds": step, "no_overlap_step_seconds": bound,
+            "samples_per_s": global_batch / step if fits else None,
             "ratio_to_sum_solo": global_batch / step / sum(solo) if fits else None,
             "oom_ranks": [r.rank for r in results if r.oom],
         }

@@ -25,7 +25,11 @@ from lightning_hetero.observe.errors import user_message
 from lightning_hetero.plan.memory import GIB
 from lightning_hetero.registry import names
 from lightning_hetero.rehearse.cards import card_label
-from lightning_hetero.rehearse.job import RankJob, RankResult
+from lightning_hetero.rehearse.job import LIGHTNING_MODES, RankJob, RankResult
+
+# The fixed workload each rank times under its emulation before its first step (matrix side, repeats).
+PROBE_SIDE = {"cuda": 4096, "cpu": 256}
+PROBE_REPEATS = 20
 
 
 def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -64,6 +68,12 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             self.started = 0.0
             self.step = ExitStack()  # the emulator's capped step, from batch start to batch end
 
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            # Before the first step: the rank's emulation (ours: the strategy's own emulator) times a fixed workload,
+            # so that a run shows every rank emulated as its card.
+            emulated = emulator if emulator is not None else getattr(trainer.strategy, "emulation", None)
+            result.emulated_speed, result.emulation_probe_seconds = emulation_probe(emulated, device)
+
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -97,6 +107,29 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
     return Probe()
 
 
+def emulation_probe(emulator: Optional[Emulator], device: torch.device) -> tuple[Optional[float], float]:
+    """This rank's emulated speed (CUDA: its SM count; CPU: 1 / its slowdown; ``None``: not emulated) and the
+    seconds a fixed set of matrix products takes under its emulation (as a step runs): across ranks the times
+    should go as the inverse of the speeds."""
+    from contextlib import nullcontext
+
+    side = PROBE_SIDE["cuda" if device.type == "cuda" else "cpu"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    speed: Optional[float] = None
+    if emulator is not None:
+        emulated = emulator.device
+        speed = float(emulated.num_sms or emulated.host_sms) if device.type == "cuda" else 1.0 / emulated.slowdown
+    with emulator.work() if emulator is not None else nullcontext():
+        (a @ a).sum().item()  # warm-up, on the emulated stream
+    started = time.perf_counter()
+    with emulator.work() if emulator is not None else nullcontext():
+        for _ in range(PROBE_REPEATS):
+            b = a @ a
+        b.sum().item()  # waits for the device
+    return speed, time.perf_counter() - started
+
+
 def carried_options(strategy: Any, target: str) -> dict[str, Any]:
     """The options of the config's own strategy (a ``class_path``/``init_args`` namespace) that ``target`` (an import
     path) also takes, e.g. ``capacities`` from a ``HeteroDDPStrategy`` config rehearsed as ``hetero_fsdp``."""
@@ -126,7 +159,7 @@ def rehearsed_config(job: RankJob, config: Any) -> None:
     rehearse (``--strategy``), the lab's cards as the strategy's ``emulate``."""
     from jsonargparse import Namespace
 
-    if job.mode in ("ddp", "fsdp"):
+    if job.mode in LIGHTNING_MODES:
         return
     if job.batch_size is not None:
         # The loader's batch is the data module's, or (without one) the model's own `batch_size`; under a class
@@ -143,6 +176,8 @@ def rehearsed_config(job: RankJob, config: Any) -> None:
         raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
                          f"`--strategy {'|'.join(names())}`.")
     strategy.init_args.emulate = job.lab
+    if job.memory is not None:
+        strategy.init_args.memory = job.memory
 
 
 def trainer_overrides(job: RankJob, model: Any, root: str) -> dict[str, Any]:
@@ -156,9 +191,10 @@ def trainer_overrides(job: RankJob, model: Any, root: str) -> dict[str, Any]:
         accelerator=job.accelerator, devices=1, num_nodes=len(job.lab), max_steps=job.steps, max_epochs=-1,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    if job.mode == "ddp":
+    lightning = LIGHTNING_MODES.get(job.mode)
+    if lightning == "ddp":
         overrides["strategy"] = DDPStrategy()
-    elif job.mode == "fsdp":
+    elif lightning == "fsdp":
         overrides["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(model)))
     return overrides
 
@@ -251,9 +287,11 @@ def run_rank(job: RankJob) -> RankResult:
             # Without a device binding (Lightning's would pass `device_id`): several ranks share this one device.
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port + 1}", rank=job.rank,
                                     world_size=world)
-        elif job.mode in ("ddp", "fsdp"):
-            # Lightning's own strategies keep an initialised process group (the fake one) instead of creating theirs.
-            init_fake_process_group(job.rank, world)
+        elif job.mode in LIGHTNING_MODES:
+            if job.mode in ("ddp", "fsdp"):
+                # Lightning's own strategies keep an initialised process group (the fake one) instead of creating
+                # theirs; run for real ("real_ddp", "real_fsdp") they create it, over the link the emulator set.
+                init_fake_process_group(job.rank, world)
             # The card's memory cap and SM share (CPU: slowdown), as our strategy's emulator applies them.
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -278,10 +316,12 @@ def run_rank(job: RankJob) -> RankResult:
             memory_plan = getattr(strategy, "memory_plan", None)
             result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
             result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
+            result.blocks = memory_plan[job.rank].blocks if memory_plan else None
+            result.estimate_source = memory_plan[job.rank].source if memory_plan else None
             result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
         else:
             result.global_batch = (result.batch or 0) * world
-            result.plan = "replica" if job.mode == "ddp" else "full shard"
+            result.plan = "replica" if LIGHTNING_MODES.get(job.mode) == "ddp" else "full shard"
         if result.global_batch and result.batch:
             result.share = (result.split[job.rank] if result.split else result.batch) / result.global_batch
     except torch.OutOfMemoryError as err:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 from lightning_hetero.plan.memory import GIB
 from lightning_hetero.rehearse.advice import advice_yaml
 from lightning_hetero.rehearse.job import RankResult
-from lightning_hetero.rehearse.predict import LINK_GBYTES
+from lightning_hetero.rehearse.predict import LINK_GBYTES, LINK_LATENCY_S
 
 
 def gib(value: Optional[float]) -> str:
@@ -70,12 +70,14 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     else:
         lines.append(f"Predicted step (from the measured step times; link {prediction['link']} at "
                      f"{prediction['link_gbytes_per_s']:g} GB/s):")
-        rows = [("strategy", "compute ms (per rank)", "comm ms", "step ms", "samples/s", "vs sum solo")]
+        rows = [("strategy", "compute ms (per rank)", "comm ms", "step ms", "no-overlap ms", "samples/s",
+                 "vs sum solo")]
         for name, s in prediction["strategies"].items():
             compute = "/".join(f"{c * 1e3:.1f}" + ("*" if i in s["estimated"] else "")
                                for i, c in enumerate(s["compute_seconds"]))
             failed = f"OOM on ranks {s['oom_ranks']}" if s["oom_ranks"] else "failed"
             rows.append((name, compute, f"{s['communication_seconds'] * 1e3:.1f}", f"{s['step_seconds'] * 1e3:.1f}",
+                         f"{s['no_overlap_step_seconds'] * 1e3:.1f}",
                          f"{s['samples_per_s']:.1f}" if s["samples_per_s"] else failed,
                          f"{s['ratio_to_sum_solo']:.2f}" if s["ratio_to_sum_solo"] else "-"))
         lines += aligned(rows, indent="  ")
@@ -113,7 +115,10 @@ ASSUMPTIONS = (
     "link: the slowest link class of the lab; bandwidths (GB/s) " + ", ".join(f"{k} {v:g}" for k, v in
                                                                             LINK_GBYTES.items())
     + " (NCCL between two H200s with the emulator's settings); ring collectives",
-    "overlap: none (communication added after the slowest rank's compute: an upper bound on the step time)",
+    "overlap: FSDP's prefetch (a block's all-gather during the block before; reduce-scatters during the next "
+    "backward block) and DDP's bucketed all-reduce during the backward, on one communication stream, ranks meeting "
+    "at each collective; per-hop latency " + ", ".join(f"{k} {v * 1e6:g} us" for k, v in LINK_LATENCY_S.items())
+    + " (assumed); no-overlap ms: the bound where no collective overlaps compute",
     "gradients uncompressed, in the parameters' dtype; FSDP all-gathers in the compute dtype",
 )
 

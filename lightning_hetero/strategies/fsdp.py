@@ -9,7 +9,8 @@ fit meets it:
    many recompute their activations, from the ``memory`` policy and the lab's memory (a rank that runs its share as
    micro-batches is planned with the model gathered across them and one micro-batch's activations); a job that
    cannot fit fails here with every rank's numbers, and again before the first step once the real shares, micro-batch
-   limits and optimizer are known;
+   limits and optimizer are known, each rank's step then measured by a trial forward and backward of 1 and 2 samples
+   (:mod:`lightning_hetero.strategies.trial_step`) in place of the counted activations;
    after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
@@ -41,6 +42,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -70,6 +72,7 @@ from lightning_hetero.grad.sharding import (
     shard_module,
 )
 from lightning_hetero.grad.weighting import loss_weight, scaled
+from lightning_hetero.plan.activations import StepBytes, measure_step_bytes
 from lightning_hetero.plan.blocks import default_blocks, tied_parameters
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
@@ -80,6 +83,7 @@ from lightning_hetero.plan.memory import (
     RankMemory,
     device_budget,
     memory_column,
+    micro_batches,
     optimizer_slots,
     parse_memory_policy,
     report_peaks,
@@ -90,6 +94,7 @@ from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, Checkpoin
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+from lightning_hetero.strategies.trial_step import sample_batches, trial_step
 
 
 _ROOT_REDIRECTION = _compat.ForwardRedirection()
@@ -328,15 +333,15 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
-    def _plan_memory(self, samples: list[int], policy: MemoryPolicy,
-                     micro: Optional[list[Optional[int]]]) -> list[RankMemory]:
+    def _plan_memory(self, samples: list[int], policy: MemoryPolicy, micro: Optional[list[Optional[int]]],
+                     steps: Optional[list[Optional[StepBytes]]] = None) -> list[RankMemory]:
         assert self._footprint is not None
         hosts = self.lab.hosts
         equal_hosts = self.hybrid and len(hosts) > 1 and len({len(r) for r in hosts.values()}) == 1
         shard_ranks = len(next(iter(hosts.values()))) if equal_hosts else self.world_size
         budgets = [device_budget(d, policy.headroom) for d in self.lab.devices]
         return resolve_memory(policy, self._footprint, self.lab.devices, samples, budgets, shard_ranks,
-                              micro_limits=micro)
+                              micro_limits=micro, steps=steps)
 
     def _micro_limits(self) -> Optional[list[Optional[int]]]:
         """Every rank's samples per forward/backward, as the loader split derives them (``None``: no micro-batches)."""
@@ -352,11 +357,18 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
         self._footprint = replace(self._footprint, optimizer_slots=slots)
         chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
+        samples = list(sampler.split_at(0, sampler.global_batch_len(0)))
+        steps = self._measure_steps(samples[self.global_rank])
         try:
-            self.memory_plan = self._plan_memory(list(sampler.split_at(0, sampler.global_batch_len(0))), chosen,
-                                                 self._micro_limits())
+            self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
         except MemoryFitError as err:
             unknown = []
+            if steps is not None and any(rule == "auto" for _, rule in self.memory_policy.rank_rules.rules):
+                # "auto" chose its blocks when the model was sharded, before the step could be measured: with the
+                # measured bytes per sample given, it plans with them there.
+                most = max(s.per_sample for s in steps if s is not None)
+                unknown.append(f"give `memory.activation_bytes_per_sample` >= {most} (the most a sample measured "
+                               "here) so that `auto` plans with it when the model is sharded")
             if self.plan.global_batch_size is None:
                 unknown.append("give `global_batch_size` so that it counts each rank's activations")
             if self.core.loaders.micro_batch == "auto":
@@ -364,9 +376,47 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             if not unknown:
                 raise
             # The model was sharded before the loader existed: its plan could not count what only the loader knows.
-            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares and memory caps were "
-                                 f"known: {'; '.join(unknown)}.") from None
+            raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares, memory caps and "
+                                 f"step bytes were known: {'; '.join(unknown)}.") from None
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
+        near = [p for p in self.memory_plan if p.near_budget]
+        if near and self.global_rank == 0:
+            rank_zero_warn("the memory plan fills its budget to within 2 % on " + "; ".join(p.describe() for p in near)
+                           + ": one allocator fragment more may run the rank out of memory; raise `memory.headroom`, "
+                           "lower its share or allow it to checkpoint/offload more blocks.")
+
+    def _measure_steps(self, share: int) -> Optional[list[Optional[StepBytes]]]:
+        """Every rank's step bytes, measured by trial forward/backward passes under its plan (a collective: every
+        rank runs the same trials); ``None`` (the plan counts them) where no rank can build a sample batch."""
+        module = self.lightning_module
+        why = ""
+        if not self.memory_policy.measure:
+            why = "`memory.measure` is off"
+        elif self.memory_policy.activation_bytes_per_sample is not None:
+            why = "`memory.activation_bytes_per_sample` is given"
+        elif not module.automatic_optimization:
+            why = "manual optimization (the training step runs its own backward)"
+        batches, no_batches = sample_batches(module.trainer.train_dataloader) if not why else (None, why)
+        if batches is None:
+            rank_zero_info(f"memory plan: counted, not measured: {no_batches}.")
+            return None
+
+        def run(samples: int) -> None:
+            trial_step(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
+                       self.batch_to_device, batches(samples))
+
+        # A rank that splits its share measures one micro-batch, as its forward/backward runs it.
+        limits = self._micro_limits()
+        # BatchNorm layers that train need two samples (torch refuses one) and the synced layer
+        # synchronises only inside a step.
+        batch_norm = any(isinstance(m, _compat.BatchNormBase) and m.training for m in module.modules())
+        step = measure_step_bytes(run, micro_batches(share, limits[self.global_rank] if limits else None)[1],
+                                  self.root_device, least=2 if batch_norm else 1)
+        if self.world_size == 1:
+            return [step]
+        gathered: list[Optional[StepBytes]] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, step)
+        return gathered
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

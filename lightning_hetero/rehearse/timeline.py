@@ -1,0 +1,108 @@
+"""A step's time from its compute and its collectives, with the overlap the strategies achieve: pure functions of
+per-block times (seconds), so they are tested on hand-written timelines.
+
+- Sharded (FSDP2, ours and Lightning's): one communication stream, issued in the order FSDP2 issues it. Forward:
+  block i+1's all-gather is issued when block i starts (prefetch), block i starts once its own all-gather is done.
+  Backward (reverse order): block j-1's all-gather is issued when block j starts, block j's reduce-scatter when it
+  ends. Exposed: the first all-gather, the backward's first all-gather where the forward's last block outran it, the
+  last reduce-scatter, and any block whose collectives outlast its compute.
+- Replicas (DDP): gradient buckets of equal size ready at equal intervals through the backward, all-reduced one after
+  the other on the communication stream: only what the backward cannot hide (at least the last bucket) is exposed.
+
+Ranks meet at every collective, so each block's compute is the slowest rank's (:func:`slowest`).
+
+Example::
+
+    >>> sharded_step([1, 1], [2, 2], gather=[0.5, 0.5], scatter=[0.5, 0.5])  # 0.5 exposed at each end and the turn
+    7.5
+    >>> no_overlap([1, 1], [2, 2], [0.5, 0.5], [0.5, 0.5])  # and the bound that overlaps nothing: +2 x 0.5 gathers
+    9.0
+"""
+
+import math
+from collections.abc import Sequence
+
+
+def ring_seconds(kind: str, nbytes: float, world: int, gbytes_per_s: float, latency_s: float) -> float:
+    """One ring collective of ``nbytes`` (the whole tensor: gathered, scattered or reduced) over ``world`` ranks:
+    every rank sends (N-1)/N of it once (all-gather, reduce-scatter) or twice (all-reduce), in N-1 (or 2(N-1)) hops
+    of ``latency_s`` each.
+
+    Example::
+
+        >>> round(ring_seconds("all_gather", 1e9, 2, 25.0, 1e-5) * 1e3, 3)  # half a GB at 25 GB/s, one hop
+        20.01
+    """
+    if world <= 1:
+        return 0.0
+    passes = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    if kind not in passes:
+        raise ValueError(f"collective {kind!r} is not one of {sorted(passes)}")
+    hops = passes[kind] * (world - 1)
+    return passes[kind] * (world - 1) / world * nbytes / (gbytes_per_s * 1e9) + hops * latency_s
+
+
+def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per block, the slowest rank's time: the collective after a block waits for every rank to reach it."""
+    return [max(times) for times in zip(*per_rank)]
+
+
+def sharded_step(forward: Sequence[float], backward: Sequence[float], gather: Sequence[float],
+                 scatter: Sequence[float], optimizer: float = 0.0) -> float:
+    """The step's end under FSDP2's prefetching (see the module's docstring): per block (in module order) its forward
+    and backward compute, its all-gather and its reduce-scatter; then the optimizer step."""
+    n = len(forward)
+    if not (len(backward) == len(gather) == len(scatter) == n) or n == 0:
+        raise ValueError("forward, backward, gather and scatter need one time per block each")
+    stream = [0.0]  # when the communication stream is next free
+
+    def issue(at: float, seconds: float) -> float:
+        stream[0] = max(at, stream[0]) + seconds
+        return stream[0]
+
+    gathered = [0.0] * n
+    gathered[0] = issue(0.0, gather[0])
+    now = 0.0
+    for i in range(n):
+        start = max(now, gathered[i])
+        if i + 1 < n:
+            gathered[i + 1] = issue(start, gather[i + 1])
+        now = start + forward[i]
+    regathered = [0.0] * n
+    regathered[n - 1] = issue(now, gather[n - 1])
+    scattered = 0.0
+    for j in reversed(range(n)):
+        start = max(now, regathered[j])
+        if j > 0:
+            regathered[j - 1] = issue(start, gather[j - 1])
+        now = start + backward[j]
+        scattered = issue(now, scatter[j])
+    return max(now, scattered) + optimizer
+
+
+def replicated_step(forward: float, backward: float, all_reduce: float, buckets: int, optimizer: float = 0.0) -> float:
+    """The step's end under DDP: ``buckets`` equal buckets ready at equal intervals through the backward, each
+    all-reduced in ``all_reduce / buckets`` once the one before is done.
+
+    Example::
+
+        >>> replicated_step(1.0, 2.0, all_reduce=0.4, buckets=4)  # hidden but the last bucket's 0.1
+        3.1
+    """
+    if buckets < 1:
+        raise ValueError(f"buckets must be at least 1, got {buckets}")
+    each, end = all_reduce / buckets, 0.0
+    for k in range(1, buckets + 1):
+        end = max(end, forward + backward * k / buckets) + each
+    return end + optimizer
+
+
+def no_overlap(forward: Sequence[float], backward: Sequence[float], gather: Sequence[float],
+               scatter: Sequence[float], optimizer: float = 0.0) -> float:
+    """The bound where no collective overlaps compute: every time added (a sharded step gathers each block twice)."""
+    return sum(forward) + sum(backward) + 2 * sum(gather) + sum(scatter) + optimizer
+
+
+def buckets_of(gradient_bytes: float, bucket_bytes: float = 25 * 2**20) -> int:
+    """DDP's bucket count at its default 25 MiB cap."""
+    return max(1, math.ceil(gradient_bytes / bucket_bytes))

@@ -1,0 +1,48 @@
+"""The real-GPU check's own logic on hand-made results: its runs, the emulation shown per rank (an unemulated rank
+named), the bars it holds the rehearsal and the memory plan to."""
+
+import pytest
+
+from benchmarks.rehearse_real import Run, compare_run, emulation_rows, format_real_check
+from lightning_hetero.rehearse.job import RankResult
+
+GIB = 2**30
+
+
+def _rank(rank: int, peak: float, step: float, speed, probe: float, estimate=None) -> RankResult:
+    return RankResult("real", rank, f"card{rank}", ok=True, batch=4, plan="keep", peak_allocated_bytes=int(peak * GIB),
+                      step_seconds=[1.0, 1.0, step, step], estimated_bytes=int(estimate * GIB) if estimate else None,
+                      estimate_source="allocator" if estimate else None, emulated_speed=speed,
+                      emulation_probe_seconds=probe)
+
+
+def test_runs_parse_ours_and_lightnings():
+    assert Run.parse("hetero_fsdp:offload") == Run("hetero_fsdp:offload", "hetero_fsdp", "offload")
+    assert Run.parse("hetero_ddp").modes() == ("hetero", "real")
+    assert Run.parse("fsdp").modes() == ("fsdp", "real_fsdp")
+    with pytest.raises(ValueError, match="no memory rule"):
+        Run.parse("ddp:keep")
+
+
+def test_every_rank_shows_its_emulation_and_an_unemulated_rank_is_named():
+    real = [_rank(0, 10, 0.2, 40.0, 0.01), _rank(1, 5, 0.2, 8.0, 0.05), _rank(2, 5, 0.2, None, 0.01)]
+    rows = emulation_rows(real)
+    assert rows[1]["ratio"] == pytest.approx(5.0) and rows[1]["expected_ratio"] == pytest.approx(5.0)
+    summary, misses = compare_run(Run.parse("ddp"), real, real, {"strategies": {}})
+    assert [m for m in misses if "NOT EMULATED" in m] == ["ddp rank 2 (card2): NOT EMULATED (no emulator in the "
+                                                          "rank's process)"]
+    assert "NOT EMULATED" in format_real_check({"runs": [summary], "disagreements": misses, "link": "pcie"})
+
+
+def test_the_bars_peak_estimate_and_step():
+    rehearsed = [_rank(0, 10.0, 0.18, 40.0, 0.01), _rank(1, 5.0, 0.2, 8.0, 0.05)]
+    # Rank 0's real peak 6 % above the rehearsed; rank 1's estimate 20 % under its real peak; the step 15 % short.
+    real = [_rank(0, 10.6, 0.25, 40.0, 0.01, estimate=10.5), _rank(1, 5.0, 0.26, 8.0, 0.05, estimate=4.0)]
+    prediction = {"strategies": {"hetero_fsdp": {"step_seconds": 0.221, "no_overlap_step_seconds": 0.3,
+                                                 "compute_seconds": [0.18, 0.2]}}}
+    summary, misses = compare_run(Run.parse("hetero_fsdp:keep"), rehearsed, real, prediction)
+    assert summary["real_step_seconds"] == pytest.approx(0.26)
+    assert summary["step_error"] == pytest.approx(0.221 / 0.26 - 1)
+    assert len(misses) == 3
+    assert "rank 0 (card0): rehearsed peak" in misses[0]
+    assert "plan estimate" in misses[1] and "predicted step" in misses[2]
