@@ -111,8 +111,7 @@ def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
 
 
 def _strategy(config: str, args: argparse.Namespace, world: int) -> Any:
-    from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
-    from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
+    from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy
 
     common: dict[str, Any] = {"observation": {"print_table": False}, "resilience": {"timeout": 150}}
     precision = "32-true" if args.accelerator == "cpu" else "bf16-mixed"

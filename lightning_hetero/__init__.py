@@ -26,6 +26,7 @@ from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.strategies.ddp import HeteroDDPStrategy
 from lightning_hetero.strategies.fsdp import HeteroFSDPStrategy
+from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
 from lightning_hetero.plan.memory import MemoryPolicy
 from lightning_hetero.registry import STRATEGIES
 
@@ -44,6 +45,7 @@ __all__ = [
     "DataSplit",
     "HeteroDDPStrategy",
     "HeteroFSDPStrategy",
+    "HeteroHybridStrategy",
     "HeteroLab",
     "HeteroMonitor",
     "MemoryPolicy",

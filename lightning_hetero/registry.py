@@ -8,7 +8,7 @@ Lightning import, so the command line starts fast and every layer may read it.
 
 A new strategy is one module (``strategies/<name>.py``, see docs/development.md) and one line here::
 
-    StrategyEntry("hetero_hybrid", "lightning_hetero.strategies.hybrid.HeteroHybridStrategy",
+    StrategyEntry("hetero_hybrid", "lightning_hetero.HeteroHybridStrategy",
                   "Pipeline stages within a host, data parallel across hosts"),
 """
 
@@ -44,7 +44,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("hetero_ddp", "lightning_hetero.HeteroDDPStrategy", "Capacity-weighted DDP for mixed GPUs",
                   launchers=LAUNCHERS + NOTEBOOK),
     StrategyEntry("hetero_fsdp", "lightning_hetero.HeteroFSDPStrategy", "Sharded (FSDP2) training over unequal GPUs"),
-    StrategyEntry("hetero_hybrid", "lightning_hetero.strategies.hybrid.HeteroHybridStrategy",
+    StrategyEntry("hetero_hybrid", "lightning_hetero.HeteroHybridStrategy",
                   "Pipelined replicas of small cards beside data-parallel ones"),
 )
 
