@@ -1,9 +1,9 @@
 """The hybrid layout: which ranks form each pipelined replica, the rest data-parallel; the pieces a pipeline plans.
 
 A *replica* holds the whole model once: a data-parallel rank alone, or a pipeline of S stage ranks (stage order =
-list order). Every pipeline has the same number of stages, so parameters fall into S stage sets, and the set of
-stage s is held by every data-parallel rank and by stage s of every pipeline: one process group per stage
-(:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
+list order, which must be ascending rank order). Every pipeline has the same number of stages, so parameters fall
+into S stage sets, and the set of stage s is held by every data-parallel rank and by stage s of every pipeline: one
+process group per stage (:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
 
 Pure planning, no torch: which ranks form pipelines from the cards' memory and speed (:func:`choose_pipelines`),
 the stage split of a block list balanced by the stage cards' weights (:func:`balanced_starts`) and a pipeline's
@@ -30,11 +30,13 @@ class HybridLayout:
 
     @classmethod
     def from_pipelines(cls, pipelines: Sequence[Sequence[int]], world_size: int) -> "HybridLayout":
-        """Checked: ranks in range, none twice, at least one pipeline, every pipeline of the same 2+ stages."""
+        """Checked: ranks in range, none twice, at least one pipeline, every pipeline of the same 2+ stages, each in
+        ascending rank order."""
         groups = tuple(tuple(int(r) for r in p) for p in pipelines)
         flat = [r for p in groups for r in p]
         if not groups:
-            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism alone.")
+            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism "
+                             "alone.")
         if any(len(p) < 2 for p in groups):
             raise ValueError(f"`pipelines`={[list(p) for p in groups]}: every pipeline has at least 2 stage ranks.")
         if len({len(p) for p in groups}) > 1:
@@ -42,6 +44,11 @@ class HybridLayout:
                              "(a stage's parameters are reduced over one group per stage).")
         if len(set(flat)) != len(flat) or any(not 0 <= r < world_size for r in flat):
             raise ValueError(f"`pipelines`={[list(p) for p in groups]}: each rank in 0..{world_size - 1} at most once.")
+        if any(list(p) != sorted(p) for p in groups):
+            # A pipeline's process group numbers its ranks in ascending order, and torch's pipelining sends stage
+            # i's activations to group rank i: stage order must be rank order.
+            raise ValueError(f"`pipelines`={[list(p) for p in groups]}: list each pipeline's ranks in ascending "
+                             "order (stage order is rank order).")
         return cls(world_size, groups)
 
     @property

@@ -83,9 +83,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
-        pipelines: the global ranks of each pipelined replica, in stage order (``[[2, 3]]``); all of the same
-            length (2+); every other rank is a data-parallel replica. Rank 0 must be data-parallel (it writes the
-            checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
+        pipelines: the global ranks of each pipelined replica, in stage order, which is ascending rank order
+            (``[[2, 3]]``); all of the same length (2+); every other rank is a data-parallel replica. Rank 0 must be
+            data-parallel (it writes the checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
             ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
             (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
         micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages, or with measured

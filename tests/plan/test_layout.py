@@ -20,6 +20,11 @@ def test_bad_pipelines_are_refused(pipelines):
         HybridLayout.from_pipelines(pipelines, world_size=6)
 
 
+def test_stage_order_is_rank_order():
+    with pytest.raises(ValueError, match=r"`pipelines`=\[\[3, 2\]\]: list each pipeline's ranks in ascending"):
+        HybridLayout.from_pipelines([[3, 2]], world_size=4)
+
+
 def test_blocks_follow_the_stage_weights():
     assert balanced_starts(8, [1, 1]) == [4]
     assert balanced_starts(8, [3, 1]) == [6]
