@@ -85,8 +85,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     Args:
         pipelines: the global ranks of each pipelined replica, in stage order, which is ascending rank order
             (``[[2, 3]]``); all of the same length (2+); every other rank is a data-parallel replica. Rank 0 must be
-            data-parallel (it writes the checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
-            ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
+            data-parallel (it writes the checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients
+            and Adam's state (less ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
             (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
         micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages, or with measured
             capacities the fastest of stages, 2 × and 4 × stages); the count used divides
