@@ -99,6 +99,29 @@ class StageSync:
                 flat = hierarchical_hook(hop, _FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
 
+    def grad_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
+        """The 2-norm of the whole model's (exchanged) gradients, on every rank (a collective over all ranks): each
+        rank puts the squared norm of each stage it holds in that stage's slot, and a MAX over the world counts every
+        stage once (its holders' gradients are equal after :meth:`all_reduce_grads`)."""
+        squares = torch.zeros(self.layout.stages, dtype=torch.float32, device=device)
+        for stage in self._held():
+            grads = [p.grad for p in self._params(module, stage) if p.grad is not None]
+            if grads:
+                norms = torch.stack([torch.linalg.vector_norm(g).float() for g in grads])
+                squares[stage] = norms.square().sum().to(device)
+        dist.all_reduce(squares, op=dist.ReduceOp.MAX)
+        return squares.sum().sqrt()
+
+    def clip_grad_norm(self, module: nn.Module, params: Sequence[torch.Tensor], max_norm: float,
+                       device: torch.device) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` of ``params``' gradients by the whole model's norm (:meth:`grad_norm`):
+        a stage rank holds one stage's gradients, whose own norm would clip them less than one device does."""
+        total = self.grad_norm(module, device)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+
     def broadcast_params(self, module: nn.Module) -> None:
         """Every rank's whole model becomes the trained one: each stage's parameters from its holder (all ranks)."""
         for stage in range(self.layout.stages):

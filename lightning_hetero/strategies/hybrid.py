@@ -240,6 +240,13 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
                 tensor.copy_(staged)
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
+        # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        assert self.stage_sync is not None
+        params = list(self.precision_plugin.main_params(optimizer))
+        self.stage_sync.clip_grad_norm(self.lightning_module, params, float(clip_val), self.root_device)
 
     @override
     def model_to_device(self) -> None:

@@ -323,3 +323,36 @@ def test_stage_compression_only_across_hosts(tmp_path, hosts):
     for r in (1, 2):
         for name in records[r]["owned"]:
             assert torch.equal(records[r]["params"][-1][name], final[name])
+
+
+def _clipped_by_norm(model, max_norm):
+    """``model`` whose optimizer clips the whole gradient by norm before each step, as one device under Lightning's
+    ``gradient_clip_val`` does (for :func:`reference_run`, which steps the optimizer itself)."""
+    make = model.configure_optimizers
+
+    def clip(*_):
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def configure_optimizers():
+        optimizer = make()
+        optimizer.register_step_pre_hook(clip)
+        return optimizer
+
+    model.configure_optimizers = configure_optimizers
+    return model
+
+
+@pytest.mark.slow
+def test_norm_clipping_uses_the_whole_models_norm(tmp_path):
+    """`gradient_clip_val` by norm: a stage rank clips by the norm of every stage's gradients, as one device does."""
+    world, capacities, n, max_norm = 3, [2, 1, 1], 53, 0.02
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=n)
+    ref_params, _ = reference_run(_clipped_by_norm(copy.deepcopy(model), max_norm), world, capacities, 1)
+    unclipped, _ = reference_run(copy.deepcopy(model), world, capacities, 1)
+    assert max_rel_diff(unclipped[-1], ref_params[-1]) > 1e-3  # the clipping bites
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities), 1, gradient_clip_val=max_norm)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["params"][-1][name], records[0]["params"][-1][name])
