@@ -104,7 +104,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
             world size).
         profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (``steps``; no memory caps are measured).
-        data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches).
+        data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches), and so
+            is ``loss_denominator="tokens"`` (a pipeline weights its micro-batches by samples).
         precision_policy: per-rank precision (fp32 or bf16; fp16's loss scaling is refused).
         emulate: emulate a mixed lab on identical devices, one entry per rank (as for ``HeteroDDPStrategy``).
         resilience: fault timeout, ``resume``, ``nonfinite`` (:class:`~lightning_hetero.config.Resilience`).
@@ -157,6 +158,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with pipelines (a pipeline runs its share as its own micro-batches)")
+        check("data", "loss_denominator", options.data.loss_denominator, options.data.loss_denominator == "samples",
+              "'samples' with pipelines (a pipeline weights its micro-batches by their samples, not their tokens)")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(

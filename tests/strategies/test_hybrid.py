@@ -227,6 +227,8 @@ def test_bad_options_are_named():
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], data={"micro_batch": 4})
+    with pytest.raises(ValueError, match="`data.loss_denominator`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], data={"loss_denominator": "tokens"})
 
 
 class Validated(Chain):
