@@ -48,7 +48,7 @@ from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
+from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
 from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -301,9 +301,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
         for p, g in zip(params, held):
             p.grad = g
-        box = [[(name, float(value), args_, kw) for name, value, args_, kw in calls]]
-        dist.broadcast_object_list(box, src=replica.ranks[-1], group=replica.group)
-        for name, value, args_, kw in box[0]:
+        for name, value, args_, kw in share_logs(calls, replica.ranks[-1], replica.group):
             self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_, **kw)
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter

@@ -94,6 +94,23 @@ def _concat(parts: Sequence[Any]) -> Any:
     return first
 
 
+def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: dist.ProcessGroup
+               ) -> list[tuple[str, float, tuple, dict]]:
+    """The last stage's combined ``self.log`` calls (``src`` passes them) on every rank of the pipeline, each value a
+    float; a value that is no number (a torchmetrics ``Metric``) raises the same error on every rank, none waits."""
+    box: list[Any] = [None]
+    if dist.get_rank() == src:
+        bad = [name for name, value, _, _ in calls
+               if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
+        box = [[(name, float(value), args, kwargs) for name, value, args, kwargs in calls]] if not bad else [
+            f"`self.log({bad[0]!r}, ...)` in `training_step` on a pipelined replica: log a number or a one-element "
+            "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
+    return box[0]
+
+
 class PipelinedReplica:
     """This rank's stage of a pipeline (``ranks``: the pipeline's global ranks in stage order) and its steps.
 

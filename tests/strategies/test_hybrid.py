@@ -94,10 +94,11 @@ def fit(model, out_dir, world, strategy, epochs, callbacks=(), ckpt_path=None, *
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
-def hybrid(pipelines, capacities, **kwargs):
+def hybrid(pipelines, capacities, resilience=None, **kwargs):
     os.environ["MASTER_PORT"] = str(free_port())
     return HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="fork",
-                                observation={"print_table": False}, resilience={"timeout": 120}, **kwargs)
+                                observation={"print_table": False}, resilience=resilience or {"timeout": 120},
+                                **kwargs)
 
 
 def run_hybrid(tmp_path, model, world, pipelines, capacities, epochs, **kwargs):
@@ -358,3 +359,27 @@ def test_norm_clipping_uses_the_whole_models_norm(tmp_path):
     for r in (1, 2):
         for name in records[r]["owned"]:
             assert torch.equal(records[r]["params"][-1][name], records[0]["params"][-1][name])
+
+
+class LogsMetric(Chain):
+    """Chain that logs a torchmetrics Metric object from its training step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics import MeanMetric
+        self.mean_loss = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        self.log("mean_loss", self.mean_loss)
+        return loss
+
+
+@pytest.mark.slow
+def test_logging_a_metric_object_fails_on_every_stage_rank(tmp_path):
+    """A Metric object logged on a pipeline is refused on every stage rank with the reason (none hangs)."""
+    seed_everything(0)
+    with pytest.raises(Exception, match="self.log\\('mean_loss'"):
+        fit(LogsMetric(n=24), str(tmp_path), 3, hybrid([[1, 2]], [2, 1, 1], resilience={"timeout": 20}), 1,
+            max_steps=1)
