@@ -76,6 +76,18 @@ class StageSync:
                                f"{sorted(twice)} in two (tied weights across stages are not supported).")
         self.partition = stages
 
+    def share_partition_once_split(self, partition: Optional[list[list[str]]], module: nn.Module,
+                                   device: torch.device) -> bool:
+        """:meth:`share_partition` as soon as a pipeline has split the model (its first trace, which releases the
+        other stages' values on a stage rank), before any optimizer step; whether the split is known (a collective
+        over all ranks)."""
+        if self.partition is None:
+            split = torch.tensor([float(partition is not None)], device=device)
+            dist.all_reduce(split, op=dist.ReduceOp.MAX)
+            if split.item() > 0:
+                self.share_partition(partition, module)
+        return self.partition is not None
+
     def _held(self) -> list[int]:
         stage = self.layout.stage_of(self.rank)
         return list(range(self.layout.stages)) if stage is None else [stage]
@@ -129,6 +141,16 @@ class StageSync:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=self.layout.holder(stage))
             _unflatten_into(flat, params, as_grad=False)
+
+
+def broadcast_buffers(module: nn.Module, src: int) -> None:
+    """Every rank's buffers (running statistics, counters) become rank ``src``'s: with no DDP wrapper nothing else
+    re-syncs them, and a stage rank's copies of the other stages' buffers never change (each tensor once)."""
+    seen: set[int] = set()
+    for buffer in module.buffers():
+        if id(buffer) not in seen:
+            seen.add(id(buffer))
+            dist.broadcast(buffer, src=src)
 
 
 class _FlatBucket:

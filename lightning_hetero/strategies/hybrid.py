@@ -13,8 +13,8 @@ data-parallel replica holding the whole model. The composition, in the order a f
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
 4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
-   the ranks that train them; no gradients or optimizer state), so every rank evaluates the whole model as a
-   data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
+   the ranks that train them), and every rank rank 0's buffers (no DDP wrapper re-syncs them), so every rank
+   evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
    trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
@@ -38,7 +38,7 @@ from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilien
                                      check_strategy_arguments, from_flat_arguments)
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.stage_sync import StageSync
+from lightning_hetero.grad.stage_sync import StageSync, broadcast_buffers
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
@@ -333,8 +333,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     def _gather_model(self) -> None:
         if self.replica is not None:
             self.replica.holding.hold_whole()
-        if self.stage_sync is not None and self.stage_sync.partition is not None:
-            self.stage_sync.broadcast_params(self.lightning_module)
+        sync, module = self.stage_sync, self.lightning_module
+        if sync is not None and sync.share_partition_once_split(self.replica and self.replica.partition, module,
+                                                                self.root_device):
+            sync.broadcast_params(module)
+        broadcast_buffers(module, src=0)  # rank 0 is data-parallel: it ran every stage's buffers
 
     @override
     def on_validation_start(self) -> None:

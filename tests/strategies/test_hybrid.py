@@ -383,3 +383,44 @@ def test_logging_a_metric_object_fails_on_every_stage_rank(tmp_path):
     with pytest.raises(Exception, match="self.log\\('mean_loss'"):
         fit(LogsMetric(n=24), str(tmp_path), 3, hybrid([[1, 2]], [2, 1, 1], resilience={"timeout": 20}), 1,
             max_steps=1)
+
+
+class Counted(Validated):
+    """Validated with a buffer that only rank 0 changes (as a data-parallel rank's running statistics change)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0:
+            self.seen += 1
+
+
+class EvaluatedModel(Callback):
+    """Per rank: the parameters and buffers the first validation batch runs with."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not os.path.exists(self._path(trainer)):
+            state = {n: t.detach().clone() for n, t in [*pl_module.named_parameters(), *pl_module.named_buffers()]}
+            torch.save(state, self._path(trainer))
+
+    def _path(self, trainer):
+        return os.path.join(self.out_dir, f"evaluated{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_validation_before_the_first_optimizer_step_runs_rank_0s_model(tmp_path):
+    """Validation after the first batch of an accumulation window (a stage rank has released the other stages, no
+    optimizer step has shared the split yet): every rank evaluates rank 0's weights and buffers."""
+    seed_everything(0)
+    fit(Counted(n=24), str(tmp_path), 3, hybrid([[1, 2]], [2, 1, 1]), 1, callbacks=[EvaluatedModel(str(tmp_path))],
+        max_steps=1, accumulate_grad_batches=2, val_check_interval=1)
+    evaluated = [torch.load(os.path.join(tmp_path, f"evaluated{r}.pt")) for r in range(3)]
+    assert float(evaluated[0]["seen"]) == 1
+    for r in (1, 2):
+        for name, tensor in evaluated[0].items():
+            assert torch.equal(evaluated[r][name], tensor), (r, name)
