@@ -98,11 +98,18 @@ class StageSync:
         return [params[n] for n in self.partition[stage]]
 
     def all_reduce_grads(self, module: nn.Module) -> None:
-        """Sum each held stage's (pre-weighted) gradients over its group, in place; a missing gradient counts 0."""
+        """Sum each held stage's (pre-weighted) gradients over its group, in place; a gradient missing on some holders
+        counts 0 there, one missing on every holder (a frozen or unused parameter) stays ``None``, as on one device
+        (where e.g. AdamW then skips the parameter rather than decaying it)."""
         for stage in self._held():
-            params = self._params(module, stage)
+            params = [p for p in self._params(module, stage) if p.requires_grad]
+            if not params:
+                continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            # One presence flag per parameter rides in the same all-reduce (small counts: exact in any wire dtype).
+            present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
+                                   device=grads[0].device)
+            flat = torch.cat([g.reshape(-1) for g in grads] + [present])
             hop = self.hops[stage]
             if hop is None:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
@@ -110,6 +117,9 @@ class StageSync:
                 # The two-level hook averages over the group's ranks: times their count, the sum.
                 flat = hierarchical_hook(hop, _FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
+            for p, held in zip(params, flat[-len(params):].tolist()):
+                if held < 0.5:
+                    p.grad = None
 
     def grad_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
         """The 2-norm of the whole model's (exchanged) gradients, on every rank (a collective over all ranks): each

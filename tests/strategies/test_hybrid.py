@@ -424,3 +424,25 @@ def test_validation_before_the_first_optimizer_step_runs_rank_0s_model(tmp_path)
     for r in (1, 2):
         for name, tensor in evaluated[0].items():
             assert torch.equal(evaluated[r][name], tensor), (r, name)
+
+
+class Frozen(Chain):
+    """Chain with its first layer frozen (still handed to the optimizer, as ``self.parameters()`` does)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net[0].requires_grad_(False)
+
+
+@pytest.mark.slow
+def test_a_frozen_layer_stays_as_on_one_device(tmp_path):
+    """A frozen parameter gets no gradient from the stage exchange, so AdamW's weight decay skips it as on one
+    device; the rest trains exactly."""
+    world, capacities, n = 3, [2, 1, 1], 24
+    seed_everything(0)
+    model = Frozen(optimizer="adamw", n=n)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1)
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities), 1)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in range(world):
+        assert torch.equal(records[r]["final"]["net.0.weight"], model.net[0].weight), r
