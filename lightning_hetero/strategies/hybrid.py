@@ -235,8 +235,10 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
         # are in host memory; NCCL sends device tensors, one at a time).
         parked = self.replica.holding.host_values() if self.replica is not None else {}
-        for name, tensor in self.lightning_module.state_dict().items():
-            tensor = parked.get(name, tensor)
+        module = self.lightning_module
+        # Each tensor once, by the name `parked` knows it by (`state_dict` also lists a tied weight's aliases).
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            tensor = parked.get(name, tensor.detach())
             staged = tensor.to(self.root_device)
             dist.broadcast(staged, src=0)
             if staged is not tensor:

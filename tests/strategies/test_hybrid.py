@@ -446,3 +446,24 @@ def test_a_frozen_layer_stays_as_on_one_device(tmp_path):
     assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
     for r in range(world):
         assert torch.equal(records[r]["final"]["net.0.weight"], model.net[0].weight), r
+
+
+class Tied(Chain):
+    """Chain with two of its layers sharing one weight (both in the first stage of a ``split_points=["net.6"]``
+    pipeline)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net[4].weight = self.net[2].weight
+
+
+@pytest.mark.slow
+def test_weights_tied_within_a_stage(tmp_path):
+    """A stage's tied weight (one parameter under two names) reaches a parked stage rank once, and trains exactly."""
+    world, capacities, n = 3, [2, 1, 1], 24
+    seed_everything(0)
+    model = Tied(optimizer="sgd", n=n)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1)
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, split_points=["net.6"]), 1)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    assert torch.equal(records[1]["final"]["net.2.weight"], records[0]["final"]["net.2.weight"])
