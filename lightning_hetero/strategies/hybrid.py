@@ -188,6 +188,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if self.pipelines == "auto":
             self.pipelines = self._auto_pipelines()
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
+        check("", "pipelines", self.pipelines, 0 in layout.data_parallel,
+              "pipelines without rank 0: rank 0 is data-parallel (it writes checkpoints and is the source of buffers)")
         modes = self.core.precision.modes
         for ranks in layout.pipelines if modes else ():
             # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.
@@ -363,9 +365,5 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.layout is not None
-        if 0 not in self.layout.data_parallel:
-            raise ValueError(f"HeteroHybridStrategy(pipelines={self.pipelines}): checkpoints are written by rank 0, "
-                             "which must be a data-parallel rank (it holds the whole optimizer state).")
-        # Rank 0 holds every trained parameter: nothing to gather (a stage rank's state is not written).
+        # Rank 0 (data-parallel, checked at set-up) holds every trained parameter: nothing to gather (a stage rank's state is not written).
         return super().lightning_module_state_dict()

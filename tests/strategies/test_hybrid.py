@@ -232,6 +232,12 @@ def test_bad_options_are_named():
         HeteroHybridStrategy(pipelines=[[2, 3]], data={"loss_denominator": "tokens"})
 
 
+@pytest.mark.slow
+def test_rank_0_in_a_pipeline_is_refused_at_set_up(tmp_path):
+    with pytest.raises(Exception, match="`pipelines`=.*rank 0 is data-parallel"):
+        fit(Chain(n=24), str(tmp_path), 3, hybrid([[0, 1]], [1, 1, 1]), 1, max_steps=1)
+
+
 class Validated(Chain):
     """Chain with a validation loader; records the validation loss each rank logged."""
 
@@ -272,23 +278,23 @@ class Wide(Chain):
 
 @pytest.mark.slow
 def test_profiled_shares_follow_the_pipelines_speed(tmp_path):
-    """`capacities="profile"` times each pipeline as one replica: of two pipelines of the same cards, the one whose
-    cards are emulated 4-fold slower measures, and so gets a share, about 4-fold smaller (asserted: below 0.6 of
-    the other's, where ignoring the slowdown gives about 1: a busy host stretches the unslowed compute but not the
-    emulator's pauses, which pulls the ratio up)."""
+    """`capacities="profile"` times each pipeline as one replica: of two pipelines of the same cards (beside
+    data-parallel rank 0), the one whose cards are emulated 8-fold slower measures, and so gets a share, several-fold
+    smaller (asserted: below 0.6 of the other's, where ignoring the slowdown gives about 1: five ranks on a busy host
+    stretch the unslowed compute but not the emulator's pauses, which pulls the ratio up)."""
     seed_everything(0)
     model = Wide(n=256, batch_size=64)
-    strategy = hybrid([[0, 1], [2, 3]], "profile", profiling={"steps": 5},
-                      emulate=[None, None, {"slowdown": 4.0}, {"slowdown": 4.0}])
-    records = fit(model, str(tmp_path), 4, strategy, 1, max_steps=1)
-    rates = records[0]["replica_rates"]
-    print(f"replica rates: pipeline [0, 1] {rates[0]:.4g}, 4x slower pipeline [2, 3] {rates[1]:.4g}")
-    assert rates[1] < 0.6 * rates[0]
+    strategy = hybrid([[1, 2], [3, 4]], "profile", profiling={"steps": 5},
+                      emulate=[None, None, None, {"slowdown": 8.0}, {"slowdown": 8.0}])
+    records = fit(model, str(tmp_path), 5, strategy, 1, max_steps=1)
+    rates = records[0]["replica_rates"]  # rank 0, then the pipelines
+    print(f"replica rates: pipeline [1, 2] {rates[1]:.4g}, 8x slower pipeline [3, 4] {rates[2]:.4g}")
+    assert rates[2] < 0.6 * rates[1]
     assert all(record["steps"] == 1 for record in records)
     # Each pipeline's micro-batch count is its fastest measured one, and trains at it.
     picks = records[0]["micro_batches"]
     assert len(picks) == 2 and set(picks) <= {2, 4, 8}
-    assert [records[r]["replica_micro_batches"] for r in range(4)] == [picks[0], picks[0], picks[1], picks[1]]
+    assert [records[r]["replica_micro_batches"] for r in range(1, 5)] == [picks[0], picks[0], picks[1], picks[1]]
 
 
 @pytest.mark.slow
