@@ -214,8 +214,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         # the profiling headroom.
         replica = sum(p.numel() * p.element_size() for p in params) * (2 + optimizer_slots(None))
         headroom = float(self.core.options.profiling.memory_headroom)
+        weights = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
         choice = choose_pipelines([device_budget(d, headroom) for d in self.core.lab.lab.devices],
-                                  list(self.plan.capacities), replica)
+                                  list(self.plan.capacities), replica, weight_bytes=weights)
         rank_zero_info(f"{running_strategy()} pipelines='auto': {[list(p) for p in choice.pipelines]}; "
                        + "; ".join(choice.reasons))
         return [list(p) for p in choice.pipelines]

@@ -59,6 +59,14 @@ def test_a_faster_card_takes_a_larger_stage():
         choose_pipelines([80 * GIB, 29 * GIB, 11 * GIB], [4, 3, 1], 40 * GIB, similar=4, max_stages=2)
 
 
+def test_a_stage_card_also_holds_the_whole_weights():
+    # 10 of a 40 GiB replica are weights: a stage of two equal cards needs 10 + 30 / 2 = 25 GiB, not 20.
+    budgets, speeds = [80 * GIB, 22 * GIB, 22 * GIB], [3, 1, 1]
+    assert choose_pipelines(budgets, speeds, 40 * GIB).pipelines == ((1, 2),)
+    with pytest.raises(ValueError, match=r"do not fit ranks \[1, 2\]"):
+        choose_pipelines(budgets, speeds, 40 * GIB, max_stages=2, weight_bytes=10 * GIB)
+
+
 @pytest.mark.parametrize(("budgets", "speeds", "match"), [
     ([80, 80], [1, 1], "every card holds a replica"),
     ([24, 80, 24], [1, 3, 1], "rank 0 cannot hold a replica"),
