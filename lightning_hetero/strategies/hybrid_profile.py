@@ -137,6 +137,8 @@ def profile_layout(strategy: Any, sampler: PlannedSampler, dataloader: Any) -> O
         else:
             with strategy.precision_plugin.train_step_context():
                 local = time_pipeline(replica, batches, steps, step_context)
+    if replica is not None:
+        replica.forget_schedules()
     profiles = gather_profiles(local)
     if any(p is None for p in profiles):
         return None
