@@ -14,8 +14,9 @@ data-parallel replica holding the whole model. The composition, in the order a f
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
 4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
    the ranks that train them), and every rank rank 0's buffers (no DDP wrapper re-syncs them), so every rank
-   evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
-   trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
+   evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a
+   data-parallel rank, holding every trained parameter and the whole optimizer state) writes a full, layout-free
+   checkpoint.
 """
 
 from datetime import timedelta
@@ -366,5 +367,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Rank 0 (data-parallel, checked at set-up) holds every trained parameter: nothing to gather (a stage rank's state is not written).
+        # Rank 0 (data-parallel, checked at set-up) holds every trained parameter: nothing to gather (a stage rank's
+        # state is not written).
         return super().lightning_module_state_dict()
