@@ -169,6 +169,7 @@ def slurm_requeue(trainer: object, signum: int) -> None:
     """
     trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[attr-defined]
 
+
 def skip_sigterm_broadcast(trainer: object) -> Callable[[], None]:
     """Turn off the training loop's per-step broadcast of Lightning's SIGTERM flag; returns the undo.
 

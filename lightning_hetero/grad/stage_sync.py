@@ -76,6 +76,18 @@ class StageSync:
                                f"{sorted(twice)} in two (tied weights across stages are not supported).")
         self.partition = stages
 
+    def share_partition_once_split(self, partition: Optional[list[list[str]]], module: nn.Module,
+                                   device: torch.device) -> bool:
+        """:meth:`share_partition` as soon as a pipeline has split the model (its first trace, which releases the
+        other stages' values on a stage rank), before any optimizer step; whether the split is known (a collective
+        over all ranks)."""
+        if self.partition is None:
+            split = torch.tensor([float(partition is not None)], device=device)
+            dist.all_reduce(split, op=dist.ReduceOp.MAX)
+            if split.item() > 0:
+                self.share_partition(partition, module)
+        return self.partition is not None
+
     def _held(self) -> list[int]:
         stage = self.layout.stage_of(self.rank)
         return list(range(self.layout.stages)) if stage is None else [stage]
@@ -86,11 +98,18 @@ class StageSync:
         return [params[n] for n in self.partition[stage]]
 
     def all_reduce_grads(self, module: nn.Module) -> None:
-        """Sum each held stage's (pre-weighted) gradients over its group, in place; a missing gradient counts 0."""
+        """Sum each held stage's (pre-weighted) gradients over its group, in place; a gradient missing on some holders
+        counts 0 there, one missing on every holder (a frozen or unused parameter) stays ``None``, as on one device
+        (where e.g. AdamW then skips the parameter rather than decaying it)."""
         for stage in self._held():
-            params = self._params(module, stage)
+            params = [p for p in self._params(module, stage) if p.requires_grad]
+            if not params:
+                continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            # One presence flag per parameter rides in the same all-reduce (small counts: exact in any wire dtype).
+            present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
+                                   device=grads[0].device)
+            flat = torch.cat([g.reshape(-1) for g in grads] + [present])
             hop = self.hops[stage]
             if hop is None:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
@@ -98,6 +117,32 @@ class StageSync:
                 # The two-level hook averages over the group's ranks: times their count, the sum.
                 flat = hierarchical_hook(hop, _FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
+            for p, held in zip(params, flat[-len(params):].tolist()):
+                if held < 0.5:
+                    p.grad = None
+
+    def grad_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
+        """The 2-norm of the whole model's (exchanged) gradients, on every rank (a collective over all ranks): each
+        rank puts the squared norm of each stage it holds in that stage's slot, and a MAX over the world counts every
+        stage once (its holders' gradients are equal after :meth:`all_reduce_grads`)."""
+        squares = torch.zeros(self.layout.stages, dtype=torch.float32, device=device)
+        for stage in self._held():
+            grads = [p.grad for p in self._params(module, stage) if p.grad is not None]
+            if grads:
+                norms = torch.stack([torch.linalg.vector_norm(g).float() for g in grads])
+                squares[stage] = norms.square().sum().to(device)
+        dist.all_reduce(squares, op=dist.ReduceOp.MAX)
+        return squares.sum().sqrt()
+
+    def clip_grad_norm(self, module: nn.Module, params: Sequence[torch.Tensor], max_norm: float,
+                       device: torch.device) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` of ``params``' gradients by the whole model's norm (:meth:`grad_norm`):
+        a stage rank holds one stage's gradients, whose own norm would clip them less than one device does."""
+        total = self.grad_norm(module, device)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
 
     def broadcast_params(self, module: nn.Module) -> None:
         """Every rank's whole model becomes the trained one: each stage's parameters from its holder (all ranks)."""
@@ -106,6 +151,16 @@ class StageSync:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=self.layout.holder(stage))
             _unflatten_into(flat, params, as_grad=False)
+
+
+def broadcast_buffers(module: nn.Module, src: int) -> None:
+    """Every rank's buffers (running statistics, counters) become rank ``src``'s: with no DDP wrapper nothing else
+    re-syncs them, and a stage rank's copies of the other stages' buffers never change (each tensor once)."""
+    seen: set[int] = set()
+    for buffer in module.buffers():
+        if id(buffer) not in seen:
+            seen.add(id(buffer))
+            dist.broadcast(buffer, src=src)
 
 
 class _FlatBucket:

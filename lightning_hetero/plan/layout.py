@@ -1,9 +1,9 @@
 """The hybrid layout: which ranks form each pipelined replica, the rest data-parallel; the pieces a pipeline plans.
 
 A *replica* holds the whole model once: a data-parallel rank alone, or a pipeline of S stage ranks (stage order =
-list order). Every pipeline has the same number of stages, so parameters fall into S stage sets, and the set of
-stage s is held by every data-parallel rank and by stage s of every pipeline: one process group per stage
-(:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
+list order, which must be ascending rank order). Every pipeline has the same number of stages, so parameters fall
+into S stage sets, and the set of stage s is held by every data-parallel rank and by stage s of every pipeline: one
+process group per stage (:meth:`HybridLayout.stage_members`) reduces its gradient exactly.
 
 Pure planning, no torch: which ranks form pipelines from the cards' memory and speed (:func:`choose_pipelines`),
 the stage split of a block list balanced by the stage cards' weights (:func:`balanced_starts`) and a pipeline's
@@ -30,11 +30,13 @@ class HybridLayout:
 
     @classmethod
     def from_pipelines(cls, pipelines: Sequence[Sequence[int]], world_size: int) -> "HybridLayout":
-        """Checked: ranks in range, none twice, at least one pipeline, every pipeline of the same 2+ stages."""
+        """Checked: ranks in range, none twice, at least one pipeline, every pipeline of the same 2+ stages, each in
+        ascending rank order."""
         groups = tuple(tuple(int(r) for r in p) for p in pipelines)
         flat = [r for p in groups for r in p]
         if not groups:
-            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism alone.")
+            raise ValueError("`pipelines` names no pipeline: use the data-parallel strategy for data parallelism "
+                             "alone.")
         if any(len(p) < 2 for p in groups):
             raise ValueError(f"`pipelines`={[list(p) for p in groups]}: every pipeline has at least 2 stage ranks.")
         if len({len(p) for p in groups}) > 1:
@@ -42,6 +44,11 @@ class HybridLayout:
                              "(a stage's parameters are reduced over one group per stage).")
         if len(set(flat)) != len(flat) or any(not 0 <= r < world_size for r in flat):
             raise ValueError(f"`pipelines`={[list(p) for p in groups]}: each rank in 0..{world_size - 1} at most once.")
+        if any(list(p) != sorted(p) for p in groups):
+            # A pipeline's process group numbers its ranks in ascending order, and torch's pipelining sends stage
+            # i's activations to group rank i: stage order must be rank order.
+            raise ValueError(f"`pipelines`={[list(p) for p in groups]}: list each pipeline's ranks in ascending "
+                             "order (stage order is rank order).")
         return cls(world_size, groups)
 
     @property
@@ -105,18 +112,32 @@ class PipelineChoice:
     reasons: tuple[str, ...]
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """``n`` bytes as GiB text ("1.5 GiB")."""
     return f"{n / 2**30:.3g} GiB"
 
 
+def stage_bytes(replica_bytes: int, weight_bytes: int, part: float) -> int:
+    """What a stage rank holding ``part`` of the model must fit: the whole model's weights (``weight_bytes``, which
+    evaluation gathers) beside its stage's gradients and optimizer state (``part`` of the rest of ``replica_bytes``).
+
+    Example::
+
+        >>> stage_bytes(400, 100, 0.5)
+        250
+    """
+    return int(weight_bytes + (replica_bytes - weight_bytes) * part)
+
+
 def choose_pipelines(budgets: Sequence[int], speeds: Sequence[float], replica_bytes: int, similar: float = 1.5,
-                     max_stages: int = 4) -> PipelineChoice:
+                     max_stages: int = 4, weight_bytes: int = 0) -> PipelineChoice:
     """Which ranks form pipelines: a card whose ``budgets`` (bytes it may fill) hold ``replica_bytes`` (the model,
     its gradients and optimizer state) stays data-parallel; the others are cut, in rank order, into pipelines of
     consecutive ranks (one host's cards, usually) whose ``speeds`` differ by at most ``similar``×, with the fewest
     stages (2 up to ``max_stages``, the same for every pipeline) at which each card holds its stage (the blocks are
     cut in proportion to speed, :func:`balanced_starts`, so a stage's share of the bytes is its card's share of
-    the pipeline's speed). A ``ValueError`` says why no layout works.
+    the pipeline's speed) and, while it evaluates, the whole model's ``weight_bytes`` too (:func:`stage_bytes`).
+    A ``ValueError`` says why no layout works.
 
     Example::
 
@@ -129,11 +150,11 @@ def choose_pipelines(budgets: Sequence[int], speeds: Sequence[float], replica_by
         raise ValueError(f"{len(speeds)} speeds for {len(budgets)} memory budgets.")
     small = [r for r in ranks if budgets[r] < replica_bytes]
     if not small:
-        raise ValueError(f"`pipelines`='auto': every card holds a replica ({_gib(replica_bytes)}): use the "
+        raise ValueError(f"`pipelines`='auto': every card holds a replica ({gib(replica_bytes)}): use the "
                          "data-parallel strategy.")
     if 0 in small:
-        raise ValueError(f"`pipelines`='auto': rank 0 cannot hold a replica ({_gib(replica_bytes)} > "
-                         f"{_gib(budgets[0])}) but writes checkpoints as a data-parallel rank: give rank 0 a card "
+        raise ValueError(f"`pipelines`='auto': rank 0 cannot hold a replica ({gib(replica_bytes)} > "
+                         f"{gib(budgets[0])}) but writes checkpoints as a data-parallel rank: give rank 0 a card "
                          "that holds one, or use the sharded strategy.")
     runs: list[list[int]] = []
     for r in small:  # maximal runs of consecutive ranks
@@ -153,17 +174,18 @@ def choose_pipelines(budgets: Sequence[int], speeds: Sequence[float], replica_by
             why_not.append(f"{stages} stages pair ranks {slow} of speeds {[speeds[r] for r in slow]} (more than "
                            f"{similar}x apart)")
             continue
-        full = next((c for c in chunks if any(budgets[r] < replica_bytes * speeds[r] / sum(speeds[q] for q in c)
-                                              for r in c)), None)
+        full = next((c for c in chunks if any(
+            budgets[r] < stage_bytes(replica_bytes, weight_bytes, speeds[r] / sum(speeds[q] for q in c))
+            for r in c)), None)
         if full is not None:
-            why_not.append(f"{stages} stages of {_gib(replica_bytes)} do not fit ranks {full}")
+            why_not.append(f"{stages} stages of {gib(replica_bytes)} do not fit ranks {full}")
             continue
-        reasons = [f"rank {r}: data-parallel (a replica's {_gib(replica_bytes)} fits its {_gib(budgets[r])})"
+        reasons = [f"rank {r}: data-parallel (a replica's {gib(replica_bytes)} fits its {gib(budgets[r])})"
                    for r in ranks if r not in small]
-        reasons += [f"ranks {c}: a {stages}-stage pipeline (a replica's {_gib(replica_bytes)} fits none of their "
-                    f"{[_gib(budgets[r]) for r in c]}; a stage each, in proportion to speed)" for c in chunks]
+        reasons += [f"ranks {c}: a {stages}-stage pipeline (a replica's {gib(replica_bytes)} fits none of their "
+                    f"{[gib(budgets[r]) for r in c]}; a stage each, in proportion to speed)" for c in chunks]
         return PipelineChoice(tuple(tuple(c) for c in chunks), tuple(reasons))
-    raise ValueError(f"`pipelines`='auto': ranks {small} cannot hold a replica ({_gib(replica_bytes)}) and form no "
+    raise ValueError(f"`pipelines`='auto': ranks {small} cannot hold a replica ({gib(replica_bytes)}) and form no "
                      f"pipeline: {'; '.join(why_not)}. Name `pipelines` yourself or use the sharded strategy.")
 
 

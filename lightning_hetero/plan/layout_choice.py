@@ -8,7 +8,8 @@ its published TFLOP/s). What each layout keeps on a card (``state`` = parameters
 - sharded: ``state / N`` on every card (plus the gathered block and the activations, not counted here); rate at most
   Σ speeds: its all-gathers and reduce-scatters cross the links at every block, which this estimate leaves out;
 - hybrid: ``state`` on the cards that hold it, the others paired into pipelines
-  (:func:`~lightning_hetero.plan.layout.choose_pipelines`), a stage's part in proportion to its card's speed; a
+  (:func:`~lightning_hetero.plan.layout.choose_pipelines`), a stage's part in proportion to its card's speed, plus
+  the whole model's weights (``parameter_bytes``) that a stage rank holds while it evaluates; a
   pipeline of S cards runs at S × its slowest card's speed × m / (m + S - 1), the GPipe bubble of m = 2S
   micro-batches.
 
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_hetero.plan.layout import choose_pipelines
+from lightning_hetero.plan.layout import choose_pipelines, gib, stage_bytes
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,10 @@ class LayoutComparison:
     why: str
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB"
-
-
 def _verdict(layout: str, needed: Sequence[int], budgets: Sequence[int], rate: float, note: str) -> LayoutVerdict:
     fits = tuple(n <= b for n, b in zip(needed, budgets))
     if not all(fits):
-        note = f"ranks {[r for r, f in enumerate(fits) if not f]} cannot hold {_gib(max(needed))}"
+        note = f"ranks {[r for r, f in enumerate(fits) if not f]} cannot hold {gib(max(needed))}"
     return LayoutVerdict(layout, tuple(int(n) for n in needed), fits, rate if all(fits) else None, note)
 
 
@@ -86,7 +83,7 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
                  "1/N of the state per card; the rate leaves out the per-block traffic"),
     ]
     try:
-        choice = choose_pipelines(budgets, speeds, state)
+        choice = choose_pipelines(budgets, speeds, state, weight_bytes=parameter_bytes)
     except ValueError as err:
         # No pipeline to form (every card holds a replica: data parallel), or none that fits.
         fits = tuple(state <= b for b in budgets)
@@ -98,7 +95,7 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
         for pipeline in choice.pipelines:
             stages, weight = len(pipeline), sum(speeds[r] for r in pipeline)
             for r in pipeline:
-                needed[r] = int(state * speeds[r] / weight)
+                needed[r] = stage_bytes(state, parameter_bytes, speeds[r] / weight)
             rate += stages * min(speeds[r] for r in pipeline) * (2 * stages) / (3 * stages - 1)
         verdicts.append(_verdict("hybrid", needed, budgets, rate,
                                  f"pipelines {[list(p) for p in choice.pipelines]}; the rest data-parallel"))
@@ -112,8 +109,8 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
                                 "cross the links at every block.")
     if "sharded" in fitting:
         return LayoutComparison(tuple(verdicts), "sharded", "only sharding fits the model on every card.")
-    return LayoutComparison(tuple(verdicts), None, f"no layout fits: a replica's state is {_gib(state)}; the "
-                            f"cards may fill {[_gib(b) for b in budgets]}. Offload (the sharded strategy's "
+    return LayoutComparison(tuple(verdicts), None, f"no layout fits: a replica's state is {gib(state)}; the "
+                            f"cards may fill {[gib(b) for b in budgets]}. Offload (the sharded strategy's "
                             "`memory`), bf16 optimizer state or larger cards.")
 
 
@@ -121,9 +118,9 @@ def comparison_table(comparison: LayoutComparison, cards: Sequence[Card]) -> str
     """The comparison as text: one row per layout (bytes per card, fits, rate), then the pick and why."""
     rows = [f"{'layout':<14} {'per card':<40} {'rate':>8}  note (rate: in the cards' speed unit)"]
     for v in comparison.verdicts:
-        per_card = ", ".join(_gib(n) + ("" if f else " (no)") for n, f in zip(v.needed_bytes, v.fits))
+        per_card = ", ".join(gib(n) + ("" if f else " (no)") for n, f in zip(v.needed_bytes, v.fits))
         rate = "-" if v.rate is None else f"{v.rate:.4g}"
         rows.append(f"{v.layout:<14} {per_card:<40} {rate:>8}  {v.note}")
-    rows.append(f"cards: {', '.join(f'{c.name} ({_gib(c.memory_bytes)}, speed {c.speed:.4g})' for c in cards)}")
+    rows.append(f"cards: {', '.join(f'{c.name} ({gib(c.memory_bytes)}, speed {c.speed:.4g})' for c in cards)}")
     rows.append(f"pick: {comparison.pick or 'none'}: {comparison.why}")
     return "\n".join(rows)

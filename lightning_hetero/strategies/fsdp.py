@@ -9,8 +9,9 @@ fit meets it:
    many recompute their activations, from the ``memory`` policy and the lab's memory (a rank that runs its share as
    micro-batches is planned with the model gathered across them and one micro-batch's activations); a job that
    cannot fit fails here with every rank's numbers, and again before the first step once the real shares, micro-batch
-   limits and optimizer are known, each rank's step then measured by a trial forward and backward of 1 and 2 samples
-   (:mod:`lightning_hetero.strategies.trial_step`) in place of the counted activations;
+   limits and optimizer are known, each rank's step then measured by trial forwards and backwards of half its share
+   (or micro-batch) and the whole of it (:func:`~lightning_hetero.plan.activations.measured_samples`,
+   :mod:`lightning_hetero.strategies.trial_step`) in place of the counted activations;
    after the first steps each rank's measured peak is logged beside its estimate;
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the

@@ -13,9 +13,10 @@ data-parallel replica holding the whole model. The composition, in the order a f
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
 4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
-   the ranks that train them; no gradients or optimizer state), so every rank evaluates the whole model as a
-   data-parallel replica; the next training step frees them again. Rank 0 (a data-parallel rank, holding every
-   trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
+   the ranks that train them), and every rank rank 0's buffers (no DDP wrapper re-syncs them), so every rank
+   evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a
+   data-parallel rank, holding every trained parameter and the whole optimizer state) writes a full, layout-free
+   checkpoint.
 """
 
 from datetime import timedelta
@@ -38,7 +39,7 @@ from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilien
                                      check_strategy_arguments, from_flat_arguments)
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.stage_sync import StageSync
+from lightning_hetero.grad.stage_sync import StageSync, broadcast_buffers
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
@@ -48,7 +49,7 @@ from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
+from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
 from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -83,10 +84,10 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
-        pipelines: the global ranks of each pipelined replica, in stage order (``[[2, 3]]``); all of the same
-            length (2+); every other rank is a data-parallel replica. Rank 0 must be data-parallel (it writes the
-            checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients and Adam's state (less
-            ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
+        pipelines: the global ranks of each pipelined replica, in stage order, which is ascending rank order
+            (``[[2, 3]]``); all of the same length (2+); every other rank is a data-parallel replica. Rank 0 must be
+            data-parallel (it writes the checkpoint). ``"auto"``: the cards that cannot hold the model, its gradients
+            and Adam's state (less ``profiling.memory_headroom``) form pipelines of consecutive ranks of similar speed
             (:func:`~lightning_hetero.plan.layout.choose_pipelines`); the choice and its reasons are logged.
         micro_batches: the most micro-batches a pipeline's step runs (``None``: 2 × stages, or with measured
             capacities the fastest of stages, 2 × and 4 × stages); the count used divides
@@ -104,7 +105,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
             world size).
         profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (``steps``; no memory caps are measured).
-        data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches).
+        data: as for ``HeteroDDPStrategy``; ``micro_batch`` is refused (the pipeline has its own micro-batches), and so
+            is ``loss_denominator="tokens"`` (a pipeline weights its micro-batches by samples).
         precision_policy: per-rank precision (fp32 or bf16; fp16's loss scaling is refused).
         emulate: emulate a mixed lab on identical devices, one entry per rank (as for ``HeteroDDPStrategy``).
         resilience: fault timeout, ``resume``, ``nonfinite`` (:class:`~lightning_hetero.config.Resilience`).
@@ -157,6 +159,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
         check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
               "None with pipelines (a pipeline runs its share as its own micro-batches)")
+        check("data", "loss_denominator", options.data.loss_denominator, options.data.loss_denominator == "samples",
+              "'samples' with pipelines (a pipeline weights its micro-batches by their samples, not their tokens)")
         check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
                                  cluster_environment, checkpoint_io, precision_plugin, None, None)
         super().__init__(
@@ -185,6 +189,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if self.pipelines == "auto":
             self.pipelines = self._auto_pipelines()
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
+        check("", "pipelines", self.pipelines, 0 in layout.data_parallel,
+              "pipelines without rank 0: rank 0 is data-parallel (it writes checkpoints and is the source of buffers)")
         modes = self.core.precision.modes
         for ranks in layout.pipelines if modes else ():
             # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.
@@ -209,8 +215,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         # the profiling headroom.
         replica = sum(p.numel() * p.element_size() for p in params) * (2 + optimizer_slots(None))
         headroom = float(self.core.options.profiling.memory_headroom)
+        weights = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
         choice = choose_pipelines([device_budget(d, headroom) for d in self.core.lab.lab.devices],
-                                  list(self.plan.capacities), replica)
+                                  list(self.plan.capacities), replica, weight_bytes=weights)
         rank_zero_info(f"{running_strategy()} pipelines='auto': {[list(p) for p in choice.pipelines]}; "
                        + "; ".join(choice.reasons))
         return [list(p) for p in choice.pipelines]
@@ -232,14 +239,23 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
         # are in host memory; NCCL sends device tensors, one at a time).
         parked = self.replica.holding.host_values() if self.replica is not None else {}
-        for name, tensor in self.lightning_module.state_dict().items():
-            tensor = parked.get(name, tensor)
+        module = self.lightning_module
+        # Each tensor once, by the name `parked` knows it by (`state_dict` also lists a tied weight's aliases).
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            tensor = parked.get(name, tensor.detach())
             staged = tensor.to(self.root_device)
             dist.broadcast(staged, src=0)
             if staged is not tensor:
                 tensor.copy_(staged)
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
+        # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        assert self.stage_sync is not None
+        params = list(self.precision_plugin.main_params(optimizer))
+        self.stage_sync.clip_grad_norm(self.lightning_module, params, float(clip_val), self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -291,9 +307,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
         for p, g in zip(params, held):
             p.grad = g
-        box = [[(name, float(value), args_, kw) for name, value, args_, kw in calls]]
-        dist.broadcast_object_list(box, src=replica.ranks[-1], group=replica.group)
-        for name, value, args_, kw in box[0]:
+        for name, value, args_, kw in share_logs(calls, replica.ranks[-1], replica.group):
             self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_, **kw)
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
@@ -325,8 +339,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     def _gather_model(self) -> None:
         if self.replica is not None:
             self.replica.holding.hold_whole()
-        if self.stage_sync is not None and self.stage_sync.partition is not None:
-            self.stage_sync.broadcast_params(self.lightning_module)
+        sync, module = self.stage_sync, self.lightning_module
+        if sync is not None and sync.share_partition_once_split(self.replica and self.replica.partition, module,
+                                                                self.root_device):
+            sync.broadcast_params(module)
+        broadcast_buffers(module, src=0)  # rank 0 is data-parallel: it ran every stage's buffers
 
     @override
     def on_validation_start(self) -> None:
@@ -350,9 +367,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.layout is not None
-        if 0 not in self.layout.data_parallel:
-            raise ValueError(f"HeteroHybridStrategy(pipelines={self.pipelines}): checkpoints are written by rank 0, "
-                             "which must be a data-parallel rank (it holds the whole optimizer state).")
-        # Rank 0 holds every trained parameter: nothing to gather (a stage rank's state is not written).
+        # Rank 0 (data-parallel, checked at set-up) holds every trained parameter: nothing to gather (a stage rank's
+        # state is not written).
         return super().lightning_module_state_dict()

@@ -110,6 +110,12 @@ def profile_layout(strategy: Any, sampler: PlannedSampler, dataloader: Any) -> O
     global_batch_size = sampler.global_batch_size
     sizes = profile_sizes(global_batch_size, count)
     indices = sample_indices(sampler)
+    if replica is not None:
+        # The ranks of a pipeline run one step together: the first stage rank's samples, so every stage traces the
+        # same shapes (a padding collate's sequence length follows the samples).
+        box = [indices]
+        dist.broadcast_object_list(box, src=replica.ranks[0], group=replica.group)
+        indices = box[0]
     choose = strategy.micro_batches is None  # the user's count is kept
     picks: list[int] = []
     with profiled(module):
@@ -131,6 +137,8 @@ def profile_layout(strategy: Any, sampler: PlannedSampler, dataloader: Any) -> O
         else:
             with strategy.precision_plugin.train_step_context():
                 local = time_pipeline(replica, batches, steps, step_context)
+    if replica is not None:
+        replica.forget_schedules()
     profiles = gather_profiles(local)
     if any(p is None for p in profiles):
         return None

@@ -3,7 +3,8 @@
 The stages come from torch's tracing frontend, ``pipeline(module, mb_args, split_spec)``: it traces the
 LightningModule's own ``forward`` (unmodified) and splits it where the named blocks begin; each stage module holds
 the LightningModule's parameter objects under their own names, so the user's optimizer steps them as they are. The
-trace specializes shapes, so a stage is traced and built once per micro-batch size (a full batch, a short last one).
+trace specializes shapes, so a stage is traced and built once per micro-batch size (a full batch, a short last one);
+the last two built are kept, so the other dimensions of a batch must stay fixed (pad sequences to one length).
 
 The supported shape of a model (anything else fails at the first step with the reason):
 
@@ -94,6 +95,26 @@ def _concat(parts: Sequence[Any]) -> Any:
     return first
 
 
+def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: dist.ProcessGroup
+               ) -> list[tuple[str, float, tuple, dict]]:
+    """The last stage's combined ``self.log`` calls (``src`` passes them) on every rank of the pipeline, each value a
+    float; a value that is no number (a torchmetrics ``Metric``) raises the same error on every rank, none waits."""
+    box: list[Any] = [None]
+    if dist.get_rank() == src:
+        bad = [name for name, value, _, _ in calls
+               if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
+        box = [[(name, float(value), args, kwargs) for name, value, args, kwargs in calls]] if not bad else [
+            f"`self.log({bad[0]!r}, ...)` in `training_step` on a pipelined replica: log a number or a one-element "
+            "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
+    return box[0]
+
+
+KEPT_SCHEDULES = 2  # a full batch's micro-batch shape and an epoch's short last one
+
+
 class PipelinedReplica:
     """This rank's stage of a pipeline (``ranks``: the pipeline's global ranks in stage order) and its steps.
 
@@ -141,7 +162,9 @@ class PipelinedReplica:
         """The schedule for ``count`` micro-batches of ``inputs``' micro-batch shape (traced on first use)."""
         size = inputs[0].shape[0] // count
         key = (count, tuple((tuple(a.shape[1:]), a.dtype) for a in inputs), size)
-        if key not in self._built:
+        if key in self._built:
+            self._built[key] = self._built.pop(key)  # the most recently used, last
+        else:
             example = tuple(a[:size] for a in inputs)
             try:
                 pipe = pipeline(self.module, mb_args=example,
@@ -159,7 +182,13 @@ class PipelinedReplica:
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
             kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
             self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)
+            while len(self._built) > KEPT_SCHEDULES:  # a traced stage per shape: the oldest goes
+                self._built.pop(next(iter(self._built)))
         return self._built[key]
+
+    def forget_schedules(self) -> None:
+        """Drop every traced stage (profiling's micro-batch shapes are not training's)."""
+        self._built.clear()
 
     def step(self, batch: Any, batch_idx: int, weight: float) -> tuple[Optional[Tensor], list]:
         """Forward and backward of the replica's ``batch`` through the pipeline; each micro-batch's loss scaled by

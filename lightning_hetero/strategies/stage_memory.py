@@ -34,10 +34,15 @@ def placeholder(param: Tensor, device: torch.device) -> Tensor:
 
 
 def _state_to(optimizer: torch.optim.Optimizer, param: Tensor, device: torch.device) -> None:
-    """Move ``param``'s optimizer state to ``device`` (Adam's ``step`` stays where the optimizer keeps it)."""
+    """Move ``param``'s optimizer state to ``device``; Adam's ``step`` too where its group is fused or capturable
+    (those keep it beside the parameter), else it stays on the host, where the optimizer keeps it."""
     state = optimizer.state.get(param)
-    for key, value in (state or {}).items():
-        if isinstance(value, Tensor) and key != "step":
+    if not state:
+        return
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+    step_too = bool(group.get("fused") or group.get("capturable"))
+    for key, value in state.items():
+        if isinstance(value, Tensor) and (key != "step" or step_too):
             state[key] = value.to(device)
 
 

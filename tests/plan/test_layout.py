@@ -20,6 +20,11 @@ def test_bad_pipelines_are_refused(pipelines):
         HybridLayout.from_pipelines(pipelines, world_size=6)
 
 
+def test_stage_order_is_rank_order():
+    with pytest.raises(ValueError, match=r"`pipelines`=\[\[3, 2\]\]: list each pipeline's ranks in ascending"):
+        HybridLayout.from_pipelines([[3, 2]], world_size=4)
+
+
 def test_blocks_follow_the_stage_weights():
     assert balanced_starts(8, [1, 1]) == [4]
     assert balanced_starts(8, [3, 1]) == [6]
@@ -52,6 +57,14 @@ def test_a_faster_card_takes_a_larger_stage():
     assert choose_pipelines([80 * GIB, 31 * GIB, 11 * GIB], [4, 3, 1], 40 * GIB, similar=4).pipelines == ((1, 2),)
     with pytest.raises(ValueError, match=r"do not fit ranks \[1, 2\]"):
         choose_pipelines([80 * GIB, 29 * GIB, 11 * GIB], [4, 3, 1], 40 * GIB, similar=4, max_stages=2)
+
+
+def test_a_stage_card_also_holds_the_whole_weights():
+    # 10 of a 40 GiB replica are weights: a stage of two equal cards needs 10 + 30 / 2 = 25 GiB, not 20.
+    budgets, speeds = [80 * GIB, 22 * GIB, 22 * GIB], [3, 1, 1]
+    assert choose_pipelines(budgets, speeds, 40 * GIB).pipelines == ((1, 2),)
+    with pytest.raises(ValueError, match=r"do not fit ranks \[1, 2\]"):
+        choose_pipelines(budgets, speeds, 40 * GIB, max_stages=2, weight_bytes=10 * GIB)
 
 
 @pytest.mark.parametrize(("budgets", "speeds", "match"), [
