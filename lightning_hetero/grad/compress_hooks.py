@@ -19,6 +19,34 @@ from lightning_hetero.grad.bucket_state import BucketStates, CommCounter, elemen
 from lightning_hetero.grad.compression_config import TopKCompression
 
 
+class FlatBucket:
+    """A flat gradient tensor as the hooks read a DDP bucket (``dist.GradBucket``: its buffer, the step's only
+    bucket, and the parameters whose gradients it holds, in order): to run a hook on gradients no DDP bucket holds
+    (the hybrid layout's per-stage exchange)."""
+
+    def __init__(self, buffer: Tensor, params: Sequence[Tensor] = ()) -> None:
+        self._buffer, self._params = buffer, list(params)
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[Tensor]:
+        return self._params
+
+    def gradients(self) -> list[Tensor]:
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+
 class CastState:
     """The process group, the wire dtype (``"fp16"`` / ``"bf16"``) and where the bytes are counted."""
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hetero.grad.bucket_state import CommCounter
-from lightning_hetero.grad.compress_hooks import CastState, HierarchicalState, cast_hook, hierarchical_hook
+from lightning_hetero.grad.compress_hooks import (CastState, FlatBucket, HierarchicalState, cast_hook,
+                                                  hierarchical_hook)
 from lightning_hetero.plan.layout import HybridLayout
 
 
@@ -115,7 +116,7 @@ class StageSync:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
             else:
                 # The two-level hook averages over the group's ranks: times their count, the sum.
-                flat = hierarchical_hook(hop, _FlatBucket(flat)).wait().mul_(hop.world_size)
+                flat = hierarchical_hook(hop, FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
             for p, held in zip(params, flat[-len(params):].tolist()):
                 if held < 0.5:
@@ -161,22 +162,6 @@ def broadcast_buffers(module: nn.Module, src: int) -> None:
         if id(buffer) not in seen:
             seen.add(id(buffer))
             dist.broadcast(buffer, src=src)
-
-
-class _FlatBucket:
-    """One stage's flat gradients as the comm hooks read a DDP bucket (its buffer, the step's only bucket)."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
 
 
 def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter], as_grad: bool) -> None:

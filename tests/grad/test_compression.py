@@ -17,6 +17,7 @@ from lightning_hetero import CastCompression, HeteroDDPStrategy, PowerSGDCompres
 from lightning_hetero.grad.bucket_state import CommCounter
 from lightning_hetero.grad.compress_hooks import (
     CastState,
+    FlatBucket,
     HierarchicalState,
     TopKState,
     cast_hook,
@@ -167,30 +168,7 @@ def test_strings_map_to_configs():
 
 
 # -- top-k hook on its own: what is sent plus what is kept is the weighted gradient ------------------------------
-class FakeBucket:
-    """The parts of ``dist.GradBucket`` the hooks use."""
-
-    def __init__(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> None:
-        self._buffer, self._params = buffer, params
-
-    def gradients(self) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self._params:
-            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
+FakeBucket = FlatBucket  # the parts of ``dist.GradBucket`` the hooks use
 
 
 def _topk_worker(rank: int, port: int, out_dir: str) -> None:
