@@ -141,9 +141,9 @@ def _emulated_fsdp(emulate: list[Any]) -> Any:
     from lightning_hetero.lab.devices import describe_device
     from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
-    class EmulatedFSDP(FSDPStrategy):
-        emulator: Any = None
+    from bench_lab import emulated_steps
 
+    class EmulatedFSDP(emulated_steps(FSDPStrategy)):  # type: ignore[misc]
         def setup_environment(self) -> None:
             super().setup_environment()
             rank, device = self.global_rank, self.root_device
@@ -151,17 +151,6 @@ def _emulated_fsdp(emulate: list[Any]) -> Any:
                                             describe_device(device, device.index or 0), device)
             if self.emulator is not None:
                 self.emulator.activate()
-
-        def _work(self) -> Any:
-            return self.emulator.work() if self.emulator is not None else nullcontext()
-
-        def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self._work():
-                return super().training_step(*args, **kwargs)
-
-        def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self._work():
-                return super().optimizer_step(*args, **kwargs)
 
     from models import Block
 

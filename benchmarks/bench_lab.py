@@ -247,11 +247,11 @@ def _timer_class() -> type:
     return StepTimer
 
 
-def _emulated_ddp_class() -> type:
-    """Lightning's DDPStrategy with each step under the bench process's emulation (the baseline on the same lab)."""
-    from lightning.pytorch.strategies import DDPStrategy
+def emulated_steps(base: type) -> type:
+    """Lightning's strategy ``base`` with every training and optimizer step under ``self.emulator`` (set by the
+    caller, or ``None``): Lightning's baselines on the same emulated lab as ours."""
 
-    class EmulatedDDP(DDPStrategy):
+    class EmulatedSteps(base):  # type: ignore[misc, valid-type]
         emulator: Any = None
 
         def _work(self) -> Any:
@@ -267,7 +267,15 @@ def _emulated_ddp_class() -> type:
             with self._work():  # the closure runs forward and backward
                 return super().optimizer_step(*args, **kwargs)
 
-    return EmulatedDDP
+    EmulatedSteps.__name__ = f"Emulated{base.__name__}"
+    return EmulatedSteps
+
+
+def _emulated_ddp_class() -> type:
+    """Lightning's DDPStrategy with each step under the bench process's emulation (the baseline on the same lab)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return emulated_steps(DDPStrategy)
 
 
 def run_fit(config: str, module: Any, args: argparse.Namespace, world: int, specs: Any, emulator: Any,
