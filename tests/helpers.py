@@ -7,7 +7,8 @@ with one process trained on the same global batches.
 
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,22 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.data.sampler import GlobalOrder, HeteroBatchSampler
+
+
+@contextmanager
+def one_process_fit() -> Iterator[None]:
+    """A fit in the test process itself, undone afterwards: the launcher leaves LOCAL_RANK, MASTER_PORT ... and
+    Lightning a thread count and a process group behind, which later tests would get back."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
 
 
 class IndexedDataset(Dataset):

@@ -18,7 +18,7 @@ from benchmarks.lm import GPTModule, RandomTokens
 from lightning_hetero import HeteroFSDPStrategy
 from lightning_hetero.plan.activations import LiveBytes, StepBytes, measure_step_bytes, measured_samples
 from lightning_hetero.plan.memory import estimate
-from tests.helpers import free_port
+from tests.helpers import one_process_fit
 
 CPU = torch.device("cpu")
 
@@ -92,23 +92,15 @@ class _Peak(pl.Callback):
 
 def _fit_one_rank(strategy: HeteroFSDPStrategy, share: int, callbacks: list) -> None:
     """Three steps of a tiny GPT on one CPU rank under ``strategy``, the process as it was afterwards."""
-    # The launcher leaves LOCAL_RANK, MASTER_PORT ... and Lightning a thread count behind: later tests get them back.
-    environ, threads = dict(os.environ), torch.get_num_threads()
-    # As if started from outside (LOCAL_RANK set): Lightning's script launcher would leave a thread behind that
-    # watches for child processes, and later tests that fork would inherit it.
-    os.environ.update(MASTER_PORT=str(free_port()), LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="1")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, strategy=strategy, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks)
-    try:
+    with one_process_fit():
+        # As if started from outside (LOCAL_RANK set): Lightning's script launcher would leave a thread behind that
+        # watches for child processes, and later tests that fork would inherit it.
+        os.environ.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="1")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, strategy=strategy, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=callbacks)
         trainer.fit(GPTModule(vocab=512, seq=64, width=64, layers=3, heads=2),
                     RandomTokens(batch_size=share, seq=64, vocab=512, samples=64))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads(threads)
 
 
 def _fit_and_measure(share: int, mode: str, headroom: Optional[float] = None) -> dict:

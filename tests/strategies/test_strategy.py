@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 
 from lightning_hetero import HeteroDDPStrategy
-from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port
+from tests.helpers import IndexedDataset, TinyModel, fit_distributed, free_port, one_process_fit
 
 
 @pytest.mark.parametrize(
@@ -179,22 +179,13 @@ def test_one_device_steps_issue_no_collective(monkeypatch):
     (a reduction over one rank is an identity; the 1-rank process group would all-reduce it every step)."""
     from lightning_hetero import Observation
 
-    # The launcher leaves LOCAL_RANK, MASTER_PORT ... and Lightning a thread count behind: later tests get them back.
-    environ, threads = dict(os.environ), torch.get_num_threads()
-    os.environ["MASTER_PORT"] = str(free_port())
     counter = _CollectivesPerStep(monkeypatch)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
-                      strategy=HeteroDDPStrategy(capacities="equal", observation=Observation(print_table=False)))
-    try:
+    with one_process_fit():
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
+                          strategy=HeteroDDPStrategy(capacities="equal", observation=Observation(print_table=False)))
         trainer.fit(TinyModel(n=40))
         assert torch.distributed.is_initialized()  # the 1-rank group exists: Lightning would sync through it
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads(threads)
     assert counter.trained == {TinyModel}
     assert len(counter.marks) == 6 and counter.calls == counter.marks[0]  # none from the first step on
     assert [logged for _, logged in counter.pairs] == [loss for loss, _ in counter.pairs]
