@@ -424,8 +424,12 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
 
 # -- driver -----------------------------------------------------------------------------------------------------------
 def _commit() -> str:
-    """The checkout's commit (and "+dirty" with uncommitted changes), or "unknown" outside git."""
+    """The checkout's commit (and "+dirty" with uncommitted changes), or "unknown" outside git. ``BENCH_COMMIT``
+    names it where the checkout's git metadata is not the code's (a copied working tree beside a stale ``.git``)."""
     import subprocess
+
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:

@@ -183,6 +183,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
                                                                self.root_device, host_link, self.lightning_module)
         self.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
+            # Its own pacer: the link probe's bytes and pauses stay out of the training step's link statistics.
             self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
             self.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
 
