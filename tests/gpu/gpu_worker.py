@@ -3,6 +3,8 @@ that ``__main__``). Writes ``result.json`` to ``--out``; tests/gpu/test_gpu_lab.
 
     python tests/gpu/gpu_worker.py equivalence --out DIR [--emulate]   # 2 GPUs, capacities [3, 1], fp32, NCCL
     python tests/gpu/gpu_worker.py equivalence --out DIR --micro       # the same, rank 0 in 3 micro-batches
+    python tests/gpu/gpu_worker.py equivalence --out DIR --sharded     # the same under HeteroFSDPStrategy (FSDP2)
+    python tests/gpu/gpu_worker.py hybrid --out DIR                    # 4 GPUs: 2 data-parallel + a 2-stage pipeline
     python tests/gpu/gpu_worker.py cap --out DIR                       # 1 GPU: green-context cap on training steps
 """
 
@@ -26,7 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_hetero import HeteroDDPStrategy  # noqa: E402
+from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy  # noqa: E402
 from tests.helpers import Recorder, TinyModel, max_rel_diff, reference_run  # noqa: E402
 
 # Exact fp32 for the equivalence check (module level: the spawned ranks import this file too).
@@ -35,10 +37,12 @@ torch.backends.cudnn.allow_tf32 = False
 torch.set_float32_matmul_precision("highest")
 
 
-def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool = False) -> dict[str, Any]:
+def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool = False,
+                sharded: bool = False) -> dict[str, Any]:
     """2 ranks with batches split [3, 1] vs one process on the global batch (on the CPU, in fp32).
 
     ``micro``: at most 4 samples per forward/backward, so rank 0 runs its 12 as 3 micro-batches under ``no_sync``.
+    ``sharded``: the same under HeteroFSDPStrategy (FSDP2 over NCCL: reduce-scatter of the weighted gradients).
     """
     capacities, epochs = [3.0, 1.0], 3
     seed_everything(0)
@@ -47,7 +51,8 @@ def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool =
     # Emulated: rank 1 at a quarter of the SMs on a PCIe-class link; its steps run on the green context's stream,
     # so this also checks the stream hand-offs (a missing wait would corrupt or race the results).
     profile = {"sm_share": 0.25, "link": "pcie"} if accelerator == "gpu" else {"slowdown": 2.0}
-    strategy = HeteroDDPStrategy(capacities=capacities, start_method="spawn", resilience={"timeout": 300},
+    strategy_class = HeteroFSDPStrategy if sharded else HeteroDDPStrategy
+    strategy = strategy_class(capacities=capacities, start_method="spawn", resilience={"timeout": 300},
                                  emulate=[None, profile] if emulate else None,
                                  data={"micro_batch": 4 if micro else None})
     trainer = Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=epochs, precision="32-true",
@@ -63,7 +68,7 @@ def equivalence(out: str, emulate: bool, accelerator: str = "gpu", micro: bool =
     same_batches = [sorted(records[0]["indices"][i] + records[1]["indices"][i]) == sorted(ref_batches[i])
                     for i in range(min(steps, len(ref_batches)))]
     return {
-        "emulate": emulate, "micro": micro, "steps": [len(r["params"]) for r in records], "reference_steps": len(ref_params),
+        "emulate": emulate, "micro": micro, "sharded": sharded, "steps": [len(r["params"]) for r in records], "reference_steps": len(ref_params),
         "replicas_identical_every_step": all(identical), "max_rel_diff": max(diffs), "per_step_rel_diff": diffs,
         "batch_sizes": sizes[:4], "same_global_batches": all(same_batches),
     }
@@ -156,16 +161,53 @@ def cap(out: str) -> dict[str, Any]:
     return result
 
 
+def hybrid(out: str, accelerator: str = "gpu") -> dict[str, Any]:
+    """4 ranks: 0 and 1 data-parallel, 2 and 3 one 2-stage pipelined replica (P2P activations over NCCL), capacities
+    [3, 2, 1, 1], AdamW, fp32, vs one process on the global batches (tests/strategies/test_hybrid.py on GPUs)."""
+    from tests.strategies.test_hybrid import Chain, NamedRecorder
+
+    world, pipelines, capacities, epochs = 4, [[2, 3]], [3.0, 2.0, 1.0, 1.0], 2
+    seed_everything(0)
+    model = Chain(optimizer="adamw", n=53, batch_size=4)
+    reference = copy.deepcopy(model)
+    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
+                                    resilience={"timeout": 300}, observation={"print_table": False})
+    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
+                      precision="32-true", callbacks=[NamedRecorder(out)], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model)
+    records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
+    ref_params, ref_batches = reference_run(reference, world, capacities, epochs)
+    flat = [[torch.cat([t.reshape(-1) for t in step.values()]) for step in rec["params"]] for rec in records]
+    steps = min(len(f) for f in flat)
+    replicas_identical = all(torch.equal(flat[0][i], flat[1][i]) for i in range(steps))
+    stages_equal = all(torch.equal(records[r]["params"][i][name], records[0]["params"][i][name])
+                       for r in (2, 3) for i in range(steps) for name in records[r]["owned"])
+    same_batches = all(sorted(i for rec in records for i in rec["indices"][k]) == sorted(ref_batches[k])
+                       for k in range(min(steps, len(ref_batches))))
+    diffs = [max_rel_diff(flat[0][i], ref_params[i]) for i in range(min(steps, len(ref_params)))]
+    return {"steps": [len(f) for f in flat], "reference_steps": len(ref_params),
+            "owned": [records[r]["owned"] for r in (2, 3)], "replicas_identical_every_step": replicas_identical,
+            "stages_equal_replicas": stages_equal, "same_global_batches": same_batches,
+            "max_rel_diff": max(diffs), "per_step_rel_diff": diffs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["equivalence", "cap"])
+    parser.add_argument("case", choices=["equivalence", "hybrid", "cap"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--emulate", action="store_true")
     parser.add_argument("--micro", action="store_true")
+    parser.add_argument("--sharded", action="store_true", help="equivalence under HeteroFSDPStrategy")
     parser.add_argument("--accelerator", default="gpu", help="cpu: dry run of the equivalence case's own logic")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    result = equivalence(args.out, args.emulate, args.accelerator, args.micro) if args.case == "equivalence" else cap(args.out)
+    if args.case == "equivalence":
+        result = equivalence(args.out, args.emulate, args.accelerator, args.micro, args.sharded)
+    elif args.case == "hybrid":
+        result = hybrid(args.out, args.accelerator)
+    else:
+        result = cap(args.out)
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "per_step_rel_diff"}))

@@ -35,3 +35,28 @@ def test_green_context_caps_the_whole_training_step(tmp_path):
     assert "SMs" in result["summary"] and "all SMs" not in result["summary"]
     assert result["slowdown"] > 2.5, result
     assert result["memory_cap_holds"] and result["below_cap_ok"]
+
+
+def test_sharded_unequal_batches_equal_one_process_over_nccl(tmp_path):
+    """HeteroFSDPStrategy on 2 real GPUs (FSDP2, reduce-scatter over NCCL), rank 1 emulated at a quarter of the SMs on
+    a PCIe-class link, batches split [3, 1], fp32: every step equals one process on the global batch and the gathered
+    parameters are bit-identical on both ranks."""
+    result = run_worker("gpu_worker.py", tmp_path, "equivalence", "--emulate", "--sharded")
+    assert result["sharded"] and result["steps"][0] == result["steps"][1] == result["reference_steps"] > 0
+    assert result["batch_sizes"][0] == [12, 4]
+    assert result["same_global_batches"] and result["replicas_identical_every_step"]
+    print(f"\nGPU sharded equivalence: {result['reference_steps']} steps, max rel diff {result['max_rel_diff']:.2e}")
+    assert result["max_rel_diff"] < 1e-4, result["per_step_rel_diff"]
+
+
+@pytest.mark.gpu(4)
+def test_hybrid_layout_equals_one_process_on_four_gpus(tmp_path):
+    """HeteroHybridStrategy on 4 GPUs: ranks 0, 1 data-parallel, ranks 2, 3 one 2-stage pipeline (activations sent
+    between GPUs by NCCL P2P), capacities [3, 2, 1, 1], AdamW, fp32: equal to one process on the global batches;
+    the data-parallel replicas bit-identical, each stage's parameters bit-equal to theirs."""
+    result = run_worker("gpu_worker.py", tmp_path, "hybrid")
+    assert len(set(result["steps"])) == 1 and result["steps"][0] == result["reference_steps"] > 0
+    assert all(result["owned"]) and not set(result["owned"][0]) & set(result["owned"][1])
+    assert result["same_global_batches"] and result["replicas_identical_every_step"] and result["stages_equal_replicas"]
+    print(f"\nGPU hybrid equivalence: {result['reference_steps']} steps, max rel diff {result['max_rel_diff']:.2e}")
+    assert result["max_rel_diff"] < 1e-4, result["per_step_rel_diff"]
