@@ -49,7 +49,6 @@ from bench_lab import (  # noqa: E402 (also sets the NCCL environment the device
     _commit,
     _free_port,
     _lightning_module_class,
-    _sync,
     capped,
     emulated_steps,
     format_table,
@@ -438,7 +437,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Opt
         ax.axhline(TARGET * sum(solo["after"]), color="black", linestyle=":", label=f"{TARGET} × new ideal")
         oracle = next((r for r in same if r.get("oracle_rate")), None)
         if oracle:
-            ax.axhline(oracle["oracle_rate"], color="#2ca02c", linestyle="-.", label="oracle (best static split)")
+            ax.axhline(oracle["oracle_rate"], color="#9467bd", linestyle="-.", label="oracle (best static split)")
         ax.axvline(0, color="red", linewidth=0.8)
         ax.set_title(f"{args.scenario} / {model}: rank {args.throttle_rank} slows {args.factor:g}x at step 0")
         ax.set_xlabel("steps after the change")
@@ -465,10 +464,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--oracle-steps", type=int, default=None, help="timed steps of the oracle (default 20, tiny 8)")
     p.add_argument("--window", type=int, default=None, help="steps per throughput window (default 5, tiny 3)")
     p.add_argument("--settle", type=int, default=None, help="last steps of the settled ratio (default 20, tiny 8)")
-    # Rebalancing that can react within 50 steps: an exchange every 10 steps (one all_gather of 3 numbers), no
-    # smoothing (the first full window after the change carries the new rates; a 0.5 average would still be a
-    # quarter off after two windows), a 3 % gate (the split settles within 3 % of the best step; compute timings of
-    # a GPU step vary by about 1 %, so it does not chase noise).
+    # Rebalancing that can react within 50 steps: an exchange every 10 steps (one all_gather of 3 numbers), so the
+    # first window wholly after the change closes within 20 steps of it; no smoothing (that window carries the new
+    # rates; a 0.5 average would still be a quarter off after two windows); a 3 % gate (the split settles within 3 %
+    # of the best step, while timing noise below the gate moves no sample back and forth).
     p.add_argument("--every", type=int, default=None, help="rebalance.every (default 10, tiny 4)")
     p.add_argument("--threshold", type=float, default=0.03, help="rebalance.threshold")
     p.add_argument("--smoothing", type=float, default=1.0, help="rebalance.smoothing")

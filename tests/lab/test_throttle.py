@@ -1,7 +1,6 @@
 """A rank that slows down mid-run: ``throttled`` (the SM count or CPU slowdown after the change) and
 ``Emulator.throttle`` (the swap between two steps), on CPU and on a CUDA host faked without a GPU."""
 
-import time
 from dataclasses import replace
 
 import pytest
