@@ -43,6 +43,9 @@ after the last bucket) is left out too: a slower card computes slower, its commu
 pause sleeps except for its last millisecond, which is busy-waited: a core that slept comes back cold and slow, and
 that would be multiplied by the slowdown again (a 3x rank measured 5-6x on a millisecond step).
 
+A rank can slow down mid-run (a card that throttles): ``Emulator.throttle(factor)`` between two steps divides its SM
+count by ``factor`` (rounded to the granularity; a new green context) or multiplies its CPU slowdown.
+
 Example::
 
     from lightning.pytorch import Trainer
@@ -165,6 +168,7 @@ class EmulatedDevice:
     clamped: bool = False  # the calibrated SM count was out of the green context's range
     host: Optional[str] = None  # emulated host name (None: the real one)
     inter_host_gbit: Optional[float] = None
+    host_capability: Optional[tuple[int, int]] = None  # the real GPU's (its green-context granularity); CPU: None
 
     @property
     def sm_share(self) -> float:
@@ -372,7 +376,32 @@ def resolve(
         clamped=clamped,
         host=spec.host,
         inter_host_gbit=spec.inter_host_gbit,
+        host_capability=host.capability if host.type == "cuda" else None,
     )
+
+
+def throttled(device: EmulatedDevice, factor: float) -> EmulatedDevice:
+    """``device`` made ``factor`` times slower: on a GPU its SM count (all SMs when uncapped) divided by ``factor``
+    and rounded to the green-context granularity (:func:`round_sms`), on CPU its ``slowdown`` multiplied by it.
+
+    Example::
+        >>> throttled(uncapped_h100, 2.0).num_sms  # 132 SMs / 2 = 66 wanted: 64 granted (multiples of 8 on 9.x)
+        64
+    """
+    bad = isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor)
+    if bad or factor < 1.0:
+        raise ValueError(f"`factor`={factor!r} must be a number >= 1 (how many times slower the rank becomes).")
+    if device.host_capability is None:
+        return replace(device, slowdown=device.slowdown * float(factor))
+    current = device.num_sms if device.num_sms is not None else device.host_sms
+    wanted = current / factor
+    num_sms = round_sms(wanted, device.host_sms, device.host_capability)
+    granted = num_sms if num_sms is not None else device.host_sms
+    if factor > 1.0 and granted >= current:
+        minimum, _ = sm_granularity(device.host_capability)
+        raise ValueError(f"`factor`={factor!r}: {current} SMs / {factor:g} rounds to {granted}; a green context "
+                         f"has at least {minimum} SMs, in steps of the granularity: this card cannot slow further.")
+    return replace(device, num_sms=num_sms, wanted_sms=wanted, clamped=abs(granted - wanted) > 0.15 * wanted)
 
 
 def _default_name(spec: EmulationSpec, host: DeviceInfo) -> str:
@@ -437,7 +466,8 @@ class Emulator:
     """Applies one rank's :class:`EmulatedDevice` and runs its steps under it.
 
     Order of use: :meth:`apply_env` (before the process group exists), :meth:`activate` (after the CUDA device is
-    set), :meth:`work` around every step, :meth:`restore` at teardown.
+    set), :meth:`work` around every step (:meth:`throttle` between two of them slows the rank mid-run),
+    :meth:`restore` at teardown.
     """
 
     def __init__(self, device: EmulatedDevice, root_device: torch.device, job_link_class: LinkClass,
@@ -450,6 +480,7 @@ class Emulator:
         self._saved_env: dict[str, Optional[str]] = {}
         self._green: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
+        self._retired: list[Any] = []  # green contexts replaced by `throttle`, kept alive (see there)
         self._depth = 0
         self.compute_seconds = 0.0  # measured step time (CPU: thread CPU time) before the slowdown
         self.slept_seconds = 0.0
@@ -478,15 +509,48 @@ class Emulator:
         """Cap memory and create the green context (the CUDA device must be the current one)."""
         if self.root_device.type != "cuda":
             return
-        index = self.root_device.index if self.root_device.index is not None else torch.cuda.current_device()
+        index = self._index()
         if self.device.memory_bytes is not None:
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.device.memory_bytes / total), index)
         if self.device.num_sms is not None:
-            from torch.cuda.green_contexts import GreenContext
+            self._cap_sms(self.device.num_sms)
 
-            self._green = GreenContext.create(num_sms=self.device.num_sms, device_id=index)
-            self._stream = self._green.Stream()
+    def _index(self) -> int:
+        return self.root_device.index if self.root_device.index is not None else torch.cuda.current_device()
+
+    def _cap_sms(self, num_sms: int) -> None:
+        from torch.cuda.green_contexts import GreenContext
+
+        self._green = GreenContext.create(num_sms=num_sms, device_id=self._index())
+        self._stream = self._green.Stream()
+
+    def throttle(self, factor: float) -> EmulatedDevice:
+        """Make this rank ``factor`` times slower from its next step on (a card that throttles mid-run); returns the
+        new :class:`EmulatedDevice`. Call between steps, after :meth:`activate`.
+
+        On CUDA the steps move to a new green context with the SM count divided by ``factor`` (see
+        :func:`throttled`): :meth:`work` reads the stream at every step. On CPU the slowdown is multiplied. A CPU rank
+        that started unslowed had no gradient-bucket observer registered by the strategy at setup, so after a
+        throttle its wait for DDP's all-reduce counts as compute: give it a slowdown above 1 from the start when
+        that matters.
+        """
+        if self._depth:
+            raise RuntimeError("Emulator.throttle() was called inside a step: call it between steps.")
+        device = throttled(self.device, factor)
+        if self.root_device.type == "cuda" and device.num_sms != self.device.num_sms:
+            if self._green is not None:
+                # Work queued on the old green context's stream must finish before that context may go; kept
+                # referenced, it is destroyed with the emulator.
+                torch.cuda.synchronize(self.root_device)
+                self._retired.append(self._green)
+            if device.num_sms is None:
+                self._green = self._stream = None
+            else:
+                self._cap_sms(device.num_sms)
+        self.device = device
+        self._cpu_slowed = device.slowdown > 1.0 and self.root_device.type != "cuda"
+        return device
 
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:
