@@ -264,13 +264,15 @@ def predicted_step(run: Run, rehearsed: list[RankResult], ours: list[RankResult]
     return prediction
 
 
-def format_real_check(results: dict[str, Any]) -> str:
-    def ms(seconds: Optional[float]) -> str:
-        return f"{seconds * 1e3:.1f}" if seconds is not None else "-"
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds is not None else "-"
 
-    def pct(value: Optional[float]) -> str:
-        return f"{value:+.1%}" if value is not None else "n/a"
 
+def _pct(value: Optional[float]) -> str:
+    return f"{value:+.1%}" if value is not None else "n/a"
+
+
+def peak_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = [("run", "rank", "card", "plan", "batch", "peak GiB reh/real", "err", "estimate GiB (from)", "err",
              "probe x rank0 (expected)")]
     for run in results["runs"]:
@@ -281,31 +283,56 @@ def format_real_check(results: dict[str, Any]) -> str:
                 probe += " NOT EMULATED"
             peaks = row["peak_bytes"]
             rows.append((run["run"], str(row["rank"]), row["card"], str(row["plan"][1]), str(row["batch"][1]),
-                         f"{gib(peaks[0])}/{gib(peaks[1])}", pct(row["peak_error"]),
+                         f"{gib(peaks[0])}/{gib(peaks[1])}", _pct(row["peak_error"]),
                          f"{gib(row['estimate_bytes'])} ({row['estimate_source'] or '-'})"
-                         if row["estimate_bytes"] else "-", pct(row["estimate_error"]), probe))
-    steps = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err",
-              "with link measured ms", "err")]
-    for run in results["runs"]:
-        compute = "/".join(ms(c) for c in run["compute_seconds"] or [])
-        steps.append((run["run"], compute or "-", ms(run["predicted_step_seconds"]),
-                      ms(run["no_overlap_step_seconds"]), ms(run["real_step_seconds"]), pct(run["step_error"]),
-                      ms(run["measured_link_step_seconds"]), pct(run["measured_link_step_error"])))
-    phases = [("run", "rank", "forward / backward / rest ms: rehearsed", "really run", "real start skew ms",
-               "real period ms")]
+                         if row["estimate_bytes"] else "-", _pct(row["estimate_error"]), probe))
+    return rows
+
+
+def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("run", "rank", "batch", "forward / backward / rest ms: rehearsed", "really run", "real start skew ms",
+             "real period ms")]
     for run in results["runs"]:
         for row in run["ranks"]:
             mine, theirs = row.get("phase_seconds") or (None, None)
-            phases.append((run["run"], str(row["rank"]), " / ".join(ms(p) for p in mine) if mine else "-",
-                           " / ".join(ms(p) for p in theirs) if theirs else "-",
-                           ms(run.get("start_skew_seconds")) if row["rank"] == 0 else "",
-                           ms(run.get("period_seconds")) if row["rank"] == 0 else ""))
+            first = row["rank"] == 0
+            rows.append((run["run"], str(row["rank"]), str(row["batch"][1]),
+                         " / ".join(_ms(p) for p in mine) if mine else "-",
+                         " / ".join(_ms(p) for p in theirs) if theirs else "-",
+                         _ms(run.get("start_skew_seconds")) if first else "",
+                         _ms(run.get("period_seconds")) if first else ""))
+    return rows
+
+
+def step_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err",
+             "with link measured ms", "err")]
+    for run in results["runs"]:
+        compute = "/".join(_ms(c) for c in run["compute_seconds"] or [])
+        rows.append((run["run"], compute or "-", _ms(run["predicted_step_seconds"]),
+                     _ms(run["no_overlap_step_seconds"]), _ms(run["real_step_seconds"]), _pct(run["step_error"]),
+                     _ms(run["measured_link_step_seconds"]), _pct(run["measured_link_step_error"])))
     link = results.get("measured_link")
     if link:
-        steps.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
-                      "", "", "", "", ""))
-    lines = [f"Rehearsed vs really run, one GPU per card (link {results['link']}); peaks "
-             "torch.cuda.max_memory_allocated; estimate: the memory plan's, made before the first step"]
-    lines += aligned(rows) + [""] + aligned(phases) + [""] + aligned(steps)
+        rows.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
+                     "", "", "", "", ""))
+    return rows
+
+
+def format_real_check(results: dict[str, Any], peaks: bool = True) -> str:
+    """The check's tables (peaks and plan estimates, each rank's phases, the steps) and its misses; without
+    ``peaks``, the step-time tables alone."""
+    lines = [f"Rehearsed vs really run, one GPU per card: {results.get('config', '')} on {results.get('lab', '')} "
+             f"(link {results['link']}); peaks torch.cuda.max_memory_allocated; estimate: the memory plan's, made "
+             "before the first step"]
+    lines += (aligned(peak_rows(results)) + [""] if peaks else []) + aligned(phase_rows(results)) + [""]
+    lines += aligned(step_rows(results))
     lines += [f"MISS: {d}" for d in results["disagreements"]] or ["every figure within its bar"]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # The step-time tables of one or more checks' `real_check.json`, e.g. two labs checked one after the other.
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            print(format_real_check(json.load(f), peaks=False) + "\n")

@@ -78,7 +78,8 @@ class RankResult:
     param_bytes: Optional[int] = None
     compute_bytes: Optional[int] = None
     device: Optional[str] = None
-    # The blocks a sharded strategy gathers one at a time (its memory plan's), for the step's timeline.
+    # The blocks a sharded strategy gathers one at a time (its memory plan's; Lightning's FSDP: the blocks it
+    # wraps), for the step's timeline.
     blocks: Optional[int] = None
     # Where the memory plan's estimate came from: "formula", or measured before training ("allocator", ...).
     estimate_source: Optional[str] = None

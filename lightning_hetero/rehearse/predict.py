@@ -119,7 +119,9 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
             # A run timed without its phases (an older record): its totals, as measured.
             phases = [RankPhases.split(c) for c in compute]
         bucket_bytes = next((r.bucket_bytes for r in results if r.ok and r.bucket_bytes), None)
-        step, bound, comm = step_seconds(name, phases, base.blocks or 1, base.param_bytes or 0,
+        # Each run's own blocks where it counted them (Lightning's FSDP), else our plan's.
+        blocks = next((r.blocks for r in results if r.blocks), None) or base.blocks or 1
+        step, bound, comm = step_seconds(name, phases, blocks, base.param_bytes or 0,
                                          base.compute_bytes or 0, link, measured_link, bucket_bytes)
         out["strategies"][name] = {
             "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,

@@ -337,6 +337,11 @@ def run_rank(job: RankJob) -> RankResult:
         precision = str(getattr(cli.trainer.precision_plugin, "precision", "32-true"))
         element = 2 if ("16" in precision and "32" not in precision) else 4
         result.compute_bytes = result.parameters * element
+        if LIGHTNING_MODES.get(job.mode) == "fsdp":
+            from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
+
+            # The blocks Lightning's FSDPStrategy wraps here (`trainer_overrides`), each gathered on its own.
+            result.blocks = len(top_level_blocks(cli.model, default_blocks(cli.model))) or None
 
     try:
         # "real": the strategy creates its own process group (NCCL on CUDA), as in a run of the lab itself.

@@ -138,6 +138,20 @@ def test_prediction_composes_the_measured_phases_and_buckets_of_each_rank():
     assert older["step_seconds"] == pytest.approx(0.065 + 0.004)
 
 
+def test_lightnings_sharded_baseline_is_timed_over_the_blocks_it_wraps():
+    # Ours replicated (no memory plan, so no blocks of its own): Lightning's FSDP is gathered block by block all the
+    # same, not as one block whose gathers nothing hides.
+    from lightning_hetero.rehearse.predict import predict
+
+    ours = [_result("hetero", 0, 6, 0.060), _result("hetero", 1, 2, 0.050)]
+    fsdp = [_result("fsdp", 0, 4, 0.045), _result("fsdp", 1, 4, 0.080)]
+    whole = predict(ours, [], fsdp, "hetero_ddp", "pcie", (0.1, 0.0))["strategies"]["fsdp"]
+    for rank in fsdp:
+        rank.blocks = 8
+    blocked = predict(ours, [], fsdp, "hetero_ddp", "pcie", (0.1, 0.0))["strategies"]["fsdp"]
+    assert blocked["step_seconds"] < whole["step_seconds"] - 0.01
+
+
 def test_measured_capacities_are_named_as_not_rehearsed():
     from lightning_hetero.rehearse.notes import notes
 
