@@ -84,8 +84,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
     """A callback timing every training step (synchronised) and its phases (forward, backward, the rest: see
     :class:`~lightning_hetero.rehearse.timeline.RankPhases`) and noting the batch each rank trained on; for a
     DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
-    :func:`local_gradients_hook`, noting when each bucket was ready. With ``emulator`` (Lightning's strategies, which have none of their own) each step
-    runs under the card's SM share (CPU: its slowdown), as ours does."""
+    :func:`local_gradients_hook`, noting when each bucket was ready. With ``emulator`` (Lightning's strategies, which
+    have none of their own) each step runs under the card's SM share (CPU: its slowdown), as ours does."""
     from contextlib import ExitStack
 
     from lightning.pytorch import Callback
@@ -101,8 +101,10 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             self.clock = StepClock(device)
             self.buckets = BucketTimes(self.clock)
             self.marks: list[Any] = []  # the step's start, the first backward's start, the last backward's end
-            # CPU: the emulator sleeps a slowed card's extra time off after the step; it belongs to every phase.
-            self.slowdown = 1.0
+            # CPU: the emulator sleeps a slowed card's extra time off after the step; it belongs to every phase, in
+            # proportion (the emulator's count of the seconds slept, before the step).
+            self.sleeper: Optional[Emulator] = None
+            self.slept = 0.0
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             # Before the first step: the rank's emulation (ours: the strategy's own emulator) times a fixed workload,
@@ -110,7 +112,7 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             emulated = emulator if emulator is not None else getattr(trainer.strategy, "emulation", None)
             result.emulated_speed, result.emulation_probe_seconds = emulation_probe(emulated, device)
             if emulated is not None and device.type == "cpu":
-                self.slowdown = emulated.device.slowdown
+                self.sleeper = emulated
 
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
@@ -130,6 +132,7 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             self.started = time.perf_counter()
             result.step_started_at.append(time.time())
             self.marks, self.buckets.ready = [self.clock.mark()], []
+            self.slept = self.sleeper.slept_seconds if self.sleeper is not None else 0.0
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
                 self.step.enter_context(emulator.work())  # forward, backward and optimizer step on the capped stream
@@ -150,9 +153,12 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             result.step_seconds.append(ended - self.started)
             if len(self.marks) == 3:
                 start, forward_end, backward_end = self.marks
-                forward = self.clock.seconds(start, forward_end) * self.slowdown
-                backward = self.clock.seconds(forward_end, backward_end) * self.slowdown
-                result.phase_seconds.append([forward, backward, max(0.0, ended - self.started - forward - backward)])
+                window = ended - self.started
+                slept = max(0.0, self.sleeper.slept_seconds - self.slept) if self.sleeper is not None else 0.0
+                stretch = window / (window - slept) if window > slept else 1.0
+                forward = self.clock.seconds(start, forward_end) * stretch
+                backward = self.clock.seconds(forward_end, backward_end) * stretch
+                result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
                 if self.buckets.ready and backward > 0:
                     result.bucket_bytes = [size for size, _ in self.buckets.ready]
                     result.bucket_ready = [min(1.0, self.clock.seconds(forward_end, mark) / backward)
