@@ -152,20 +152,26 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             ended = time.perf_counter()
             result.step_seconds.append(ended - self.started)
             if len(self.marks) == 3:
-                start, forward_end, backward_end = self.marks
-                window = ended - self.started
-                slept = max(0.0, self.sleeper.slept_seconds - self.slept) if self.sleeper is not None else 0.0
-                stretch = window / (window - slept) if window > slept else 1.0
-                forward = self.clock.seconds(start, forward_end) * stretch
-                backward = self.clock.seconds(forward_end, backward_end) * stretch
-                result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
-                if self.buckets.ready and backward > 0:
-                    result.bucket_bytes = [size for size, _ in self.buckets.ready]
-                    result.bucket_ready = [min(1.0, self.clock.seconds(forward_end, mark) / backward)
-                                           for _, mark in self.buckets.ready]
+                try:
+                    self.record_phases(ended - self.started)
+                except RuntimeError as err:  # the device's clock unread: the step's total stands, without phases
+                    print(f"rehearsal: step phases not timed ({err})", flush=True)
+                    self.marks = []
             if device.type == "cuda":
                 result.step_peak_bytes.append(torch.cuda.max_memory_allocated(device))
             result.device_wait_seconds.append(ended - issued)
+
+        def record_phases(self, window: float) -> None:
+            start, forward_end, backward_end = self.marks
+            slept = max(0.0, self.sleeper.slept_seconds - self.slept) if self.sleeper is not None else 0.0
+            stretch = window / (window - slept) if window > slept else 1.0
+            forward = self.clock.seconds(start, forward_end) * stretch
+            backward = self.clock.seconds(forward_end, backward_end) * stretch
+            ready = [(size, self.clock.seconds(forward_end, mark) * stretch) for size, mark in self.buckets.ready]
+            result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
+            if ready and backward > 0:
+                result.bucket_bytes = [size for size, _ in ready]
+                result.bucket_ready = [min(1.0, max(0.0, at / backward)) for _, at in ready]
 
     return Probe()
 
