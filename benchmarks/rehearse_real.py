@@ -305,17 +305,20 @@ def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def step_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err",
-             "with link measured ms", "err")]
+    rows = [("run", "compute ms per rank (rehearsed)", "predicted ms", "of it: fwd+bwd / optimizer", "no-overlap ms",
+             "real ms", "err", "with link measured ms", "err")]
     for run in results["runs"]:
         compute = "/".join(_ms(c) for c in run["compute_seconds"] or [])
-        rows.append((run["run"], compute or "-", _ms(run["predicted_step_seconds"]),
-                     _ms(run["no_overlap_step_seconds"]), _ms(run["real_step_seconds"]), _pct(run["step_error"]),
-                     _ms(run["measured_link_step_seconds"]), _pct(run["measured_link_step_error"])))
+        predicted, phases = run["predicted_step_seconds"], run.get("predicted_phase_seconds")
+        optimizer = max(p[2] for p in phases) if phases and predicted else None
+        split = f"{_ms(predicted - optimizer)} / {_ms(optimizer)}" if optimizer is not None else "-"
+        rows.append((run["run"], compute or "-", _ms(predicted), split, _ms(run["no_overlap_step_seconds"]),
+                     _ms(run["real_step_seconds"]), _pct(run["step_error"]), _ms(run["measured_link_step_seconds"]),
+                     _pct(run["measured_link_step_error"])))
     link = results.get("measured_link")
     if link:
         rows.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
-                     "", "", "", "", ""))
+                     "", "", "", "", "", ""))
     return rows
 
 
