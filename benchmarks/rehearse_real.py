@@ -17,6 +17,7 @@ settings (``benchmarks/link_rank.py``: all-gathers and reduce-scatters of 1 MiB 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from typing import Any, Optional
 from lightning_hetero.lab.emulation import job_link_class, parse_emulate
 from lightning_hetero.registry import entry
 from lightning_hetero.rehearse.cards import parse_lab
-from lightning_hetero.rehearse.job import RankJob, RankResult
+from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob, RankResult
 from lightning_hetero.rehearse.launch import free_port, launch_ranks
 from lightning_hetero.rehearse.predict import predict
 from lightning_hetero.rehearse.report import aligned, gib
@@ -37,6 +38,8 @@ PEAK_AGREEMENT, ESTIMATE_AGREEMENT, STEP_AGREEMENT = 0.05, 0.10, 0.10
 # An emulated rank's workload time against the one its emulated speed implies (rank 0 the reference).
 EMULATION_AGREEMENT = 0.25
 LIGHTNING = {"ddp": ("ddp", "real_ddp"), "fsdp": ("fsdp", "real_fsdp")}
+# Steps of a run whose ranks offload to host memory (its step takes seconds): the warm-up and one timed step.
+OFFLOAD_STEPS = WARMUP_STEPS + 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class Run:
     def modes(self) -> tuple[str, str]:
         """The rehearsed and the real rank mode."""
         return LIGHTNING[self.name] if self.strategy is None else ("hetero", "real")
+
+    def steps(self, asked: int) -> int:
+        """The steps this run takes: ``asked``, or :data:`OFFLOAD_STEPS` at most where ranks offload."""
+        return min(asked, OFFLOAD_STEPS) if (self.memory or "").startswith("offload") else asked
 
 
 def run_jobs(config: str, lab: list[Any], run: Run, mode: str, steps: int, scratch: str, accelerator: str,
@@ -137,6 +144,24 @@ def _relative(value: Optional[float], reference: Optional[float]) -> Optional[fl
     return None if not value or not reference else value / reference - 1.0
 
 
+def _phases(result: RankResult) -> Optional[list[float]]:
+    phases = result.phases
+    return None if phases is None else [phases.forward, phases.backward, phases.optimizer]
+
+
+def start_skew(real: Sequence[RankResult]) -> dict[str, Optional[float]]:
+    """How far apart the really run ranks start their timed steps (the latest start less the earliest, median over
+    the steps: near 0 when a per-step collective holds them together) and the step's period (rank 0's start to
+    start, the time a step really takes, waits outside the timed window included)."""
+    starts = [r.step_started_at for r in real]
+    steps = min((len(s) for s in starts), default=0)
+    timed = range(min(WARMUP_STEPS, max(0, steps - 1)), steps)
+    skews = [max(s[i] for s in starts) - min(s[i] for s in starts) for i in timed] if starts else []
+    periods = [starts[0][i + 1] - starts[0][i] for i in timed if i + 1 < steps] if starts else []
+    return {"start_skew_seconds": statistics.median(skews) if skews else None,
+            "period_seconds": statistics.median(periods) if periods else None}
+
+
 def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], prediction: dict[str, Any],
                 measured: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], list[str]]:
     """One run's rows (per rank) and summary, and each miss of the bars in words."""
@@ -148,7 +173,7 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
                "peak_bytes": [mine.peak_allocated_bytes, theirs.peak_allocated_bytes],
                "estimate_bytes": theirs.estimated_bytes, "estimate_source": theirs.estimate_source,
                "step_seconds": [mine.step_time, theirs.step_time], "errors": [mine.error, theirs.error],
-               "emulation": emulation[r]}
+               "phase_seconds": [_phases(mine), _phases(theirs)], "emulation": emulation[r]}
         row["peak_error"] = _relative(mine.peak_allocated_bytes, theirs.peak_allocated_bytes)
         row["estimate_error"] = _relative(theirs.estimated_bytes, theirs.peak_allocated_bytes)
         ranks.append(row)
@@ -174,7 +199,9 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
                "predicted_step_seconds": predicted["step_seconds"] if predicted else None,
                "no_overlap_step_seconds": predicted["no_overlap_step_seconds"] if predicted else None,
                "measured_link_step_seconds": with_link["step_seconds"] if with_link else None,
-               "compute_seconds": predicted["compute_seconds"] if predicted else None}
+               "compute_seconds": predicted["compute_seconds"] if predicted else None,
+               "predicted_phase_seconds": predicted.get("phase_seconds") if predicted else None,
+               **start_skew(real)}
     summary["step_error"] = _relative(summary["predicted_step_seconds"], real_step)
     summary["measured_link_step_error"] = _relative(summary["measured_link_step_seconds"], real_step)
     if summary["step_error"] is not None and abs(summary["step_error"]) > STEP_AGREEMENT:
@@ -205,8 +232,9 @@ def real_check(config: str, lab_text: str, runs: Sequence[str], steps: int = 5, 
                                    "not measured"), flush=True)
         for run in parsed:
             rehearsed_mode, real_mode = run.modes()
-            rehearsed = run_jobs(config, lab, run, rehearsed_mode, steps, scratch, accelerator, timeout, log)
-            real = run_jobs(config, lab, run, real_mode, steps, scratch, accelerator, timeout, log)
+            taken = run.steps(steps)
+            rehearsed = run_jobs(config, lab, run, rehearsed_mode, taken, scratch, accelerator, timeout, log)
+            real = run_jobs(config, lab, run, real_mode, taken, scratch, accelerator, timeout, log)
             ours_rehearsed = ours_rehearsed or (rehearsed if run.strategy is not None else [])
             prediction, measured = (predicted_step(run, rehearsed, ours_rehearsed, link, measured_link)
                                     for measured_link in (None, pair))
@@ -236,13 +264,15 @@ def predicted_step(run: Run, rehearsed: list[RankResult], ours: list[RankResult]
     return prediction
 
 
-def format_real_check(results: dict[str, Any]) -> str:
-    def ms(seconds: Optional[float]) -> str:
-        return f"{seconds * 1e3:.1f}" if seconds else "-"
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds is not None else "-"
 
-    def pct(value: Optional[float]) -> str:
-        return f"{value:+.1%}" if value is not None else "n/a"
 
+def _pct(value: Optional[float]) -> str:
+    return f"{value:+.1%}" if value is not None else "n/a"
+
+
+def peak_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = [("run", "rank", "card", "plan", "batch", "peak GiB reh/real", "err", "estimate GiB (from)", "err",
              "probe x rank0 (expected)")]
     for run in results["runs"]:
@@ -253,22 +283,59 @@ def format_real_check(results: dict[str, Any]) -> str:
                 probe += " NOT EMULATED"
             peaks = row["peak_bytes"]
             rows.append((run["run"], str(row["rank"]), row["card"], str(row["plan"][1]), str(row["batch"][1]),
-                         f"{gib(peaks[0])}/{gib(peaks[1])}", pct(row["peak_error"]),
+                         f"{gib(peaks[0])}/{gib(peaks[1])}", _pct(row["peak_error"]),
                          f"{gib(row['estimate_bytes'])} ({row['estimate_source'] or '-'})"
-                         if row["estimate_bytes"] else "-", pct(row["estimate_error"]), probe))
-    steps = [("run", "compute ms per rank (rehearsed)", "predicted ms", "no-overlap ms", "real ms", "err",
-              "with link measured ms", "err")]
+                         if row["estimate_bytes"] else "-", _pct(row["estimate_error"]), probe))
+    return rows
+
+
+def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("run", "rank", "batch", "forward / backward / rest ms: rehearsed", "really run", "real start skew ms",
+             "real period ms")]
     for run in results["runs"]:
-        compute = "/".join(ms(c) for c in run["compute_seconds"] or [])
-        steps.append((run["run"], compute or "-", ms(run["predicted_step_seconds"]),
-                      ms(run["no_overlap_step_seconds"]), ms(run["real_step_seconds"]), pct(run["step_error"]),
-                      ms(run["measured_link_step_seconds"]), pct(run["measured_link_step_error"])))
+        for row in run["ranks"]:
+            mine, theirs = row.get("phase_seconds") or (None, None)
+            first = row["rank"] == 0
+            rows.append((run["run"], str(row["rank"]), str(row["batch"][1]),
+                         " / ".join(_ms(p) for p in mine) if mine else "-",
+                         " / ".join(_ms(p) for p in theirs) if theirs else "-",
+                         _ms(run.get("start_skew_seconds")) if first else "",
+                         _ms(run.get("period_seconds")) if first else ""))
+    return rows
+
+
+def step_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("run", "compute ms per rank (rehearsed)", "predicted ms", "of it: fwd+bwd / optimizer", "no-overlap ms",
+             "real ms", "err", "with link measured ms", "err")]
+    for run in results["runs"]:
+        compute = "/".join(_ms(c) for c in run["compute_seconds"] or [])
+        predicted, phases = run["predicted_step_seconds"], run.get("predicted_phase_seconds")
+        optimizer = max(p[2] for p in phases) if phases and predicted else None
+        split = f"{_ms(predicted - optimizer)} / {_ms(optimizer)}" if optimizer is not None else "-"
+        rows.append((run["run"], compute or "-", _ms(predicted), split, _ms(run["no_overlap_step_seconds"]),
+                     _ms(run["real_step_seconds"]), _pct(run["step_error"]), _ms(run["measured_link_step_seconds"]),
+                     _pct(run["measured_link_step_error"])))
     link = results.get("measured_link")
     if link:
-        steps.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
-                      "", "", "", "", ""))
-    lines = [f"Rehearsed vs really run, one GPU per card (link {results['link']}); peaks "
-             "torch.cuda.max_memory_allocated; estimate: the memory plan's, made before the first step"]
-    lines += aligned(rows) + [""] + aligned(steps)
+        rows.append(("link measured:", f"{link['gbytes_per_s']:.1f} GB/s", f"{link['latency_s'] * 1e6:.0f} us/hop",
+                     "", "", "", "", "", ""))
+    return rows
+
+
+def format_real_check(results: dict[str, Any], peaks: bool = True) -> str:
+    """The check's tables (peaks and plan estimates, each rank's phases, the steps) and its misses; without
+    ``peaks``, the step-time tables alone."""
+    lines = [f"Rehearsed vs really run, one GPU per card: {results.get('config', '')} on {results.get('lab', '')} "
+             f"(link {results['link']}); peaks torch.cuda.max_memory_allocated; estimate: the memory plan's, made "
+             "before the first step"]
+    lines += (aligned(peak_rows(results)) + [""] if peaks else []) + aligned(phase_rows(results)) + [""]
+    lines += aligned(step_rows(results))
     lines += [f"MISS: {d}" for d in results["disagreements"]] or ["every figure within its bar"]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # The step-time tables of one or more checks' `real_check.json`, e.g. two labs checked one after the other.
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            print(format_real_check(json.load(f), peaks=False) + "\n")

@@ -6,10 +6,11 @@ job whose collectives are stood in for by torch's fake process group, in a fresh
 memory (and, on CUDA, to its SM share through a green context; on CPU through the emulator's slowdown). The same is
 done for Lightning's ``DDPStrategy`` and ``FSDPStrategy`` with equal batches. What comes out:
 
-- **measured**: each rank's peak device memory, its step time under the card's compute share, the plan and batch
-  share the strategy chose (from the lab's cards, as the real lab would);
-- **predicted**: the step time of the job (slowest rank's compute plus the modelled communication of the gradient
-  path over the lab's link class), throughput and its ratio to the sum of the cards' solo rates.
+- **measured**: each rank's peak device memory, its step time under the card's compute share (and its phases:
+  forward, backward, optimizer step), the plan and batch share the strategy chose (from the lab's cards, as the
+  real lab would);
+- **predicted**: the step time of the job (the ranks' phases composed with the modelled communication of the
+  gradient path over the lab's link class), throughput and its ratio to the sum of the cards' solo rates.
 
 Example::
 

@@ -4,6 +4,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_hetero.rehearse.timeline import RankPhases
+
 # The steps of a rank not timed (compilation, allocator and cache warm-up).
 WARMUP_STEPS = 2
 # A step is host-bound when the device had finished its work by the time the host issued the step's last of it: the
@@ -76,7 +78,8 @@ class RankResult:
     param_bytes: Optional[int] = None
     compute_bytes: Optional[int] = None
     device: Optional[str] = None
-    # The blocks a sharded strategy gathers one at a time (its memory plan's), for the step's timeline.
+    # The blocks a sharded strategy gathers one at a time (its memory plan's; Lightning's FSDP: the blocks it
+    # wraps), for the step's timeline.
     blocks: Optional[int] = None
     # Where the memory plan's estimate came from: "formula", or measured before training ("allocator", ...).
     estimate_source: Optional[str] = None
@@ -84,11 +87,30 @@ class RankResult:
     # the time of a fixed workload run under it before the first step, to hold against the other ranks'.
     emulated_speed: Optional[float] = None
     emulation_probe_seconds: Optional[float] = None
+    # Per step, its phases in seconds: [forward, backward, the rest (the optimizer step)], timed on the device; for a
+    # rank run for real they include its waits for the other ranks.
+    phase_seconds: list[list[float]] = field(default_factory=list)
+    # Per step, the host clock (`time.time`) at its start: ranks of one machine, compared, show whether they start
+    # together.
+    step_started_at: list[float] = field(default_factory=list)
+    # Replicas rehearsed: DDP's gradient buckets in the order they were ready (bytes), and when, as a fraction of the
+    # backward (the last timed step).
+    bucket_bytes: list[int] = field(default_factory=list)
+    bucket_ready: list[float] = field(default_factory=list)
 
     @property
     def step_time(self) -> Optional[float]:
         timed = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
         return statistics.median(timed) if timed else None
+
+    @property
+    def phases(self) -> Optional[RankPhases]:
+        """The timed steps' median phases (and the buckets' ready points), or ``None`` where none were timed."""
+        timed = self.phase_seconds[WARMUP_STEPS:] or self.phase_seconds
+        if not timed:
+            return None
+        forward, backward, optimizer = (statistics.median(column) for column in zip(*timed))
+        return RankPhases(forward, backward, optimizer, tuple(self.bucket_ready))
 
     @property
     def step_spread(self) -> Optional[float]:

@@ -1,11 +1,12 @@
 """The job's step time, throughput and ratio to the sum of the cards' solo rates, predicted from the rehearsed ranks."""
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_hetero.plan.split import split_batch
 from lightning_hetero.rehearse.job import RankResult
 from lightning_hetero.rehearse.timeline import (
+    RankPhases,
     buckets_of,
     no_overlap,
     replicated_step,
@@ -23,36 +24,51 @@ LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
 # Per ring hop (s): not measured here; NCCL's usual small-message latencies per link class (they matter only for
 # many small blocks: 20 blocks x 2 ranks on PCIe come to 1.2 ms a step).
 LINK_LATENCY_S = {"nvlink": 10e-6, "pcie": 20e-6, "ethernet": 60e-6}
-# A step's compute split between forward and backward (the backward computes two gradients per forward product).
-FORWARD_FRACTION = 1 / 3
 
 
-def step_seconds(mode: str, compute: Sequence[float], blocks: int, param_bytes: int, compute_bytes: int,
-                 link: str, measured_link: Optional[tuple[float, float]] = None) -> tuple[float, float, float]:
+def step_seconds(mode: str, compute: Sequence[Union[RankPhases, float]], blocks: int, param_bytes: int,
+                 compute_bytes: int, link: str, measured_link: Optional[tuple[float, float]] = None,
+                 bucket_bytes: Optional[Sequence[int]] = None) -> tuple[float, float, float]:
     """The step (overlap modelled, see :mod:`lightning_hetero.rehearse.timeline`), its no-overlap bound, and its
-    communication time, from each rank's measured compute time (the rehearsed step, collectives stood in for).
+    communication time, from each rank's measured step (the rehearsed step, collectives stood in for): its phases,
+    or only its total (then split as :meth:`RankPhases.split` says).
 
-    Replicas (DDP): the gradients (``param_bytes``) all-reduced in 25 MiB buckets through the backward. Sharded
-    (FSDP, ours and Lightning's): each of ``blocks`` equal blocks all-gathered (compute dtype) before its forward and
-    its backward, its gradients reduce-scattered (the same dtype: both strategies reduce in the compute dtype) after
-    its backward. Each rank's compute is spread evenly over the blocks, a third forward. ``measured_link``: (GB/s,
-    seconds per hop) measured on the lab's link, in place of the link class's figures.
+    Replicas (DDP): the gradients all-reduced bucket by bucket (``bucket_bytes`` and each rank's ``ready`` as
+    measured, else ``param_bytes`` in equal 25 MiB buckets at equal intervals) through the backward. Sharded (FSDP,
+    ours and Lightning's): each of ``blocks`` equal blocks all-gathered (compute dtype) before its forward and its
+    backward, its gradients reduce-scattered (the same dtype: both strategies reduce in the compute dtype) after its
+    backward; each rank's forward and backward spread evenly over the blocks. Either way the optimizer steps after
+    the last collective, the slowest rank's last. ``measured_link``: (GB/s, seconds per hop) measured on the lab's
+    link, in place of the link class's figures.
     """
-    world = len(compute)
+    ranks = [c if isinstance(c, RankPhases) else RankPhases.split(c) for c in compute]
+    world = len(ranks)
     gbytes, latency = measured_link or (LINK_GBYTES[link], LINK_LATENCY_S[link])
-    forward = [[t * FORWARD_FRACTION / blocks] * blocks for t in compute]
-    backward = [[t * (1 - FORWARD_FRACTION) / blocks] * blocks for t in compute]
+    optimizer = max(p.optimizer for p in ranks)
     if mode in ("hetero_ddp", "ddp"):
-        reduce = ring_seconds("all_reduce", param_bytes, world, gbytes, latency)
-        slow = max(compute)
-        step = replicated_step(slow * FORWARD_FRACTION, slow * (1 - FORWARD_FRACTION), reduce,
-                               buckets_of(param_bytes))
-        return step, slow + reduce, reduce
+        measured = bucket_bytes and all(len(p.ready) == len(bucket_bytes) for p in ranks)
+        if not measured:
+            ranks = [RankPhases(p.forward, p.backward, p.optimizer) for p in ranks]
+        sizes = list(bucket_bytes) if measured else [param_bytes / buckets_of(param_bytes)] * buckets_of(param_bytes)
+        reduces = [ring_seconds("all_reduce", size, world, gbytes, latency) for size in sizes]
+        slow = max(p.forward + p.backward for p in ranks)
+        return replicated_step(ranks, reduces), slow + sum(reduces) + optimizer, sum(reduces)
     gather = [ring_seconds("all_gather", compute_bytes / blocks, world, gbytes, latency)] * blocks
     scatter = [ring_seconds("reduce_scatter", compute_bytes / blocks, world, gbytes, latency)] * blocks
-    fwd, bwd = slowest(forward), slowest(backward)
-    return (sharded_step(fwd, bwd, gather, scatter), no_overlap(fwd, bwd, gather, scatter),
+    fwd = slowest([[p.forward / blocks] * blocks for p in ranks])
+    bwd = slowest([[p.backward / blocks] * blocks for p in ranks])
+    return (sharded_step(fwd, bwd, gather, scatter, optimizer), no_overlap(fwd, bwd, gather, scatter, optimizer),
             2 * sum(gather) + sum(scatter))
+
+
+def rank_phases(result: Optional[RankResult], batch: float) -> Optional[RankPhases]:
+    """A rank's measured phases at ``batch`` samples: its forward and backward scaled from the batch it ran, its
+    optimizer step as it was (the same parameters whatever the batch). ``None``: not run, or no phases measured."""
+    measured = result.phases if result is not None and result.ok else None
+    if measured is None or not result or not result.batch:
+        return None
+    scale = batch / result.batch
+    return RankPhases(measured.forward * scale, measured.backward * scale, measured.optimizer, measured.ready)
 
 
 def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Sequence[RankResult], strategy: str,
@@ -94,11 +110,22 @@ def predict(hetero: Sequence[RankResult], ddp: Sequence[RankResult], fsdp: Seque
         # Ours is timed where it ran the batch predicted for it; elsewhere (a profiled share) at its measured rate.
         measured = {r.rank: r.step_time for r in results
                     if r.ok and r.step_time and (name != ours or r.batch == batches[r.rank])}
-        compute = [measured.get(i) or b / rate for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
-        step, bound, comm = step_seconds(name, compute, base.blocks or 1, base.param_bytes or 0,
-                                         base.compute_bytes or 0, link, measured_link)
+        own = {r.rank: r for r in results}
+        # Each rank's phases: this run's own, else our rank's on that card scaled to the batch, else the rate's total.
+        phases = [rank_phases(own.get(i) if i in measured else None, b) or rank_phases(hetero[i], b)
+                  or RankPhases.split(b / rate) for i, (b, rate) in enumerate(zip(batches, rates))]  # type: ignore
+        compute = [measured.get(i) or p.total for i, p in enumerate(phases)]
+        if any(r.phases is None for r in results if r.rank in measured):
+            # A run timed without its phases (an older record): its totals, as measured.
+            phases = [RankPhases.split(c) for c in compute]
+        bucket_bytes = next((r.bucket_bytes for r in results if r.ok and r.bucket_bytes), None)
+        # Each run's own blocks where it counted them (Lightning's FSDP), else our plan's.
+        blocks = next((r.blocks for r in results if r.blocks), None) or base.blocks or 1
+        step, bound, comm = step_seconds(name, phases, blocks, base.param_bytes or 0,
+                                         base.compute_bytes or 0, link, measured_link, bucket_bytes)
         out["strategies"][name] = {
             "fits": fits, "batches": batches, "compute_seconds": compute, "communication_seconds": comm,
+            "phase_seconds": [[p.forward, p.backward, p.optimizer] for p in phases],
             "estimated": [i for i in range(world) if i not in measured],
             "step_seconds": step, "no_overlap_step_seconds": bound,
             "samples_per_s": global_batch / step if fits else None,

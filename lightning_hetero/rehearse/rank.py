@@ -32,10 +32,40 @@ PROBE_SIDE = {"cuda": 4096, "cpu": 256}
 PROBE_REPEATS = 20
 
 
-def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's all-reduce stood in for: the bucket's own gradients (the fake group's work carries no result)."""
+class StepClock:
+    """Points within a step as the device reaches them (CUDA: events on the current stream, read after the step's
+    end; CPU: the host clock, which the work keeps pace with), so the step's phases cost no synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class BucketTimes:
+    """DDP's gradient buckets of one step as they reach the comm hook: (bytes, the :class:`StepClock` mark)."""
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+        self.ready: list[tuple[int, Any]] = []
+
+
+def local_gradients_hook(state: Optional[BucketTimes], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce stood in for: the bucket's own gradients (the fake group's work carries no result); with
+    ``state``, the bucket's size and the point it was ready noted."""
+    buffer = bucket.buffer()
+    if state is not None:
+        state.ready.append((buffer.numel() * buffer.element_size(), state.clock.mark()))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(bucket.buffer())
+    future.set_result(buffer)
     return future
 
 
@@ -51,10 +81,11 @@ def _first_batch_dim(batch: Any) -> Optional[int]:
 
 
 def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator] = None) -> Any:
-    """A callback timing every training step (synchronised) and noting the batch each rank trained on; for
-    a DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
-    :func:`local_gradients_hook`. With ``emulator`` (Lightning's strategies, which have none of their own) each step
-    runs under the card's SM share (CPU: its slowdown), as ours does."""
+    """A callback timing every training step (synchronised) and its phases (forward, backward, the rest: see
+    :class:`~lightning_hetero.rehearse.timeline.RankPhases`) and noting the batch each rank trained on; for a
+    DDP-wrapped model (Lightning's, or ours without a hook of its own) it stands the all-reduce in with
+    :func:`local_gradients_hook`, noting when each bucket was ready. With ``emulator`` (Lightning's strategies, which
+    have none of their own) each step runs under the card's SM share (CPU: its slowdown), as ours does."""
     from contextlib import ExitStack
 
     from lightning.pytorch import Callback
@@ -67,12 +98,21 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
         def __init__(self) -> None:
             self.started = 0.0
             self.step = ExitStack()  # the emulator's capped step, from batch start to batch end
+            self.clock = StepClock(device)
+            self.buckets = BucketTimes(self.clock)
+            self.marks: list[Any] = []  # the step's start, the first backward's start, the last backward's end
+            # CPU: the emulator sleeps a slowed card's extra time off after the step; it belongs to every phase, in
+            # proportion (the emulator's count of the seconds slept, before the step).
+            self.sleeper: Optional[Emulator] = None
+            self.slept = 0.0
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             # Before the first step: the rank's emulation (ours: the strategy's own emulator) times a fixed workload,
             # so that a run shows every rank emulated as its card.
             emulated = emulator if emulator is not None else getattr(trainer.strategy, "emulation", None)
             result.emulated_speed, result.emulation_probe_seconds = emulation_probe(emulated, device)
+            if emulated is not None and device.type == "cpu":
+                self.sleeper = emulated
 
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
@@ -83,16 +123,27 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             own_hook = getattr(strategy, "weighting", None) is not None
             ddp_wrapped = isinstance(strategy.model, DistributedDataParallel)
             if result.mode in ("ddp", "hetero") and ddp_wrapped and not own_hook:
-                strategy.model.register_comm_hook(None, local_gradients_hook)
+                strategy.model.register_comm_hook(self.buckets, local_gradients_hook)
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             sync()
             if device.type == "cuda" and result.setup_peak_bytes is None:
                 result.setup_peak_bytes = torch.cuda.max_memory_allocated(device)
             self.started = time.perf_counter()
+            result.step_started_at.append(time.time())
+            self.marks, self.buckets.ready = [self.clock.mark()], []
+            self.slept = self.sleeper.slept_seconds if self.sleeper is not None else 0.0
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
                 self.step.enter_context(emulator.work())  # forward, backward and optimizer step on the capped stream
+
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            if len(self.marks) == 1:  # the first (micro-)batch's backward: the forward ended
+                self.marks.append(self.clock.mark())
+
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            if len(self.marks) >= 2:
+                self.marks[2:] = [self.clock.mark()]  # the last (micro-)batch's backward ends the phase
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.step.close()
@@ -100,9 +151,27 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             sync()
             ended = time.perf_counter()
             result.step_seconds.append(ended - self.started)
+            if len(self.marks) == 3:
+                try:
+                    self.record_phases(ended - self.started)
+                except RuntimeError as err:  # the device's clock unread: the step's total stands, without phases
+                    print(f"rehearsal: step phases not timed ({err})", flush=True)
+                    self.marks = []
             if device.type == "cuda":
                 result.step_peak_bytes.append(torch.cuda.max_memory_allocated(device))
             result.device_wait_seconds.append(ended - issued)
+
+        def record_phases(self, window: float) -> None:
+            start, forward_end, backward_end = self.marks
+            slept = max(0.0, self.sleeper.slept_seconds - self.slept) if self.sleeper is not None else 0.0
+            stretch = window / (window - slept) if window > slept else 1.0
+            forward = self.clock.seconds(start, forward_end) * stretch
+            backward = self.clock.seconds(forward_end, backward_end) * stretch
+            ready = [(size, self.clock.seconds(forward_end, mark) * stretch) for size, mark in self.buckets.ready]
+            result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
+            if ready and backward > 0:
+                result.bucket_bytes = [size for size, _ in ready]
+                result.bucket_ready = [min(1.0, max(0.0, at / backward)) for _, at in ready]
 
     return Probe()
 
@@ -280,6 +349,11 @@ def run_rank(job: RankJob) -> RankResult:
         precision = str(getattr(cli.trainer.precision_plugin, "precision", "32-true"))
         element = 2 if ("16" in precision and "32" not in precision) else 4
         result.compute_bytes = result.parameters * element
+        if LIGHTNING_MODES.get(job.mode) == "fsdp":
+            from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
+
+            # The blocks Lightning's FSDPStrategy wraps here (`trainer_overrides`), each gathered on its own.
+            result.blocks = len(top_level_blocks(cli.model, default_blocks(cli.model))) or None
 
     try:
         # "real": the strategy creates its own process group (NCCL on CUDA), as in a run of the lab itself.

@@ -110,14 +110,17 @@ def advice_lines(advice: Optional[dict[str, Any]]) -> list[str]:
 ASSUMPTIONS = (
     "memory: measured (torch.cuda.max_memory_allocated of the rank's own process under the card's memory cap); "
     "the CUDA context and NCCL buffers (~0.5-1 GiB on a real card) are not included",
-    "compute: each rank's step time (forward, backward, optimizer) measured on this device under the card's SM "
-    "share (CPU: the emulator's slowdown), with collectives stood in for, for ours and Lightning's DDP/FSDP alike",
+    "compute: each rank's step time, in its phases (forward, backward, optimizer step), measured on this device "
+    "under the card's SM share (CPU: the emulator's slowdown), with collectives stood in for, for ours and "
+    "Lightning's DDP/FSDP alike",
     "link: the slowest link class of the lab; bandwidths (GB/s) " + ", ".join(f"{k} {v:g}" for k, v in
                                                                             LINK_GBYTES.items())
     + " (NCCL between two H200s with the emulator's settings); ring collectives",
     "overlap: FSDP's prefetch (a block's all-gather during the block before; reduce-scatters during the next "
-    "backward block) and DDP's bucketed all-reduce during the backward, on one communication stream, ranks meeting "
-    "at each collective; per-hop latency " + ", ".join(f"{k} {v * 1e6:g} us" for k, v in LINK_LATENCY_S.items())
+    "backward block) and DDP's bucketed all-reduce during the backward (each bucket once every rank has it, as "
+    "measured), on one communication stream, ranks meeting at each collective; the optimizer step after the last "
+    "collective, the slowest rank's; per-hop latency "
+    + ", ".join(f"{k} {v * 1e6:g} us" for k, v in LINK_LATENCY_S.items())
     + " (assumed); no-overlap ms: the bound where no collective overlaps compute",
     "gradients uncompressed, in the parameters' dtype; FSDP all-gathers in the compute dtype",
 )

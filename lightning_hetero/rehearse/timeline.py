@@ -6,10 +6,15 @@ per-block times (seconds), so they are tested on hand-written timelines.
   Backward (reverse order): block j-1's all-gather is issued when block j starts, block j's reduce-scatter when it
   ends. Exposed: the first all-gather, the backward's first all-gather where the forward's last block outran it, the
   last reduce-scatter, and any block whose collectives outlast its compute.
-- Replicas (DDP): gradient buckets of equal size ready at equal intervals through the backward, all-reduced one after
-  the other on the communication stream: only what the backward cannot hide (at least the last bucket) is exposed.
+- Replicas (DDP): gradient buckets, each all-reduced once every rank has produced it (at its own point of its own
+  backward), one after the other on the communication stream: only what the backwards cannot hide (at least the last
+  bucket) is exposed.
 
-Ranks meet at every collective, so each block's compute is the slowest rank's (:func:`slowest`).
+Ranks meet at every collective, so each block's compute is the slowest rank's (:func:`slowest`). The optimizer step
+follows the last collective and hides none of them; each rank's is its own, and the step ends with the slowest rank's
+(a per-step collective after it, e.g. the stop check, holds every rank to that end). So a step is composed from each
+rank's :class:`RankPhases`, not its total: a rank with a small share on a slow card can be the slowest in its
+optimizer step while another is the slowest in its forward and backward.
 
 Example::
 
@@ -21,6 +26,32 @@ Example::
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Where only a rank's total step time is known: a third forward (the backward computes two gradients per forward
+# product) and no optimizer step apart.
+FORWARD_FRACTION = 1 / 3
+
+
+@dataclass(frozen=True)
+class RankPhases:
+    """One rank's step in its phases (seconds): forward (the step's start to its loss), backward (to the last
+    gradient), optimizer (the rest: the optimizer step and what follows it); ``ready``: for replicas, the fraction of
+    the backward at which each gradient bucket was ready (empty: equal buckets at equal intervals)."""
+
+    forward: float
+    backward: float
+    optimizer: float = 0.0
+    ready: tuple[float, ...] = ()
+
+    @classmethod
+    def split(cls, total: float) -> "RankPhases":
+        """A total step time with no phases measured, split as :data:`FORWARD_FRACTION` says."""
+        return cls(total * FORWARD_FRACTION, total * (1 - FORWARD_FRACTION))
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.optimizer
 
 
 def ring_seconds(kind: str, nbytes: float, world: int, gbytes_per_s: float, latency_s: float) -> float:
@@ -80,21 +111,29 @@ def sharded_step(forward: Sequence[float], backward: Sequence[float], gather: Se
     return max(now, scattered) + optimizer
 
 
-def replicated_step(forward: float, backward: float, all_reduce: float, buckets: int, optimizer: float = 0.0) -> float:
-    """The step's end under DDP: ``buckets`` equal buckets ready at equal intervals through the backward, each
-    all-reduced in ``all_reduce / buckets`` once the one before is done.
+def replicated_step(ranks: Sequence[RankPhases], reduces: Sequence[float]) -> float:
+    """The step's end under DDP, the ranks starting together: bucket ``k`` (``reduces[k]`` seconds to all-reduce) is
+    all-reduced once the slowest rank has produced it (at ``ready[k]`` of its backward, or ``(k+1)/K`` when not
+    measured) and the bucket before is done; each rank then steps its optimizer.
 
     Example::
 
-        >>> replicated_step(1.0, 2.0, all_reduce=0.4, buckets=4)  # hidden but the last bucket's 0.1
+        >>> replicated_step([RankPhases(1.0, 2.0)], [0.1] * 4)  # hidden but the last bucket's 0.1
         3.1
+        >>> replicated_step([RankPhases(1.0, 2.0, 0.1), RankPhases(0.5, 1.0, 1.0)], [0.1] * 4)  # the slow optimizer
+        4.1
     """
-    if buckets < 1:
-        raise ValueError(f"buckets must be at least 1, got {buckets}")
-    each, end = all_reduce / buckets, 0.0
-    for k in range(1, buckets + 1):
-        end = max(end, forward + backward * k / buckets) + each
-    return end + optimizer
+    if not reduces:
+        raise ValueError("reduces needs one time per bucket, got none")
+    count = len(reduces)
+    for phases in ranks:
+        if phases.ready and len(phases.ready) != count:
+            raise ValueError(f"ready has {len(phases.ready)} buckets, reduces {count}")
+    end = 0.0
+    for k, seconds in enumerate(reduces):
+        produced = max(p.forward + p.backward * (p.ready[k] if p.ready else (k + 1) / count) for p in ranks)
+        end = max(end, produced) + seconds
+    return max(max(end, p.forward + p.backward) + p.optimizer for p in ranks)
 
 
 def no_overlap(forward: Sequence[float], backward: Sequence[float], gather: Sequence[float],

@@ -101,6 +101,15 @@ def test_a_users_script_is_rehearsed_and_json_is_all_of_stdout(tmp_path, capsys,
     assert [(r["rank"], r["ok"], r["batch"]) for r in report["hetero"]] == [(0, True, 12), (1, True, 4)], err
     assert [r["ok"] for r in report["ddp"]] == [True, True]  # Lightning's baseline, through the same script
     assert "rehearsed hetero rank 1 (RTX3090): ok" in err and "Predicted step" in err  # the tables on stderr
+    # Every step timed in its phases, which make up the step; Lightning's DDP buckets noted as they were ready.
+    for rank in report["hetero"] + report["ddp"]:
+        assert len(rank["phase_seconds"]) == len(rank["step_seconds"]) == 4
+        for phases, step in zip(rank["phase_seconds"], rank["step_seconds"]):
+            assert min(phases) >= 0 and sum(phases) == pytest.approx(step, rel=1e-6)
+    for rank in report["ddp"]:
+        assert sum(rank["bucket_bytes"]) >= rank["param_bytes"]
+        assert len(rank["bucket_ready"]) == len(rank["bucket_bytes"])
+        assert rank["bucket_ready"] == sorted(rank["bucket_ready"]) and 0 < rank["bucket_ready"][-1] <= 1
 
 
 @pytest.mark.slow

@@ -46,3 +46,29 @@ def test_the_bars_peak_estimate_and_step():
     assert len(misses) == 3
     assert "rank 0 (card0): rehearsed peak" in misses[0]
     assert "plan estimate" in misses[1] and "predicted step" in misses[2]
+
+
+def test_each_ranks_phases_and_the_real_starts_are_shown():
+    from benchmarks.rehearse_real import OFFLOAD_STEPS, start_skew
+
+    rehearsed = [_rank(0, 10.0, 0.18, 40.0, 0.01), _rank(1, 5.0, 0.2, 8.0, 0.05)]
+    real = [_rank(0, 10.0, 0.25, 40.0, 0.01), _rank(1, 5.0, 0.26, 8.0, 0.05)]
+    for rank, phases in zip(rehearsed + real, ([0.05, 0.1, 0.03], [0.03, 0.06, 0.11], [0.06, 0.15, 0.04],
+                                               [0.05, 0.09, 0.12])):
+        rank.phase_seconds = [phases] * 4
+    # Rank 1 starts 2 ms after rank 0 in every step; the steps come every 0.3 s.
+    real[0].step_started_at = [100.0, 100.3, 100.6, 100.9]
+    real[1].step_started_at = [100.002, 100.302, 100.602, 100.902]
+    assert start_skew(real) == pytest.approx({"start_skew_seconds": 0.002, "period_seconds": 0.3})
+    prediction = {"strategies": {"hetero_ddp": {"step_seconds": 0.26, "no_overlap_step_seconds": 0.3,
+                                                "compute_seconds": [0.18, 0.2],
+                                                "phase_seconds": [[0.05, 0.1, 0.03], [0.03, 0.06, 0.11]]}}}
+    summary, _ = compare_run(Run.parse("hetero_ddp"), rehearsed, real, prediction)
+    rehearsed_phases, real_phases = summary["ranks"][1]["phase_seconds"]
+    assert rehearsed_phases == pytest.approx([0.03, 0.06, 0.11]) and real_phases == pytest.approx([0.05, 0.09, 0.12])
+    assert summary["start_skew_seconds"] == pytest.approx(0.002) and summary["period_seconds"] == pytest.approx(0.3)
+    table = format_real_check({"runs": [summary], "disagreements": [], "link": "pcie"})
+    assert "30.0 / 60.0 / 110.0" in table and "50.0 / 90.0 / 120.0" in table and "300.0" in table
+    # A run whose ranks offload takes the warm-up and one timed step at most.
+    assert Run.parse("hetero_fsdp:offload").steps(5) == OFFLOAD_STEPS == 3
+    assert Run.parse("hetero_fsdp:keep").steps(5) == 5 and Run.parse("hetero_fsdp:offload").steps(2) == 2

@@ -115,6 +115,43 @@ def test_prediction_times_every_strategy_on_its_own_steps_and_extrapolates_only_
     assert strategies["hetero_fsdp"]["step_seconds"] == pytest.approx(0.060 + comm)
 
 
+def test_prediction_composes_the_measured_phases_and_buckets_of_each_rank():
+    """Issue 37's 7 + 1 split in shape: rank 0 (6 samples) is the slower in its forward and backward, rank 1 (2
+    samples on a slow card) in its optimizer step; the step is composed phase by phase, and DDP's buckets reduce when
+    both ranks measured them ready (the last one at the backward's end)."""
+    from lightning_hetero.rehearse.predict import predict
+
+    ours = [_result("hetero", 0, 6, 0.060), _result("hetero", 1, 2, 0.065)]
+    for rank, phases in zip(ours, ([0.015, 0.040, 0.005], [0.005, 0.015, 0.045])):
+        rank.phase_seconds = [[1.0, 1.0, 1.0]] * 2 + [phases] * 3
+        rank.bucket_bytes, rank.bucket_ready = [1_000_000, 1_000_000, 2_000_000], [0.3, 0.6, 1.0]
+    out = predict(ours, [], [], "hetero_ddp", "pcie", measured_link=(1.0, 0.0))
+    ddp = out["strategies"]["hetero_ddp"]
+    assert [pytest.approx(p) for p in ([0.015, 0.040, 0.005], [0.005, 0.015, 0.045])] == ddp["phase_seconds"]
+    # 2 MB (2 ms at 1 GB/s over two ranks' ring) after rank 0's backward (0.055), then rank 1's optimizer (0.045).
+    assert ddp["step_seconds"] == pytest.approx(0.055 + 0.002 + 0.045)
+    assert ddp["step_seconds"] > max(ddp["compute_seconds"]) + 0.03  # the slower total plus a bucket, no longer
+    # Without phases (an older record) the totals are split as before: the slower total, then its one 4 MB bucket.
+    for rank in ours:
+        rank.phase_seconds = []
+    older = predict(ours, [], [], "hetero_ddp", "pcie", (1.0, 0.0))["strategies"]["hetero_ddp"]
+    assert older["step_seconds"] == pytest.approx(0.065 + 0.004)
+
+
+def test_lightnings_sharded_baseline_is_timed_over_the_blocks_it_wraps():
+    # Ours replicated (no memory plan, so no blocks of its own): Lightning's FSDP is gathered block by block all the
+    # same, not as one block whose gathers nothing hides.
+    from lightning_hetero.rehearse.predict import predict
+
+    ours = [_result("hetero", 0, 6, 0.060), _result("hetero", 1, 2, 0.050)]
+    fsdp = [_result("fsdp", 0, 4, 0.045), _result("fsdp", 1, 4, 0.080)]
+    whole = predict(ours, [], fsdp, "hetero_ddp", "pcie", (0.1, 0.0))["strategies"]["fsdp"]
+    for rank in fsdp:
+        rank.blocks = 8
+    blocked = predict(ours, [], fsdp, "hetero_ddp", "pcie", (0.1, 0.0))["strategies"]["fsdp"]
+    assert blocked["step_seconds"] < whole["step_seconds"] - 0.01
+
+
 def test_measured_capacities_are_named_as_not_rehearsed():
     from lightning_hetero.rehearse.notes import notes
 
