@@ -533,7 +533,7 @@ def format_detail(detail: Any) -> str:
 
 def format_table(headers: list[str], lines: list[list[str]]) -> str:
     """Left-aligned columns under a header and a rule."""
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(l[i]) for l in lines)]) for i, h in enumerate(headers)]  # no lines: the header
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
 

@@ -534,6 +534,10 @@ class Emulator:
         that started unslowed had no gradient-bucket observer registered by the strategy at setup, so after a
         throttle its wait for DDP's all-reduce counts as compute: give it a slowdown above 1 from the start when
         that matters.
+
+        cuDNN keeps the kernels it chose for the old SM count: ResNet-50 autotuned (``cudnn.benchmark``) on a whole H100
+        failed on its next backward after a throttle to 64 SMs (``CUDNN_STATUS_EXECUTION_FAILED``, 2026-11-27);
+        matmul-bound models (cuBLAS, GPT) slowed by the SM ratio.
         """
         if self._depth:
             raise RuntimeError("Emulator.throttle() was called inside a step: call it between steps.")
