@@ -257,7 +257,8 @@ def run(config: str, args: argparse.Namespace) -> None:
     if trainer.global_rank == 0:
         elapsed = timer.t1 - timer.t0
         row = {"config": config, "model": args.model, "world": world, "global_batch": batch * world,
-               "samples_per_s": round(batch * world * args.steps / elapsed, 3), "step_s": round(elapsed / args.steps, 4), "peak_gib": peaks, **checks}
+               "samples_per_s": round(batch * world * args.steps / elapsed, 3),
+               "step_s": round(elapsed / args.steps, 4), "peak_gib": peaks, **checks}
         strategy = trainer.strategy
         if config.startswith("hybrid"):
             profile = strategy.core.profiler.profile
@@ -297,6 +298,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--timeout", type=int, default=100, help="seconds per configuration")
+    p.add_argument("--timeouts", default="", help="per-configuration seconds overriding --timeout: hybridauto=240,...")
     p.add_argument("--fast-card", default=None,
                    help="emulate ranks 0, 1 as this preset (e.g. A100-80GB, the seed's lab); default: whole devices")
     p.add_argument("--dump-every", type=int, default=0, help="dump every rank's stack every N s (0: never)")
@@ -306,6 +308,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.run is not None:
         run(args.run, args)
         return
+    limits = {c: int(v) for c, v in (item.split("=") for item in args.timeouts.split(",") if item)}
     rows = []
     work = tempfile.mkdtemp(prefix="bench_hybrid_")  # per-configuration logs and rows; only the summary goes to --out
     for config in args.configs.split(","):
@@ -323,7 +326,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         began = time.perf_counter()
         try:
             with open(log_path, "w") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=limits.get(config, args.timeout)).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
         text = open(log_path).read()
