@@ -25,7 +25,12 @@ verified in the same run. An out-of-memory error is reported as "does not fit".
     python benchmarks/bench_hybrid.py --fast-card A100-80GB --configs hybridauto,fast2,fsdp4 --out $OUT/hybrid
                                       # the seed's lab: ranks 0, 1 emulated as A100s; hybridauto prints ÷ ideal
     python benchmarks/bench_hybrid.py --model bert --fast-card A100-80GB --configs hybrid,dp4,fast2,fsdp4 \
-        --global-batch 128 --out $OUT/bert  # BERT-base, 128 sequences of 128 tokens a step in every configuration
+        --global-batch 160 --out $OUT/bert  # BERT-base, 160 sequences of 128 tokens a step in every configuration
+
+BERT's global batch is the same in every configuration, so a fast card trains about the same number of sequences in
+each (160: 80 on each of two cards, about 72 beside two 3090s by their peak rates; 8-9k tokens, enough for a card's
+matmuls to run near their rate) and the pipeline's share under peak rates (16) splits into 4 equal micro-batches (a
+share the micro-batch count does not divide, e.g. 13 of 128, runs as 1 micro-batch: no overlap of the stages).
 """
 
 import argparse
