@@ -1,19 +1,21 @@
 """The hybrid layout against the alternatives on 2 whole GPUs + 2 emulated RTX 3090s, for a GPT whose AdamW state
-does not fit one 24 GiB card but fits two.
+does not fit one 24 GiB card but fits two (``--model gpt``), or a BERT-base-shaped encoder that fits every card
+(``--model bert``: the seed's table, data parallel on all four against the fast pair, sharding and the pipeline).
 
 Configurations, each a separate Lightning fit (its own process group, launched by Lightning's script launcher):
 
 - ``hybrid``: ``HeteroHybridStrategy(pipelines=[[2, 3]])``: ranks 0, 1 data-parallel, ranks 2, 3 (the emulated
   3090s) one 2-stage pipelined replica;
 - ``hybridauto``: ``HeteroHybridStrategy(pipelines="auto", capacities="profile")``: the cards that cannot hold a
-  replica paired by the planner, each replica's share from its timed steps (on CPU: ``pipelines=[[2, 3]]``, the
-  CPU emulator caps no memory);
+  replica paired by the planner, each replica's share from its timed steps (on CPU the slow ranks' memory is
+  capped at 0.8 of a replica, so the planner pairs them there too);
 - ``fast2``: ``HeteroDDPStrategy`` on the two whole GPUs alone (a);
 - ``dp4``: ``HeteroDDPStrategy`` on all four (b): a 3090 must hold a whole replica, so it is expected not to fit;
 - ``fsdp4``: ``HeteroFSDPStrategy`` on all four (c);
 - ``lfsdp4``: Lightning's ``FSDPStrategy`` on all four, each step under the rank's emulation (d).
 
-Every configuration trains ``--warmup`` untimed and ``--steps`` timed AdamW steps (bf16 autocast) on random tokens;
+Every configuration trains ``--warmup`` untimed and ``--steps`` timed AdamW steps (bf16 autocast) on random tokens
+(BERT: masked-language-model labels at 15 % of each sequence's positions);
 rank 0 reports samples/s and each rank's peak memory. In ``hybrid``, every rank also times a fixed bf16 matmul loop
 with and without its emulation: the measured slowdown against the expected one (1 / SM share), so the emulation is
 verified in the same run. An out-of-memory error is reported as "does not fit".
@@ -22,6 +24,13 @@ verified in the same run. An out-of-memory error is reported as "does not fit".
     python benchmarks/bench_hybrid.py --tiny --accelerator cpu --out /tmp/hy  # smoke run of every code path
     python benchmarks/bench_hybrid.py --fast-card A100-80GB --configs hybridauto,fast2,fsdp4 --out $OUT/hybrid
                                       # the seed's lab: ranks 0, 1 emulated as A100s; hybridauto prints ÷ ideal
+    python benchmarks/bench_hybrid.py --model bert --fast-card A100-80GB --configs hybrid,dp4,fast2,fsdp4 \
+        --global-batch 160 --out $OUT/bert  # BERT-base, 160 sequences of 128 tokens a step in every configuration
+
+BERT's global batch is the same in every configuration, so a fast card trains about the same number of sequences in
+each (160: 80 on each of two cards, about 72 beside two 3090s by their peak rates; 8-9k tokens, enough for a card's
+matmuls to run near their rate) and the pipeline's share under peak rates (16) splits into 4 equal micro-batches (a
+share the micro-batch count does not divide, e.g. 13 of 128, runs as 1 micro-batch: no overlap of the stages).
 """
 
 import argparse
@@ -40,14 +49,21 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import GPT, GPTConfig  # noqa: E402
+from models import GPT, Bert, BertConfig, Block, EncoderLayer, GPTConfig, mlm_batch  # noqa: E402
 
 CONFIGS = ("hybrid", "hybridauto", "fast2", "dp4", "fsdp4", "lfsdp4")
+MODELS = ("gpt", "bert")
 XL = GPTConfig(vocab=50304, seq=512, width=1600, layers=48, heads=25)  # GPT-2 XL shape, untied head: ~1.63B
+# Sequences per rank and step by default: the 1.63B GPT's activations at 512 tokens fill a fast card at 8; BERT-base
+# at 128 tokens needs about 64 (8k tokens) for a fast card's matmuls to run near their rate.
+DEFAULT_BATCH = {"gpt": 8, "bert": 64}
 
 
-def _module_class() -> type:
+def _module_class(model: str) -> type:
     from lightning.pytorch import LightningModule
+
+    if model == "bert":
+        return _bert_module_class()
 
     class UntiedGPT(LightningModule):
         """GPT with its own output head (a tied head would join the first and last stages)."""
@@ -77,9 +93,55 @@ def _module_class() -> type:
     return UntiedGPT
 
 
-def emulate_specs(args: argparse.Namespace, world: int) -> list[Any]:
-    """Ranks 0, 1: whole devices, or ``--fast-card`` (an emulator preset); ranks 2, 3: the slow cards."""
-    slow = {"slowdown": 3.0, "name": "CPU at 33%"} if args.accelerator == "cpu" else "RTX3090"
+def _bert_module_class() -> type:
+    from lightning.pytorch import LightningModule
+
+    class MaskedLM(LightningModule):
+        """A BERT encoder trained on the masked-language-model loss (its head untied: see :class:`models.Bert`)."""
+
+        def __init__(self, cfg: BertConfig) -> None:
+            super().__init__()
+            self.bert = Bert(cfg)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.bert(tokens)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            tokens, labels = batch
+            logits = self(tokens)
+            # Every sequence masks the same number of positions: the mean over masked tokens is the mean over
+            # sequences, so unequal per-rank batches weigh it exactly.
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+            self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return MaskedLM
+
+
+def model_and_data(args: argparse.Namespace, samples: int) -> tuple[Any, Any]:
+    """The ``--model``'s LightningModule (tiny with ``--tiny``) and ``samples`` random training samples."""
+    from torch.utils.data import TensorDataset
+
+    if args.model == "bert":
+        cfg = BertConfig.tiny() if args.tiny else BertConfig()
+        return _module_class("bert")(cfg), TensorDataset(*mlm_batch(cfg, samples))
+    gpt = GPTConfig.tiny() if args.tiny else XL
+    tokens = torch.randint(0, gpt.vocab, (samples, gpt.seq + 1), generator=torch.Generator().manual_seed(0))
+    return _module_class("gpt")(gpt), TensorDataset(tokens)
+
+
+def emulate_specs(args: argparse.Namespace, world: int, replica_bytes: Optional[int] = None) -> list[Any]:
+    """Ranks 0, 1: whole devices, or ``--fast-card`` (an emulator preset); ranks 2, 3: the slow cards. On CPU,
+    ``replica_bytes`` caps the slow ranks' memory below one replica (parameters, gradients, AdamW's moments) and
+    above a 2-stage pipeline's stage, as a 24 GiB card is for the 1.63B GPT."""
+    slow: Any = "RTX3090"
+    if args.accelerator == "cpu":
+        slow = {"slowdown": 3.0, "name": "CPU at 33%"}
+        if replica_bytes is not None:
+            slow["memory_gib"] = 0.8 * replica_bytes / 2**30
     fast = args.fast_card
     return [fast, fast, slow, slow][:world]
 
@@ -110,7 +172,7 @@ def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
     return {"measured_slowdown": round(emulated / plain, 2), "expected_slowdown": round(expected, 2)}
 
 
-def _strategy(config: str, args: argparse.Namespace, world: int) -> Any:
+def _strategy(config: str, args: argparse.Namespace, world: int, module: nn.Module) -> Any:
     from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy
 
     common: dict[str, Any] = {"observation": {"print_table": False}, "resilience": {"timeout": 150}}
@@ -122,19 +184,20 @@ def _strategy(config: str, args: argparse.Namespace, world: int) -> Any:
         return HeteroHybridStrategy(pipelines=[[2, 3]], capacities=peak, emulate=emulate,
                                     micro_batches=args.micro_batches, precision_policy=precision, **common)
     if config == "hybridauto":
-        pipelines: Any = [[2, 3]] if args.accelerator == "cpu" else "auto"
-        return HeteroHybridStrategy(pipelines=pipelines, capacities="profile", emulate=emulate,
-                                    micro_batches=args.micro_batches, precision_policy=precision, **common)
+        replica = 4 * sum(p.numel() * p.element_size() for p in module.parameters())
+        return HeteroHybridStrategy(pipelines="auto", capacities="profile", emulate=emulate_specs(args, world, replica),
+                                    micro_batches=args.micro_batches, precision_policy=precision,
+                                    profiling={"steps": args.profile_steps}, **common)
     if config == "fast2":
         return HeteroDDPStrategy(capacities="equal", precision_policy=precision, emulate=emulate, **common)
     if config == "dp4":
         return HeteroDDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
     if config == "fsdp4":
         return HeteroFSDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
-    return _emulated_fsdp(emulate)
+    return _emulated_fsdp(emulate, EncoderLayer if args.model == "bert" else Block)
 
 
-def _emulated_fsdp(emulate: list[Any]) -> Any:
+def _emulated_fsdp(emulate: list[Any], block: type) -> Any:
     """Lightning's FSDPStrategy, each step under this rank's emulation (its compute and memory caps)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
@@ -152,15 +215,13 @@ def _emulated_fsdp(emulate: list[Any]) -> Any:
             if self.emulator is not None:
                 self.emulator.activate()
 
-    from models import Block
-
-    return EmulatedFSDP(auto_wrap_policy={Block}, state_dict_type="sharded")
+    return EmulatedFSDP(auto_wrap_policy={block}, state_dict_type="sharded")
 
 
 def run(config: str, args: argparse.Namespace) -> None:
     """One configuration's fit (every rank runs this; rank 0 writes the row)."""
     from lightning.pytorch import Callback, Trainer, seed_everything
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from bench_lab import _timer_class
 
@@ -169,13 +230,11 @@ def run(config: str, args: argparse.Namespace) -> None:
 
         faulthandler.dump_traceback_later(args.dump_every, repeat=True)
     world = 2 if config == "fast2" else 4
-    cfg = GPTConfig.tiny() if args.tiny else XL
+    batch = rank_batch(args, world)
     seed_everything(0, verbose=False)
-    module = _module_class()(cfg)
     steps = args.warmup + args.steps
-    samples = args.batch * world * steps
-    tokens = torch.randint(0, cfg.vocab, (samples, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(TensorDataset(tokens), batch_size=args.batch)
+    module, dataset = model_and_data(args, batch * world * steps)
+    loader = DataLoader(dataset, batch_size=batch)
     timer = _timer_class()(args.warmup, args.steps)
     checks: dict[str, Any] = {}
 
@@ -190,7 +249,7 @@ def run(config: str, args: argparse.Namespace) -> None:
 
     precision = "bf16-mixed" if config == "lfsdp4" and args.accelerator != "cpu" else None
     trainer = Trainer(accelerator="cpu" if args.accelerator == "cpu" else "gpu", devices=world,
-                      strategy=_strategy(config, args, world), max_steps=steps, logger=False,
+                      strategy=_strategy(config, args, world, module), max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[timer] + ([Verify()] if config == "hybrid" else []),
                       **({"precision": precision} if precision else {}))
@@ -202,7 +261,8 @@ def run(config: str, args: argparse.Namespace) -> None:
     dist.all_gather_object(peaks, None if peak is None else round(peak, 2))
     if trainer.global_rank == 0:
         elapsed = timer.t1 - timer.t0
-        row = {"config": config, "world": world, "samples_per_s": round(args.batch * world * args.steps / elapsed, 3),
+        row = {"config": config, "model": args.model, "world": world, "global_batch": batch * world,
+               "samples_per_s": round(batch * world * args.steps / elapsed, 3),
                "step_s": round(elapsed / args.steps, 4), "peak_gib": peaks, **checks}
         strategy = trainer.strategy
         if config.startswith("hybrid"):
@@ -216,17 +276,34 @@ def run(config: str, args: argparse.Namespace) -> None:
             json.dump(row, f)
 
 
+def rank_batch(args: argparse.Namespace, world: int) -> int:
+    """The loader's sequences per rank: ``--global-batch`` / world (the same global batch in every configuration),
+    else ``--batch`` (default: the model's)."""
+    if args.global_batch:
+        if args.global_batch % world:
+            raise ValueError(f"--global-batch {args.global_batch} is not a multiple of the world size {world}.")
+        return args.global_batch // world
+    return args.batch or DEFAULT_BATCH[args.model]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in Lightning's launch
     p.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="a tiny GPT (CPU smoke run)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step (global = batch x world)")
+    p.add_argument("--model", default="gpt", choices=MODELS,
+                   help="gpt: a 1.63B GPT (GPT-2 XL shape); bert: a BERT-base-shaped encoder, MLM loss, 128 tokens")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"sequences per rank and step (global = batch x world; default {DEFAULT_BATCH})")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step in every configuration (overrides --batch; a multiple of 4)")
+    p.add_argument("--profile-steps", type=int, default=4, help="timed steps per size of `capacities=\"profile\"`")
     p.add_argument("--micro-batches", type=int, default=None, help="the pipeline's micro-batches (default 2 x stages)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--timeout", type=int, default=100, help="seconds per configuration")
+    p.add_argument("--timeouts", default="", help="per-configuration seconds overriding --timeout: hybridauto=240,...")
     p.add_argument("--fast-card", default=None,
                    help="emulate ranks 0, 1 as this preset (e.g. A100-80GB, the seed's lab); default: whole devices")
     p.add_argument("--dump-every", type=int, default=0, help="dump every rank's stack every N s (0: never)")
@@ -236,15 +313,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.run is not None:
         run(args.run, args)
         return
+    limits = {c: int(v) for c, v in (item.split("=") for item in args.timeouts.split(",") if item)}
     rows = []
     work = tempfile.mkdtemp(prefix="bench_hybrid_")  # per-configuration logs and rows; only the summary goes to --out
     for config in args.configs.split(","):
         if config == "lfsdp4" and args.accelerator == "cpu":  # Lightning's FSDPStrategy needs an accelerator
             rows.append({"config": config, "error": "skipped on CPU"})
             continue
-        command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work,
-                   "--accelerator", args.accelerator, "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--dump-every", str(args.dump_every)]
+        command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work, "--model", args.model,
+                   "--accelerator", args.accelerator, "--batch", str(rank_batch(args, 2 if config == "fast2" else 4)),
+                   "--warmup", str(args.warmup), "--steps", str(args.steps), "--dump-every", str(args.dump_every),
+                   "--profile-steps", str(args.profile_steps)]
         command += ["--fast-card", args.fast_card] if args.fast_card else []
         command += (["--tiny"] if args.tiny else []) + (
             ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
@@ -252,7 +331,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         began = time.perf_counter()
         try:
             with open(log_path, "w") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=limits.get(config, args.timeout)).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
         text = open(log_path).read()

@@ -63,6 +63,91 @@ class GPT(nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
+@dataclass(frozen=True)
+class BertConfig:
+    """A BERT encoder's shape; the defaults are BERT-base (width 768, 12 layers, 12 heads, WordPiece vocabulary)."""
+
+    vocab: int = 30522
+    seq: int = 128
+    width: int = 768
+    layers: int = 12
+    heads: int = 12
+    masked: float = 0.15  # the fraction of each sequence's positions the MLM loss predicts
+
+    @classmethod
+    def tiny(cls) -> "BertConfig":
+        return cls(vocab=256, seq=32, width=64, layers=2, heads=4)
+
+
+class EncoderLayer(nn.Module):
+    """A post-norm BERT layer: bidirectional self-attention, then a 4x GELU MLP, each added and layer-normed."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.ln1 = nn.LayerNorm(cfg.width, eps=1e-12)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width))
+        self.ln2 = nn.LayerNorm(cfg.width, eps=1e-12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        x = self.ln1(x + self.proj(attn))
+        return self.ln2(x + self.mlp(x))
+
+
+class Bert(nn.Module):
+    """A BERT encoder with its masked-language-model head: token logits at every position.
+
+    No dropout, no token types or padding mask (benchmarks train on full-length random sequences), and the head's
+    decoder is its own weight, not the token embedding's: a pipeline cut between the embedding and the head would
+    otherwise split a tied weight across stages. The layers are one ``nn.ModuleList``, the blocks a pipeline or a
+    sharding splits at. BERT-base so shaped holds ≈ 133M parameters.
+    """
+
+    def __init__(self, cfg: BertConfig = BertConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.width))
+        self.ln = nn.LayerNorm(cfg.width, eps=1e-12)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.layers))
+        self.transform = nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.GELU(), nn.LayerNorm(cfg.width, eps=1e-12))
+        self.decoder = nn.Linear(cfg.width, cfg.vocab)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.ln(self.tok(tokens) + self.pos[: tokens.shape[1]])
+        for layer in self.layers:
+            x = layer(x)
+        return self.decoder(self.transform(x))
+
+
+def mlm_batch(cfg: BertConfig, samples: int, seed: int = 0, mask_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token sequences for masked-language-model training: (inputs, labels). Each sequence has the same number
+    of masked positions (``cfg.masked`` of its length, at random places), so the mean loss over masked tokens is the
+    mean over sequences of their own means: a global batch's loss splits over ranks by sample count. Inputs carry
+    ``mask_id`` at the masked positions; labels are the original token there and -100 (ignored) elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, cfg.vocab, (samples, cfg.seq), generator=g)
+    count = max(1, round(cfg.masked * cfg.seq))
+    positions = torch.rand(samples, cfg.seq, generator=g).argsort(dim=1)[:, :count]
+    masked = torch.zeros(samples, cfg.seq, dtype=torch.bool).scatter_(1, positions, True)
+    return tokens.masked_fill(masked, mask_id), tokens.masked_fill(~masked, -100)
+
+
+def bert_parameters(cfg: BertConfig) -> int:
+    """Parameters of :class:`Bert` (untied head)."""
+    per_layer = 12 * cfg.width**2 + 13 * cfg.width
+    embed = (cfg.vocab + cfg.seq) * cfg.width + 2 * cfg.width
+    head = cfg.width**2 + 3 * cfg.width + cfg.width * cfg.vocab + cfg.vocab
+    return embed + cfg.layers * per_layer + head
+
+
 class Bottleneck(nn.Module):
     """ResNet v1.5 bottleneck (stride on the 3x3 conv), as in torchvision."""
 

@@ -77,6 +77,20 @@ class HybridLayout:
         stage rank of the first pipeline): the source when every rank needs the whole model."""
         return self.data_parallel[0] if self.data_parallel else self.pipelines[0][stage]
 
+    @property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """Every replica's ranks, ordered by their first rank: a data-parallel rank alone, a pipeline's stage ranks
+        together (the share plan splits a global batch over these:
+        :attr:`~lightning_hetero.plan.shares.SharePlan.replicas`).
+
+        Example::
+
+            >>> HybridLayout.from_pipelines([[1, 3]], world_size=4).replicas
+            ((0,), (1, 3), (2,))
+        """
+        alone = [(r,) for r in self.data_parallel]
+        return tuple(sorted(alone + list(self.pipelines), key=lambda group: group[0]))
+
     def replica_sizes(self, rank_sizes: Sequence[float]) -> list[float]:
         """Samples per replica (data-parallel ranks in order, then pipelines) from the sampler's per-rank split: a
         pipeline trains on the union of its ranks' slices."""

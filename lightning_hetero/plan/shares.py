@@ -39,7 +39,8 @@ from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
-from lightning_hetero.plan.split import split_batch, split_by_cost
+from lightning_hetero.plan.split import (check_replicas, split_batch, split_by_cost, split_replicas,
+                                         split_replicas_by_cost)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class ShareSchedule:
     Changes are keyed to batch indices, so every rank applies one to the same batch; a new epoch starts from the
     latest change. ``cap_shares=False`` ignores memory caps (oversized shares then run as micro-batches).
     ``min_share``: the fewest samples a rank trains on (2 while BatchNorm layers train on per-rank statistics).
+    ``replicas``: ranks that train one replica together (a pipeline's), split as one (:meth:`set_replicas`).
     """
 
     def __init__(self, global_batch_size: Optional[int], capacities: Sequence[float],
@@ -67,6 +69,7 @@ class ShareSchedule:
                 "every rank needs at least one sample of each global batch."
             )
         self.min_share = 1
+        self.replicas: Optional[tuple[tuple[int, ...], ...]] = None
         # None: not yet known (the plan's schedule before the training loader is built).
         self.global_batch_size = global_batch_size
         self.world_size = len(capacities)
@@ -131,6 +134,13 @@ class ShareSchedule:
         self.min_share = min_share
         self._full_splits.clear()
 
+    def set_replicas(self, replicas: Optional[Sequence[Sequence[int]]]) -> None:
+        """Split over these groups of ranks (each trains one replica on the union of its slices, every rank once)
+        with the least share per replica, a rank of a group possibly getting none (:func:`split_replicas`);
+        ``None``: every rank its own replica."""
+        self.replicas = None if replicas is None else check_replicas(replicas, self.world_size)
+        self._full_splits.clear()
+
     def set_global_batch_size(self, global_batch_size: int) -> None:
         self.global_batch_size = int(global_batch_size)
         self._full_splits.clear()
@@ -157,6 +167,8 @@ class ShareSchedule:
 
     def _split(self, total: int, change: ShareChange) -> list[int]:
         """Every count split of this schedule: :func:`split_batch` under ``change``."""
+        if self.replicas is not None:
+            return split_replicas(total, change.capacities, self.replicas, self.caps_of(change), self.min_share)
         return split_batch(total, change.capacities, self.caps_of(change), self.min_share)
 
     def cut(self, batch_index: int, costs: Sequence[float]) -> list[list[int]]:
@@ -165,8 +177,12 @@ class ShareSchedule:
         consecutive runs of :meth:`split_at`'s counts."""
         if self.balance != "samples":
             change = self.change_at(batch_index)
-            return split_by_cost(costs, change.capacities, self.caps_of(change),
-                                 padded=self.balance == "padded_tokens", minimum=self.min_share)
+            padded = self.balance == "padded_tokens"
+            if self.replicas is not None:
+                return split_replicas_by_cost(costs, change.capacities, self.replicas, self.caps_of(change),
+                                              padded=padded, minimum=self.min_share)
+            return split_by_cost(costs, change.capacities, self.caps_of(change), padded=padded,
+                                 minimum=self.min_share)
         bounds = [0]
         for b in self.split_at(batch_index, len(costs)):
             bounds.append(bounds[-1] + b)
@@ -195,6 +211,7 @@ class SharePlan:
         # The evaluation loaders' schedules, which follow every adopted change from their first batch.
         self.followers: list[ShareSchedule] = []
         self._min_share = 1
+        self._replicas: Optional[tuple[tuple[int, ...], ...]] = None
 
     @property
     def min_share(self) -> int:
@@ -208,12 +225,26 @@ class SharePlan:
         if self._schedule is not None:
             self._schedule.set_min_share(self._min_share)
 
+    @property
+    def replicas(self) -> Optional[tuple[tuple[int, ...], ...]]:
+        """Groups of ranks that train one replica together (a pipeline's stage ranks): training global batches are
+        split over them as one, the least share per replica (:func:`~lightning_hetero.plan.split.split_replicas`);
+        ``None``: every rank its own replica. Evaluation, where every rank runs the whole model, splits by rank."""
+        return self._replicas
+
+    @replicas.setter
+    def replicas(self, value: Optional[Sequence[Sequence[int]]]) -> None:
+        self._replicas = None if value is None else tuple(tuple(g) for g in value)
+        if self._schedule is not None:
+            self._schedule.set_replicas(self._replicas)
+
     # -- writers: the lab set-up, then profiling, rebalancing and resume through `adopt` ------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:
         """Capacities that need no measurement (the ``capacities`` argument against the lab's devices)."""
         weights, self.source = resolve_static_capacities(self.spec, devices, dtype)
         self._schedule = ShareSchedule(None, weights)
         self._schedule.set_min_share(self._min_share)
+        self._schedule.set_replicas(self._replicas)
         self._loader_bound = False
 
     def adopt(self, capacities: Sequence[float], source: str, caps: Optional[Sequence[int]],
@@ -236,8 +267,10 @@ class SharePlan:
 
     def use_train_schedule(self, schedule: ShareSchedule) -> None:
         """The training loader's schedule (made by :meth:`new_schedule`) becomes the store, replacing the one before;
-        it splits with the plan's :attr:`min_share` (a ``ValueError`` if its global batch is too small for it)."""
+        it splits with the plan's :attr:`min_share` (a ``ValueError`` if its global batch is too small for it) and
+        :attr:`replicas`."""
         schedule.set_min_share(self._min_share)
+        schedule.set_replicas(self._replicas)
         self._schedule = schedule
         self._loader_bound = True
 

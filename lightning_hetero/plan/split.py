@@ -7,11 +7,14 @@ a capped rank keeps its cap and the rest is re-split among the others.
 
 When samples differ in cost (sequence length), :func:`split_by_cost` cuts a global batch so each rank's summed cost,
 not its sample count, is proportional to its capacity.
+
+Ranks that train one replica together (a pipeline's stage ranks, which train on the union of their slices) are split
+as one by :func:`split_replicas` and :func:`split_replicas_by_cost`: the least share is per replica, not per rank.
 """
 
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 
 def validate_weights(weights: Sequence[float], name: str) -> list[float]:
@@ -198,3 +201,68 @@ def split_by_cost(
         runs[r] = sorted(order[start:end])
         start = end
     return runs
+
+
+def check_replicas(replicas: Sequence[Sequence[int]], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """``replicas`` as tuples, checked to cover ranks 0..world_size-1 each once, each replica in ascending order and
+    the replicas ordered by their first rank (so a replica's slices keep the rank order of a plain split)."""
+    groups = tuple(tuple(int(r) for r in g) for g in replicas)
+    flat = sorted(r for g in groups for r in g)
+    if (flat != list(range(world_size)) or any(not g or list(g) != sorted(g) for g in groups)
+            or [g[0] for g in groups] != sorted(g[0] for g in groups)):
+        raise ValueError(f"`replicas`={[list(g) for g in groups]}: each of ranks 0..{world_size - 1} once, every "
+                         "replica's ranks ascending, replicas in the order of their first rank.")
+    return groups
+
+
+def _over_members(counts: Sequence[int], replicas: Sequence[Sequence[int]], weights: Sequence[float],
+                  caps: Optional[Sequence[int]], world_size: int) -> list[int]:
+    """Per-rank counts from per-replica ``counts``: each cut over its ranks by :func:`split_batch` (one sample
+    each while there are enough, else the highest-capacity ranks first and the others 0)."""
+    shares = [0] * world_size
+    for count, group in zip(counts, replicas):
+        member_caps = None if caps is None or count < len(group) else [caps[r] for r in group]
+        for r, s in zip(group, split_batch(count, [weights[r] for r in group], member_caps)):
+            shares[r] = s
+    return shares
+
+
+def _summed(values: Optional[Sequence[Any]], replicas: Sequence[Sequence[int]]) -> Optional[list[Any]]:
+    return None if values is None else [sum(values[r] for r in g) for g in replicas]
+
+
+def split_replicas(total: int, capacities: Sequence[float], replicas: Sequence[Sequence[int]],
+                   caps: Optional[Sequence[int]] = None, minimum: int = 1) -> list[int]:
+    """Per-rank shares when ranks form replicas that train on the union of their slices (a pipeline's stage ranks):
+    :func:`split_batch` over the replicas (a replica's capacity and cap are its ranks' sums; ``minimum`` per
+    replica, not per rank), then each replica's count over its ranks, where a rank may get 0 (a padding step; the
+    replica's union is what trains).
+
+    Example::
+
+        >>> split_batch(12, [6, 0.5, 0.5]), split_replicas(12, [6, 0.5, 0.5], [[0], [1, 2]])
+        ([10, 1, 1], [11, 1, 0])
+    """
+    weights = validate_weights(capacities, "capacities")
+    groups = check_replicas(replicas, len(weights))
+    counts = split_batch(total, _summed(weights, groups), _summed(caps, groups), minimum)  # type: ignore[arg-type]
+    return _over_members(counts, groups, weights, caps, len(weights))
+
+
+def split_replicas_by_cost(costs: Sequence[float], capacities: Sequence[float], replicas: Sequence[Sequence[int]],
+                           caps: Optional[Sequence[int]] = None, padded: bool = False,
+                           minimum: int = 1) -> list[list[int]]:
+    """:func:`split_by_cost` over replicas (as :func:`split_replicas`), each replica's positions then cut into
+    consecutive runs over its ranks by count."""
+    weights = validate_weights(capacities, "capacities")
+    groups = check_replicas(replicas, len(weights))
+    runs = split_by_cost(costs, _summed(weights, groups), _summed(caps, groups), padded,  # type: ignore[arg-type]
+                         minimum)
+    counts = _over_members([len(r) for r in runs], groups, weights, caps, len(weights))
+    out: list[list[int]] = [[] for _ in weights]
+    for run, group in zip(runs, groups):
+        start = 0
+        for r in group:
+            out[r] = run[start:start + counts[r]]
+            start += counts[r]
+    return out

@@ -191,6 +191,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
         check("", "pipelines", self.pipelines, 0 in layout.data_parallel,
               "pipelines without rank 0: rank 0 is data-parallel (it writes checkpoints and is the source of buffers)")
+        # A pipeline is one replica: its least share is one sample, not one per stage rank.
+        self.plan.replicas = layout.replicas
         modes = self.core.precision.modes
         for ranks in layout.pipelines if modes else ():
             # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.

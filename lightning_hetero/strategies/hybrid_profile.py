@@ -3,7 +3,10 @@
 A data-parallel rank times forward + backward of the whole model, as the data-parallel strategy profiles it
 (:func:`~lightning_hetero.plan.profiling.time_rank`); the ranks of a pipeline time whole pipelined steps together
 (:meth:`~lightning_hetero.strategies.pipelined.PipelinedReplica.step`, the bubble and the activations' send/recv
-included), at the same replica batch sizes. A pipeline's time is its slowest stage rank's (they run in lock-step).
+included), at half and all of its share under the capacities in force (the cards' peak rates before a measurement),
+no larger than the data-parallel ranks' sizes: a stage card is one that cannot hold a replica, so the sizes a
+data-parallel rank trains at say nothing of what fits it, while the share it is about to train at does
+(:func:`pipeline_sizes`). A pipeline's time is its slowest stage rank's (they run in lock-step).
 Unless ``micro_batches`` is given, each pipeline first times a step at a few micro-batch counts and keeps the
 fastest (:func:`micro_batch_seconds`, :func:`pick_micro_batches`).
 Each replica's capacity is its samples/s at the split where every replica's predicted step time is the same
@@ -86,8 +89,21 @@ def pick_micro_batches(layout: HybridLayout, timings: Sequence[Optional[dict[int
             for p in layout.pipelines]
 
 
+def pipeline_sizes(sizes: Sequence[int], share: int) -> tuple[int, int]:
+    """The batch sizes a pipeline is timed at: half and all of its ``share`` (at least 2, so two points fit a line),
+    each no larger than the data-parallel ranks' ``sizes``.
+
+    Example::
+
+        >>> pipeline_sizes((5, 10), share=3), pipeline_sizes((32, 64), share=128)
+        ((1, 3), (32, 64))
+    """
+    top = min(sizes[-1], max(2, share))
+    return min(sizes[0], max(1, top // 2)), top
+
+
 def slowest(profiles: Sequence[RankProfile]) -> RankProfile:
-    """A pipeline's profile: at each size, its slowest stage rank's seconds (all timed at the same sizes)."""
+    """A pipeline's profile: at each size, its slowest stage rank's seconds (all its ranks timed the same sizes)."""
     seconds = tuple(max(column) for column in zip(*(p.seconds for p in profiles)))
     return RankProfile(profiles[0].sizes, seconds, cost_s=max(p.cost_s for p in profiles))
 
@@ -109,6 +125,9 @@ def profile_layout(strategy: Any, sampler: PlannedSampler, dataloader: Any) -> O
     count = len(layout.data_parallel) + len(layout.pipelines)
     global_batch_size = sampler.global_batch_size
     sizes = profile_sizes(global_batch_size, count)
+    if replica is not None:
+        split = strategy.plan.split  # the same on every rank
+        sizes = pipeline_sizes(sizes, sum(split[r] for r in replica.ranks)) if split else sizes
     indices = sample_indices(sampler)
     if replica is not None:
         # The ranks of a pipeline run one step together: the first stage rank's samples, so every stage traces the

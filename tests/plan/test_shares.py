@@ -163,3 +163,33 @@ def test_the_cost_balanced_cut_keeps_the_least_share() -> None:
         assert sorted(i for r in runs for i in r) == list(range(8)) and min(len(r) for r in runs) == 2, runs
     # A last global batch too small for 2 each: placed as the count split places it.
     assert [len(r) for r in schedule.cut(1, [1.0, 2.0, 3.0])] == split_batch(3, [10, 1], minimum=2) == [3, 0]
+
+
+def test_a_pipeline_is_one_replica_whose_least_share_is_one_sample() -> None:
+    """Ranks 1, 2 train one pipelined replica: split one by one, a fast rank 0 beside them left the pipeline 2
+    samples (one per stage rank) of a fair 1.7, which set the step; as one replica it gets 1, and a stage rank 0."""
+    from lightning_hetero.plan.split import split_replicas
+
+    assert split_batch(12, [6, 0.5, 0.5]) == [10, 1, 1]
+    assert split_replicas(12, [6, 0.5, 0.5], [[0], [1, 2]]) == [11, 1, 0]
+    # A larger fair share is spread over the stage ranks; replicas of one rank split as before.
+    assert split_replicas(32, [3, 3, 1, 1], [[0], [1], [2, 3]]) == split_batch(32, [3, 3, 1, 1]) == [12, 12, 4, 4]
+    assert split_replicas(7, [1, 1, 1], [[0], [1], [2]]) == split_batch(7, [1, 1, 1])
+    with pytest.raises(ValueError, match="`replicas`"):
+        split_replicas(12, [1, 1, 1], [[0], [2, 1]])
+    with pytest.raises(ValueError, match="`replicas`"):
+        split_replicas(12, [1, 1, 1], [[0], [1]])
+
+    cpus = [DeviceInfo(r, "host", "cpu", "cpu", (0, 0), 2**34, 2) for r in range(3)]
+    plan = SharePlan(parse_capacities([6, 0.5, 0.5]), global_batch_size=12)
+    plan.resolve(cpus, torch.float32)
+    plan.replicas = [[0], [1, 2]]
+    assert plan.split == (11, 1, 0)  # before any loader: what the lab table reads
+    train = _training_sampler(plan, 48, 12)
+    assert train.split_at(0) == [11, 1, 0] and [len(b) for b in train][:2] == [11, 11]
+    # Evaluation runs the whole model on every rank: its schedule splits by rank.
+    assert plan.new_schedule(12).split_at(0) == [10, 1, 1]
+    # A cost-balanced cut keeps the least share per replica, and every sample once.
+    train.schedule.balance = "tokens"
+    runs = train.schedule.cut(0, [float(c) for c in range(1, 13)])
+    assert sorted(i for r in runs for i in r) == list(range(12)) and len(runs[1]) + len(runs[2]) >= 1

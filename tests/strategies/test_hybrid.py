@@ -159,6 +159,40 @@ def test_hybrid_equals_one_process(tmp_path, world, pipelines, capacities, optim
     assert names == [n for n, _ in reference.named_parameters()]
 
 
+class Splits(Callback):
+    """Rank 0's record of every training step's per-rank sample counts, as the loaders cut them."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.splits = out_dir, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.splits.append(trainer.strategy.core.loaders.train_sampler.rank_sizes_at(batch_idx))
+
+    def teardown(self, trainer, pl_module, stage):
+        if trainer.global_rank == 0:
+            torch.save(self.splits, os.path.join(self.out_dir, "splits.pt"))
+
+
+@pytest.mark.slow
+def test_a_pipeline_whose_fair_share_is_below_its_stage_count_trains_on_one_sample(tmp_path):
+    """A pipeline is one replica: beside a rank 12x as fast, its fair share of 12 samples is 0.9, so it trains on 1
+    (not one per stage rank, 2, which made the pipeline set the step), the other stage rank running a padding
+    slice, and training is one device's."""
+    world, capacities, n, epochs = 3, [12, 0.5, 0.5], 29, 1
+    seed_everything(0)
+    model = Chain(optimizer="adamw", n=n)
+    reference = copy.deepcopy(model)
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities), epochs, callbacks=[Splits(str(tmp_path))],
+                  default_root_dir=str(tmp_path))
+    splits = torch.load(os.path.join(str(tmp_path), "splits.pt"))
+    assert splits == [[11, 1, 0], [11, 1, 0], [4, 1, 0]]  # 29 samples: 12, 12 and the last 5
+    assert records[0]["steps"] == len(ref_params) == 3
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for name in records[2]["owned"]:  # the stage rank of no sample trained its stage as the data-parallel rank did
+        assert torch.equal(records[2]["params"][-1][name], records[0]["params"][-1][name]), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("first", ["hybrid", "ddp"])
 def test_checkpoint_resumes_on_another_layout(tmp_path, first):
