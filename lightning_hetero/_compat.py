@@ -6,6 +6,8 @@ Each entry says which public API is missing. Nothing else in the package imports
 """
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from os import PathLike
 from typing import Any, Callable, Optional, Union
 
@@ -299,3 +301,52 @@ def undo_split_annotations(module: object, names: "list[str]") -> None:
 # A hook on every tensor operation, to follow the bytes of CPU tensors as they are created (the memory plan's peak
 # where no caching allocator keeps one): torch exposes the dispatch mode under a private module only.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def around_stage_work(stage: object, around: "Callable[[Callable[[], Any]], Any]") -> None:
+    """Run each micro-batch forward and backward of a ``torch.distributed.pipelining`` stage as ``around(work)``
+    (``work()`` does it and returns its result): the stage (``_PipelineStageBase``) has no public hook around its
+    ``forward_one_chunk`` / ``backward_one_chunk``, which the schedules call by name."""
+    import functools
+
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        setattr(stage, name, functools.partial(_around_work, around, getattr(stage, name)))
+
+
+def _around_work(around: "Callable[[Callable[[], Any]], Any]", work: "Callable[..., Any]", *args: Any,
+                 **kwargs: Any) -> Any:
+    return around(lambda: work(*args, **kwargs))
+
+
+class _Transfers(list):
+    """A schedule's batch of P2P works, and whether it holds a receive."""
+
+    receives = False
+
+
+@contextmanager
+def pipeline_transfers(posting: "Callable[[Callable[[], Any]], Any]",
+                       waiting: "Callable[[bool, Callable[[], None]], None]") -> "Iterator[None]":
+    """While open, a ``torch.distributed.pipelining`` schedule posts each batch of its send/recv operations as
+    ``posting(post)`` and waits for it as ``waiting(receives, wait)`` (``receives``: the batch holds a receive). The
+    single-stage schedules post and wait through the module's private ``_batch_p2p`` / ``_wait_batch_p2p`` (looked
+    up at each call): no public hook."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+
+    def posted(ops: list, desc: "Optional[str]" = None) -> list:
+        works = _Transfers(posting(lambda: post(ops, desc)))
+        works.receives = any(op.op in (dist.irecv, dist.recv) for op in ops)
+        return works
+
+    def waited(works: list) -> None:
+        if works:
+            waiting(bool(getattr(works, "receives", False)), lambda: wait(works))
+
+    schedules._batch_p2p, schedules._wait_batch_p2p = posted, waited
+    try:
+        yield
+    finally:
+        schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
