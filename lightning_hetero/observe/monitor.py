@@ -37,6 +37,11 @@ prints a summary table at the end of ``fit`` with, under it, the advice that wou
 (busy < 85 %: shares or more loader workers; exposed communication > 0.3 × compute: compression or bucket size), each
 with its expected gain.
 
+A stage rank of a pipelined replica (``HeteroHybridStrategy``) also reports its schedule's step: its micro-batches'
+compute (``stage_compute``), its pipeline transfers (``sendrecv``) and its time idle waiting for a neighbour stage
+(``bubble``), timed by :class:`~lightning_hetero.observe.stage_times.StageTimer`; its compute column is what remains
+of its step without them. The summary names each stage rank's pipeline and stage.
+
 Example::
 
     trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or observation={"monitor": True}
