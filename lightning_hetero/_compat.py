@@ -318,35 +318,46 @@ def _around_work(around: "Callable[[Callable[[], Any]], Any]", work: "Callable[.
     return around(lambda: work(*args, **kwargs))
 
 
-class _Transfers(list):
-    """A schedule's batch of P2P works, and whether it holds a receive."""
+class _TimedWork:
+    """One P2P work of a pipeline schedule, whose ``wait`` runs through the monitor's timer."""
 
-    receives = False
+    __slots__ = ("work", "receives", "waiting")
+
+    def __init__(self, work: Any, receives: bool, waiting: "Callable[[bool, Callable[[], Any]], Any]") -> None:
+        self.work, self.receives, self.waiting = work, receives, waiting
+
+    def wait(self, *args: Any) -> Any:
+        return self.waiting(self.receives, lambda: self.work.wait(*args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
 
 
 @contextmanager
 def pipeline_transfers(posting: "Callable[[Callable[[], Any]], Any]",
-                       waiting: "Callable[[bool, Callable[[], None]], None]") -> "Iterator[None]":
+                       waiting: "Callable[[bool, Callable[[], Any]], Any]") -> "Iterator[None]":
     """While open, a ``torch.distributed.pipelining`` schedule posts each batch of its send/recv operations as
-    ``posting(post)`` and waits for it as ``waiting(receives, wait)`` (``receives``: the batch holds a receive). The
-    single-stage schedules post and wait through the module's private ``_batch_p2p`` / ``_wait_batch_p2p`` (looked
-    up at each call): no public hook."""
+    ``posting(post)``, and each wait on one of their works runs as ``waiting(receives, wait)`` (``receives``: the
+    work holds a receive). The single-stage schedules post through the module's private ``_batch_p2p`` (looked up
+    at each call) and wait on the works it returns, inline or through ``_wait_batch_p2p`` as the release has it: no
+    public hook. A release without ``_batch_p2p`` leaves the transfers untimed."""
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules
 
-    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    post = getattr(schedules, "_batch_p2p", None)
+    if post is None:
+        yield
+        return
 
-    def posted(ops: list, desc: "Optional[str]" = None) -> list:
-        works = _Transfers(posting(lambda: post(ops, desc)))
-        works.receives = any(op.op in (dist.irecv, dist.recv) for op in ops)
-        return works
+    def posted(ops: list, *args: Any, **kwargs: Any) -> list:
+        works = posting(lambda: post(ops, *args, **kwargs))
+        receives = [op.op in (dist.irecv, dist.recv) for op in ops]
+        if len(works) != len(ops):  # coalesced into fewer works: each may hold any of the operations
+            receives = [any(receives)] * len(works)
+        return [_TimedWork(work, r, waiting) for work, r in zip(works, receives)]
 
-    def waited(works: list) -> None:
-        if works:
-            waiting(bool(getattr(works, "receives", False)), lambda: wait(works))
-
-    schedules._batch_p2p, schedules._wait_batch_p2p = posted, waited
+    schedules._batch_p2p = posted
     try:
         yield
     finally:
-        schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
+        schedules._batch_p2p = post

@@ -18,7 +18,8 @@ Example::
     timer = StageTimer(mark=time.perf_counter, push=events.append)
     timer.begin()
     works = timer.posted(lambda: post_receive(buffer))
-    timer.waited(True, lambda: [w.wait() for w in works])
+    for work in works:
+        timer.waited(True, work.wait)
     output = timer.compute(lambda: stage_forward(buffer))
     timer.end()
 """
@@ -64,11 +65,12 @@ class StageTimer:
         self._pieces.append((_POST, begin, self.mark()))
         return out
 
-    def waited(self, receives: bool, wait: Callable[[], None]) -> None:
-        """``wait()`` on a batch of the schedule's send/recv operations (``receives``: it holds a receive)."""
+    def waited(self, receives: bool, wait: Callable[[], Any]) -> Any:
+        """``wait()`` on one of the schedule's send/recv works (``receives``: it holds a receive)."""
         begin = self.mark()
-        wait()
+        out = wait()
         self._pieces.append((_RECEIVE if receives else _SEND, begin, self.mark()))
+        return out
 
     def end(self) -> None:
         self.push((STAGE_EVENT, self._begin, self.mark(), self._pieces))
