@@ -210,10 +210,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
             module = self.lightning_module
-            emulator = self.core.lab.emulation
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, self._split_points(module, pipeline), self.schedule,
-                                            self.micro_batches, emulator if emulator and emulator.slows_cpu else None)
+                                            self.micro_batches, self.core.lab.emulation)
 
     def _auto_pipelines(self) -> list[list[int]]:
         """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines

@@ -134,13 +134,14 @@ class PipelinedReplica:
         schedule: ``"gpipe"`` or ``"1f1b"`` (GPipe where a step has fewer micro-batches than stages).
         micro_batches: the most micro-batches a step runs (``None``: 2 × stages), see
             :func:`~lightning_hetero.plan.layout.micro_batch_count`.
-        slowed: a CPU emulator of a slower card (:class:`~lightning_hetero.lab.emulation.Emulator`): it pauses
-            after each micro-batch's work, where the neighbour stage waits for it as for a slow card.
+        emulator: this rank's emulator (:class:`~lightning_hetero.lab.emulation.Emulator`): on CPU, emulating a
+            slower card, it pauses after each micro-batch's work, where the neighbour stage waits for it as for a
+            slow card.
     """
 
     def __init__(self, module: nn.Module, ranks: Sequence[int], group: dist.ProcessGroup, device: torch.device,
                  split_points: Sequence[str], schedule: str, micro_batches: Optional[int],
-                 slowed: Optional[Emulator] = None) -> None:
+                 emulator: Optional[Emulator] = None) -> None:
         self.module = module
         self.ranks = tuple(ranks)
         self.stage = self.ranks.index(dist.get_rank())
@@ -154,7 +155,8 @@ class PipelinedReplica:
         self.holding = StageHolding(module, device)
         self.optimizers: Sequence[torch.optim.Optimizer] = ()  # whose state follows the stage's parameters
         self.timer: Optional[Any] = None  # the monitor's StageTimer (observe/stage_times.py)
-        self.slowed: Optional[Callable[[], AbstractContextManager[None]]] = slowed.slowed_in_place if slowed else None
+        self.slowed: Optional[Callable[[], AbstractContextManager[None]]] = (
+            emulator.slowed_in_place if emulator is not None else None)
 
     @property
     def stages(self) -> int:
