@@ -349,9 +349,11 @@ def pipeline_transfers(posting: "Callable[[Callable[[], Any]], Any]",
         yield
         return
 
-    def posted(ops: list, *args: Any, **kwargs: Any) -> list:
+    def posted(ops: list, *args: Any, **kwargs: Any) -> Any:
         works = posting(lambda: post(ops, *args, **kwargs))
         receives = [op.op in (dist.irecv, dist.recv) for op in ops]
+        if works is None or not isinstance(works, list):  # older releases (gloo hung there): one work, or None
+            return None if works is None else _TimedWork(works, any(receives), waiting)
         if len(works) != len(ops):  # coalesced into fewer works: each may hold any of the operations
             receives = [any(receives)] * len(works)
         return [_TimedWork(work, r, waiting) for work, r in zip(works, receives)]
