@@ -2,6 +2,7 @@
 
     python benchmarks/monitor_overhead.py                                   # CPU demo: 2 gloo ranks, rank 1 3x slower
     python benchmarks/monitor_overhead.py --accelerator gpu --out $OUT      # 2 GPUs: bench_lab's mix2, GPT + ResNet-50
+    python benchmarks/monitor_overhead.py --pipeline                        # CPU: HeteroHybridStrategy, 3 gloo ranks
 
 Both arms train the same split (fixed capacities): an A/B of two profiled runs would compare two different splits,
 whose step times differ by more than the monitor costs.
@@ -25,6 +26,10 @@ Prints the median step time of each arm and the overhead: the median of on / off
 an on block / the mean of the off blocks either side; GPU: the two runs of a repeat), so the machine's drift over the
 run cancels, with the smallest and largest ratio and a 95 % bootstrap interval of the median; JSON and a PNG (every
 run or block in order) to ``--out``.
+
+``--pipeline`` (CPU): the same blocks under ``HeteroHybridStrategy`` on 3 ranks, rank 0 data-parallel and ranks 1
+and 2 a 2-stage pipeline of the digits MLP (split before its last layer, ``--micro-batches`` each step); the monitor
+then also times each stage's micro-batches and transfers.
 """
 
 import argparse
@@ -110,7 +115,7 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
     from torch.utils.data import DataLoader, TensorDataset
     from train_digits import DigitsClassifier, DigitsDataModule
 
-    from lightning_hetero import HeteroDDPStrategy, HeteroMonitor
+    from lightning_hetero import HeteroDDPStrategy, HeteroHybridStrategy, HeteroMonitor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
@@ -127,12 +132,21 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
         from lightning.pytorch.callbacks import ThroughputMonitor
 
         toggled = ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))
+    elif args.callback == "monitor-no-stages":  # the monitor with its stage timer detached: what timing stages costs
+        class WithoutStages(HeteroMonitor):
+            def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+                super().on_train_start(trainer, pl_module)
+                trainer.strategy.observe_pipeline_stage(None)
+
+        toggled = WithoutStages(summary=False, warn=False, every_n_steps=args.exchange_every)
     else:
         toggled = HeteroMonitor(summary=False, warn=False, every_n_steps=args.exchange_every)
     toggle = _block_toggle_class()(toggled, 2 * args.log_every, args.warmup)
-    trainer = Trainer(accelerator="cpu", devices=args.devices,
-                      strategy=HeteroDDPStrategy(capacities=capacities, emulate=emulate,
-                                                 observation={"print_table": False}, resilience={"timeout": 300}),
+    options: dict[str, Any] = dict(capacities=capacities, emulate=emulate, observation={"print_table": False},
+                                   resilience={"timeout": 300})
+    strategy = (HeteroHybridStrategy(pipelines=[[1, 2]], split_points=["net.2"], micro_batches=args.micro_batches,
+                                     **options) if args.pipeline else HeteroDDPStrategy(**options))
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
                       max_steps=args.warmup + 2 * args.repeats * toggle.block + 1, max_epochs=-1,
                       log_every_n_steps=args.log_every, callbacks=[toggle], logger=CSVLogger(out, name="monitor"),
                       default_root_dir=out, enable_checkpointing=False, enable_progress_bar=False,
@@ -177,6 +191,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
                  for key in ("cpu_s", "emulated_step_cpu_s", "emulated_pause_s")}
         costs.append(added)
     label = f"digits MLP (hidden {args.hidden}, {args.batch}/rank), capacities {args.capacities}" + (
+        f", ranks 1-2 a pipeline of {args.micro_batches} micro-batches" if args.pipeline else "") + (
         "" if args.no_emulate else ", rank 1 emulated 3x slower") + (
         "" if args.callback == "monitor" else f", {args.callback.upper()} callback instead") + (
         f", monitor exchanging every {args.exchange_every} steps" if args.exchange_every else "")
@@ -244,10 +259,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default: CPU 20, GPU 10)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     cpu = parser.add_argument_group("CPU")
-    cpu.add_argument("--devices", type=int, default=2)
+    cpu.add_argument("--devices", type=int, default=None, help="default 2 (--pipeline: 3)")
     cpu.add_argument("--hidden", type=int, default=128)
     cpu.add_argument("--batch", type=int, default=32, help="per-rank batch of the loader (global = x devices)")
-    cpu.add_argument("--capacities", default="3,1", help="comma-separated, or 'profile' (each run its own split)")
+    cpu.add_argument("--capacities", default=None,
+                     help="comma-separated, or 'profile' (each run its own split); default 3,1 (--pipeline: 2,1,1)")
+    cpu.add_argument("--pipeline", action="store_true",
+                     help="HeteroHybridStrategy: rank 0 data-parallel, ranks 1 and 2 a 2-stage pipeline")
+    cpu.add_argument("--micro-batches", type=int, default=4, help="--pipeline: micro-batches per pipeline step")
     cpu.add_argument("--log-every", type=int, default=50,
                      help="Trainer.log_every_n_steps (the monitor's exchange); a block is twice this")
     cpu.add_argument("--data", choices=("digits", "random"), default="digits",
@@ -256,13 +275,21 @@ def main() -> None:
                      help="the monitor's every_n_steps (default: log_every): a value beyond the run leaves only the "
                           "per-step hooks, to tell their cost from the exchange's")
     cpu.add_argument("--no-emulate", action="store_true", help="no 3x slower rank 1")
-    cpu.add_argument("--callback", choices=("monitor", "empty", "throughput"), default="monitor",
+    cpu.add_argument("--callback", choices=("monitor", "empty", "throughput", "monitor-no-stages"),
+                     default="monitor",
                      help="what is toggled: HeteroMonitor; an empty Callback (Lightning's own cost of one more "
-                          "callback); Lightning's ThroughputMonitor (a per-step monitor of Lightning's, for scale)")
+                          "callback); Lightning's ThroughputMonitor (a per-step monitor of Lightning's, for scale); "
+                          "--pipeline: the monitor without timing the stages")
     gpu = parser.add_argument_group("GPU")
     gpu.add_argument("--scenario", default="mix2", help="bench_lab scenario ('one': a single whole GPU)")
     gpu.add_argument("--models", default="gpt,resnet50", help="bench_lab models")
     args = parser.parse_args()
+    args.devices = args.devices or (3 if args.pipeline else 2)
+    args.capacities = args.capacities or ("2,1,1" if args.pipeline else "3,1")
+    if args.callback == "monitor-no-stages" and not args.pipeline:
+        parser.error("--callback monitor-no-stages needs --pipeline")
+    if args.pipeline and args.devices != 3:
+        parser.error(f"--pipeline runs 3 ranks (rank 0 and a pipeline of ranks 1 and 2), got --devices {args.devices}")
     on_gpu = args.accelerator == "gpu"
     args.repeats = args.repeats or (3 if on_gpu else 80)
     args.steps = args.steps or 40

@@ -6,6 +6,8 @@ Each entry says which public API is missing. Nothing else in the package imports
 """
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from os import PathLike
 from typing import Any, Callable, Optional, Union
 
@@ -299,3 +301,65 @@ def undo_split_annotations(module: object, names: "list[str]") -> None:
 # A hook on every tensor operation, to follow the bytes of CPU tensors as they are created (the memory plan's peak
 # where no caching allocator keeps one): torch exposes the dispatch mode under a private module only.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def around_stage_work(stage: object, around: "Callable[[Callable[[], Any]], Any]") -> None:
+    """Run each micro-batch forward and backward of a ``torch.distributed.pipelining`` stage as ``around(work)``
+    (``work()`` does it and returns its result): the stage (``_PipelineStageBase``) has no public hook around its
+    ``forward_one_chunk`` / ``backward_one_chunk``, which the schedules call by name."""
+    import functools
+
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        setattr(stage, name, functools.partial(_around_work, around, getattr(stage, name)))
+
+
+def _around_work(around: "Callable[[Callable[[], Any]], Any]", work: "Callable[..., Any]", *args: Any,
+                 **kwargs: Any) -> Any:
+    return around(lambda: work(*args, **kwargs))
+
+
+class _TimedWork:
+    """One P2P work of a pipeline schedule, whose ``wait`` runs through the monitor's timer."""
+
+    __slots__ = ("work", "receives", "waiting")
+
+    def __init__(self, work: Any, receives: bool, waiting: "Callable[[bool, Callable[[], Any]], Any]") -> None:
+        self.work, self.receives, self.waiting = work, receives, waiting
+
+    def wait(self, *args: Any) -> Any:
+        return self.waiting(self.receives, lambda: self.work.wait(*args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextmanager
+def pipeline_transfers(posting: "Callable[[Callable[[], Any]], Any]",
+                       waiting: "Callable[[bool, Callable[[], Any]], Any]") -> "Iterator[None]":
+    """While open, a ``torch.distributed.pipelining`` schedule posts each batch of its send/recv operations as
+    ``posting(post)``, and each wait on one of their works runs as ``waiting(receives, wait)`` (``receives``: the
+    work holds a receive). The single-stage schedules post through the module's private ``_batch_p2p`` (looked up
+    at each call) and wait on the works it returns, inline or through ``_wait_batch_p2p`` as the release has it: no
+    public hook. A release without ``_batch_p2p`` leaves the transfers untimed."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    post = getattr(schedules, "_batch_p2p", None)
+    if post is None:
+        yield
+        return
+
+    def posted(ops: list, *args: Any, **kwargs: Any) -> Any:
+        works = posting(lambda: post(ops, *args, **kwargs))
+        receives = [op.op in (dist.irecv, dist.recv) for op in ops]
+        if works is None or not isinstance(works, list):  # older releases (gloo hung there): one work, or None
+            return None if works is None else _TimedWork(works, any(receives), waiting)
+        if len(works) != len(ops):  # coalesced into fewer works: each may hold any of the operations
+            receives = [any(receives)] * len(works)
+        return [_TimedWork(work, r, waiting) for work, r in zip(works, receives)]
+
+    schedules._batch_p2p = posted
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = post

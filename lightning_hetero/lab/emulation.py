@@ -625,6 +625,24 @@ class Emulator:
             self._collective_cpu += time.thread_time() - self._bucket_cpu
             self._bucket_cpu = None
 
+    @contextmanager
+    def slowed_in_place(self) -> Iterator[None]:
+        """Inside a step: pause for the enclosed piece of work as it ends rather than at the step's end, where a
+        pipeline stage's neighbour waits for each micro-batch of a slower card. Its CPU time, pause included, then
+        leaves the step's own count."""
+        if not (self._cpu_slowed and self._depth):
+            yield
+            return
+        begin = time.thread_time()
+        yield
+        elapsed = time.thread_time() - begin
+        self.compute_seconds += elapsed
+        paused = time.perf_counter()
+        _pause((self.device.slowdown - 1.0) * elapsed)
+        self.slept_seconds += time.perf_counter() - paused
+        # Paid here: the step's end pauses for the rest of its CPU time only (as for a collective's).
+        self._collective_cpu += time.thread_time() - begin
+
     def reset_stats(self) -> None:
         """Start counting ``compute_seconds`` / ``slept_seconds`` afresh."""
         self.compute_seconds = self.slept_seconds = 0.0

@@ -15,34 +15,51 @@ from typing import Any, Optional, Union
 
 import torch
 
-# Per-step record columns (seconds, counts), exchanged on logging steps.
-STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens")
+from lightning_hetero.observe.stage_times import NO_STAGE, STAGE_FIELDS, split_transfers, stage_names
+
+# Per-step record columns (seconds, counts), exchanged on logging steps; a data-parallel rank's stage fields are 0.
+STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens") + STAGE_FIELDS
 BUSY_THRESHOLD = 0.85
 COMM_RATIO_THRESHOLD = 0.3
 
 
-def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0) -> dict[str, Any]:
-    """Per-rank means per step of a window of records (rank, step, field: ``STEP_FIELDS``) and the job-level
-    figures.
+def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0,
+            pipelines: Optional[Sequence[Sequence[int]]] = None) -> dict[str, Any]:
+    """Per-rank means per step of a window of records (rank, step, field: ``STEP_FIELDS``; rows of the first five
+    fields alone are a job without pipelines) and the job-level figures.
 
     The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
-    communication; everything any rank spent in sync beyond it is waiting for slower ranks. (Plain Python over the
-    table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
+    communication; everything any rank spent in sync beyond it is waiting for slower ranks. A stage rank of one of
+    ``pipelines`` (global ranks, stage order) also spends its step's pipeline waits in send/recv and bubble
+    (:func:`~lightning_hetero.observe.stage_times.split_transfers`); its compute is what remains. (Plain Python over
+    the table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
     """
     # [rank][step][field]
     table = steps.tolist() if isinstance(steps, torch.Tensor) else steps
+    table = [[list(row[:5]) + (list(row[5:]) or list(NO_STAGE)) for row in rows] for rows in table]
     world, n = len(table), (len(table[0]) if table else 0)
     comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
     comm_total = sum(comm_steps)
     cycle, data, wait, compute, samples, tokens = ([0.0] * world for _ in range(6))
+    sendrecv, bubble, stage_span, stage_compute = ([0.0] * world for _ in range(4))
+    # [rank][step]: (send/recv, bubble) of a stage rank's pipeline waits
+    waits = [[(0.0, 0.0)] * n for _ in range(world)]
+    for ranks in pipelines or ():
+        for i in range(n):
+            for r, split in zip(ranks, split_transfers([table[r][i][5:] for r in ranks])):
+                waits[r][i] = split
     for r, rows in enumerate(table):
-        for (c, d, sync, b, t), comm in zip(rows, comm_steps):
+        for (c, d, sync, b, t, span, work, *_), comm, (transfer, idle) in zip(rows, comm_steps, waits[r]):
             cycle[r] += c
             data[r] += d
             wait[r] += sync - comm
-            compute[r] += max(c - d - sync, 0.0)
+            compute[r] += max(c - d - sync - transfer - idle, 0.0)
             samples[r] += b
             tokens[r] += t
+            sendrecv[r] += transfer
+            bubble[r] += idle
+            stage_span[r] += span
+            stage_compute[r] += work
     # The cycles agree across ranks up to clock skew: their mean
     wall = sum(cycle) / world if world else 0.0
     per_step = 1.0 / n if n else 0.0
@@ -51,6 +68,13 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
     rate = total_samples / wall if wall > 0 else 0.0
     ideal = sum(solo)
     slowest = max(compute, default=0.0)
+    staged = {
+        "pipelines": [list(p) for p in pipelines],
+        "sendrecv": [v * per_step for v in sendrecv],
+        "bubble": [v * per_step for v in bubble],
+        "stage_span": [v * per_step for v in stage_span],
+        "stage_compute": [v * per_step for v in stage_compute],
+    } if pipelines else {}
     return {
         "first_step": int(first_step),
         "steps": int(n),
@@ -59,6 +83,7 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
         "data": [v * per_step for v in data],
         "comm": [comm_total * per_step] * world,
         "cycle": [v * per_step for v in cycle],
+        **staged,
         "samples": samples,
         "tokens": tokens,
         # As trained
@@ -73,10 +98,15 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
     }
 
 
+# Per-rank seconds per step of every window, and those of pipelined jobs' windows.
+_PARTS = ("compute", "wait", "data", "comm", "cycle")
+_STAGE_PARTS = ("sendrecv", "bubble", "stage_span", "stage_compute")
+
+
 def accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:
     """Running sums (seconds and samples per rank, steps) of the windows after warm-up."""
     n = window["steps"]
-    add = {k: [v * n for v in window[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
+    add = {k: [v * n for v in window[k]] for k in _PARTS + _STAGE_PARTS if k in window}
     add["samples"] = list(window["samples"])
     add["tokens"] = list(window["tokens"])
     add["steps"] = [float(n)]
@@ -97,7 +127,7 @@ MIN_DATA_S = 0.005
 def totals_window(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The per-step means of the summary's totals, in the layout of :func:`analyse`'s windows (for :func:`advice`)."""
     n = max(totals["steps"][0], 1.0)
-    per_step = {k: [v / n for v in totals[k]] for k in ("compute", "wait", "data", "comm", "cycle")}
+    per_step = {k: [v / n for v in totals[k]] for k in _PARTS + _STAGE_PARTS if k in totals}
     total = sum(totals["samples"])
     slowest = max(per_step["compute"])
     return {
@@ -177,9 +207,12 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
     return out
 
 
-def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None) -> list[list[str]]:
-    """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates."""
+def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None,
+                 pipelines: Optional[Sequence[Sequence[int]]] = None) -> list[list[str]]:
+    """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates; with
+    ``pipelines``, each stage rank named by its pipeline and stage, and its send/recv and bubble."""
     steps = max(totals["steps"][0], 1.0)
+    names = stage_names(pipelines)
     rows = []
     for r in range(len(totals["compute"])):
         cycle = totals["cycle"][r] or 1e-12
@@ -189,15 +222,25 @@ def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequenc
 
         solo = totals["samples"][r] / totals["compute"][r] if totals["compute"][r] > 0 else 0.0
         share = f"{shares[r]:.1%}" if shares else "-"
-        rows.append([str(r), share, cell("compute"), cell("wait"), cell("data"), cell("comm"),
-                     f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
+        row = [str(r) + (f" ({names[r]})" if r in names else ""), share, cell("compute"), cell("wait"),
+               cell("data"), cell("comm")]
+        if pipelines:
+            row += [cell("sendrecv"), cell("bubble")] if r in names else ["-", "-"]
+        rows.append(row + [f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
     return rows
 
 
 SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
+# With pipelines, before the step: a stage rank's time in its pipeline's transfers, and idle waiting for neighbours.
+STAGE_HEADERS = ["send/recv ms", "bubble ms"]
 
 
-def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]], str]:
+def summary_headers(pipelines: Optional[Sequence[Sequence[int]]] = None) -> list[str]:
+    return SUMMARY_HEADERS[:6] + (STAGE_HEADERS if pipelines else []) + SUMMARY_HEADERS[6:]
+
+
+def summary_text(totals: Mapping[str, Sequence[float]], pipelines: Optional[Sequence[Sequence[int]]] = None
+                 ) -> tuple[list[list[str]], str]:
     steps = max(totals["steps"][0], 1.0)
     wall = sum(totals["cycle"]) / len(totals["cycle"])
     rate = sum(totals["samples"]) / wall if wall > 0 else 0.0
@@ -218,15 +261,21 @@ def summary_text(totals: Mapping[str, Sequence[float]]) -> tuple[list[list[str]]
                      "the same on every rank")
         notes.append("data: each rank's own time between batches, Lightning's per-batch broadcast included: about "
                      "the same on ranks that end their steps together")
+    if pipelines:
+        notes.append("send/recv: a stage rank's time in its pipeline's transfers; bubble: its time idle in them, "
+                     "waiting for a neighbour stage; its compute is what remains (micro-batches, optimizer)")
     total = sum(totals["samples"])
     shares = [s / total for s in totals["samples"]] if total > 0 else None
-    return summary_rows(totals, shares), "\n".join(notes)
+    return summary_rows(totals, shares, pipelines), "\n".join(notes)
 
 
-def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> None:
+def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None,
+                  pipelines: Optional[Sequence[Sequence[int]]] = None) -> None:
     """The end-of-fit table on stdout (``rich`` when installed). ``steps``: the first and last optimizer step the
-    totals cover, for the title (the warnings during the run give single windows' means, these are all steps')."""
-    rows, foot = summary_text(totals)
+    totals cover, for the title (the warnings during the run give single windows' means, these are all steps');
+    ``pipelines``: the job's pipelined replicas (their stage ranks get send/recv and bubble columns)."""
+    rows, foot = summary_text(totals, pipelines)
+    headers = summary_headers(pipelines)
     title = "HeteroMonitor: where each rank's step time went (after warm-up)"
     if steps:
         title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "
@@ -235,14 +284,14 @@ def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequenc
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(SUMMARY_HEADERS)]
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [title, fmt.format(*SUMMARY_HEADERS)]
+        lines = [title, fmt.format(*headers)]
         lines += [fmt.format(*row) for row in rows] + [foot]
         print("\n".join(lines), flush=True)
         return
     table = Table(title=title, caption=foot, caption_justify="left")
-    for h in SUMMARY_HEADERS:
+    for h in headers:
         table.add_column(h, justify="left" if h == "rank" else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)

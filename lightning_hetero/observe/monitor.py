@@ -37,6 +37,11 @@ prints a summary table at the end of ``fit`` with, under it, the advice that wou
 (busy < 85 %: shares or more loader workers; exposed communication > 0.3 × compute: compression or bucket size), each
 with its expected gain.
 
+A stage rank of a pipelined replica (``HeteroHybridStrategy``) also reports its schedule's step: its micro-batches'
+compute (``stage_compute``), its pipeline transfers (``sendrecv``) and its time idle waiting for a neighbour stage
+(``bubble``), timed by :class:`~lightning_hetero.observe.stage_times.StageTimer`; its compute column is what remains
+of its step without them. The summary names each stage rank's pipeline and stage.
+
 Example::
 
     trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or observation={"monitor": True}
@@ -55,6 +60,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_hetero.observe.analysis import STEP_FIELDS, accumulate, advice, analyse, print_summary, totals_window
 from lightning_hetero.observe.nvml import NVML_FIELDS, nvml_handle, nvml_readings
+from lightning_hetero.observe.stage_times import NO_STAGE, STAGE_EVENT, StageTimer, merge_stage, stage_fields
 from lightning_hetero.plan.rebalance import when_backward_ends
 
 SIDECAR = "hetero_monitor.jsonl"
@@ -68,13 +74,14 @@ _END = 2  # (kind, mark): the batch ends
 _COLLECTIVE = 3  # (kind, begin, end): a collective issued from within the step
 _EXCLUDED = 4  # (kind, begin, end): validation inside training, part of no step
 _EXCHANGE = 5  # (kind, begin, end): the monitor's own exchange, counted as sync of the next step
-_INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE)
+# STAGE_EVENT (kind, begin, end, pieces): a pipeline stage rank's schedule step (observe/stage_times.py)
+_INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE, STAGE_EVENT)
 
 
 class _Step:
     """One optimizer step of this rank being assembled from the event log (seconds and counts)."""
 
-    __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens")
+    __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens", "stage")
 
     def __init__(self, origin: Any) -> None:
         self.origin = origin  # the previous step's release: the step starts when the ranks were let go
@@ -82,12 +89,14 @@ class _Step:
         self.backward_end: Any = None
         self.gaps = self.colls = self.excluded = 0.0
         self.samples = self.tokens = 0
+        self.stage: tuple[float, ...] = NO_STAGE  # a pipeline stage rank's schedule steps in it
 
     def row(self, seconds: Callable[[Any, Any], float]) -> tuple[float, ...]:
         data = self.gaps - self.excluded if self.gaps > self.excluded else 0.0
         tail = seconds(self.backward_end, self.release) if self.backward_end is not None else 0.0
         sync = self.colls + (tail if tail > 0.0 else 0.0)
-        return (seconds(self.origin, self.release) - self.excluded, data, sync, self.samples, self.tokens)
+        return (seconds(self.origin, self.release) - self.excluded, data, sync, self.samples, self.tokens,
+                *self.stage)
 
 
 class _StepRows:
@@ -132,6 +141,10 @@ class _StepRows:
                     step.colls += seconds(event[1], event[2])
             elif kind == _EXCLUDED:
                 self.owed_excluded += seconds(event[1], event[2])
+            elif kind == STAGE_EVENT:
+                if step is not None:
+                    fields = stage_fields(event[1], event[2], event[3], seconds)
+                    step.stage = fields if step.stage is NO_STAGE else merge_stage(step.stage, fields)
             elif kind == _EXCHANGE and self.last_end is not None:
                 self.owed_sync += seconds(event[1], event[2])
                 self.last_end = event[2]
@@ -174,6 +187,7 @@ class HeteroMonitor(Callback):
         self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
         self._summary_steps: Optional[tuple[int, ...]] = None  # rank 0: first and last step the totals cover
         self._nvml_util: Sequence[float] = ()  # rank 0: the last window's GPU utilisation per rank
+        self._pipelines: Optional[list[list[int]]] = None  # the job's pipelined replicas (global ranks, stage order)
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -247,6 +261,11 @@ class HeteroMonitor(Callback):
         self._marks_from_hook = bool(observe is not None and observe(self._backward_ended))
         if hasattr(trainer.strategy, "attach_monitor"):
             trainer.strategy.attach_monitor(self)
+        # HeteroHybridStrategy: a stage rank of a pipelined replica times its schedule's steps.
+        pipelines = getattr(getattr(trainer.strategy, "layout", None), "pipelines", None)
+        self._pipelines = [list(p) for p in pipelines] if pipelines else None
+        if hasattr(trainer.strategy, "observe_pipeline_stage"):
+            trainer.strategy.observe_pipeline_stage(StageTimer(self._mark, self._push))
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
@@ -318,7 +337,7 @@ class HeteroMonitor(Callback):
         self._stop_watching(trainer)
         if trainer.global_rank == 0 and self.totals is not None:
             if self.summary:
-                print_summary(self.totals, self._summary_steps)
+                print_summary(self.totals, self._summary_steps, self._pipelines)
             if self.warn:
                 self._print_advice(trainer)
 
@@ -331,6 +350,8 @@ class HeteroMonitor(Callback):
                 trainer.strategy.observe_backward_end(self._backward_ended, observe=False)
             if hasattr(trainer.strategy, "attach_monitor"):
                 trainer.strategy.attach_monitor(None)
+            if hasattr(trainer.strategy, "observe_pipeline_stage"):
+                trainer.strategy.observe_pipeline_stage(None)
         self._running, self._marks_from_hook, self._strategy = False, False, None
         if self._sidecar is not None:
             self._sidecar.close()
@@ -372,13 +393,14 @@ class HeteroMonitor(Callback):
 
     def _record_window(self, trainer: Trainer, steps: list[list[list[float]]], nvml: list[list[float]]) -> None:
         n = len(steps[0])
-        window = analyse(steps, first_step=trainer.global_step - n)
+        window = analyse(steps, first_step=trainer.global_step - n, pipelines=self._pipelines)
         window.update(step=int(trainer.global_step),
                       nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(NVML_FIELDS)})
         skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
         kept: Optional[dict[str, Any]] = None
         if skip < n:
-            kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip) if skip else window
+            kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip,
+                           pipelines=self._pipelines) if skip else window
             self.totals = accumulate(self.totals, kept)
             self._summary_steps = (self._summary_steps or (kept["first_step"] + 1,))[:1] + (int(trainer.global_step),)
         self.windows.append(window)
@@ -402,26 +424,33 @@ class HeteroMonitor(Callback):
             print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
 
     def _log(self, trainer: Trainer, window: Mapping[str, Any]) -> None:
-        if trainer.logger is None:
-            return
-        metrics: dict[str, float] = {}
-        for name in ("compute", "wait", "data", "comm"):
-            for r, v in enumerate(window[name]):
-                metrics[f"monitor/{name}_s_rank{r}"] = v
-        for r, v in enumerate(window["busy"]):
-            metrics[f"monitor/busy_rank{r}"] = v
-        for r, v in enumerate(window["solo"]):
-            metrics[f"monitor/solo_samples_per_s_rank{r}"] = v
-        for r, v in enumerate(window["shares"] or []):
-            metrics[f"monitor/share_rank{r}"] = v
-        for key in ("step_s", "samples_per_s", "tokens_per_s", "ideal_fraction", "comm_compute_ratio"):
-            if window.get(key) is not None:
-                metrics[f"monitor/{key}"] = window[key]
-        for name, values in window["nvml"].items():
-            for r, v in enumerate(values):
-                if not math.isnan(v):
-                    metrics[f"monitor/{name}_rank{r}"] = v
-        trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(window_metrics(window), step=trainer.global_step)
+
+
+def window_metrics(window: Mapping[str, Any]) -> dict[str, float]:
+    """A logged window as the logger's metrics (``monitor/...``); a pipeline's stage ranks' parts on those ranks."""
+    metrics: dict[str, float] = {}
+    for name in ("compute", "wait", "data", "comm"):
+        for r, v in enumerate(window[name]):
+            metrics[f"monitor/{name}_s_rank{r}"] = v
+    for r in sorted(r for ranks in window.get("pipelines") or () for r in ranks):
+        for name in ("sendrecv", "bubble", "stage_compute", "stage_span"):
+            metrics[f"monitor/{name}_s_rank{r}"] = window[name][r]
+    for r, v in enumerate(window["busy"]):
+        metrics[f"monitor/busy_rank{r}"] = v
+    for r, v in enumerate(window["solo"]):
+        metrics[f"monitor/solo_samples_per_s_rank{r}"] = v
+    for r, v in enumerate(window["shares"] or []):
+        metrics[f"monitor/share_rank{r}"] = v
+    for key in ("step_s", "samples_per_s", "tokens_per_s", "ideal_fraction", "comm_compute_ratio"):
+        if window.get(key) is not None:
+            metrics[f"monitor/{key}"] = window[key]
+    for name, values in window["nvml"].items():
+        for r, v in enumerate(values):
+            if not math.isnan(v):
+                metrics[f"monitor/{name}_rank{r}"] = v
+    return metrics
 
 
 def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:

@@ -4,7 +4,8 @@ Reads the ``hetero_monitor.jsonl`` that :class:`~lightning_hetero.observe.monito
 logger's ``log_dir`` (the newest one under ``LOGDIR``; one JSON object per logged window) and draws, with matplotlib:
 
 - per rank, the timeline of a step: compute, wait for other ranks, data loading and exposed communication (ms per
-  step, stacked, against the optimizer step);
+  step, stacked, against the optimizer step); a pipeline's stage rank, titled by its pipeline and stage, also its
+  send/recv and bubble;
 - the share of the global batch each rank trained on (changes when ``rebalance=True`` moves it);
 - each rank's solo rate (samples per second of compute), where a card slowing down mid-run (thermal throttling, a
   co-tenant) shows up, with the GPU temperature and SM clock beside it when NVML was available.
@@ -21,8 +22,10 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning_hetero.observe.monitor import SIDECAR
+from lightning_hetero.observe.stage_times import stage_names
 
 _PARTS = (("compute", "tab:green"), ("wait", "tab:red"), ("data", "tab:orange"), ("comm", "tab:blue"))
+_STAGE_PARTS = (("sendrecv", "tab:cyan"), ("bubble", "tab:gray"))
 
 
 def find_sidecar(logdir: str) -> str:
@@ -63,16 +66,18 @@ def draw(windows: Sequence[dict[str, Any]], out: str) -> str:
         return values[:1] + values
     fig, axes = plt.subplots(world + 2, 1, figsize=(10, 2.2 * (world + 2)), sharex=True, squeeze=False)
     axes = axes[:, 0]
+    names = stage_names(windows[-1].get("pipelines"))
+    parts = _PARTS + (_STAGE_PARTS if names else ())
     for r in range(world):
         ax = axes[r]
-        layers = [held([1000 * w[name][r] for w in windows]) for name, _ in _PARTS]
-        ax.stackplot(edges, *layers, labels=[name for name, _ in _PARTS], colors=[c for _, c in _PARTS], step="pre")
+        layers = [held([1000 * (w.get(name) or [0.0] * world)[r] for w in windows]) for name, _ in parts]
+        ax.stackplot(edges, *layers, labels=[name for name, _ in parts], colors=[c for _, c in parts], step="pre")
         share = windows[-1].get("shares")
-        title = f"rank {r}" + (f" (share {share[r]:.1%})" if share else "")
+        title = f"rank {r}" + (f", {names[r]}" if r in names else "") + (f" (share {share[r]:.1%})" if share else "")
         ax.set_title(title, loc="left", fontsize=9)
         ax.set_ylabel("ms / step")
         if r == 0:
-            ax.legend(loc="upper right", fontsize=8, ncol=4)
+            ax.legend(loc="upper right", fontsize=8, ncol=len(parts))
     ax = axes[world]
     if any(w.get("shares") for w in windows):
         for r in range(world):

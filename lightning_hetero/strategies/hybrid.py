@@ -79,6 +79,13 @@ class _UnwrappedDDP(DDPStrategy):
     def pipelined_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
+        """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
+        if self.replica is None:
+            return False
+        self.replica.timer = timer
+        return True
+
 
 class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
@@ -207,7 +214,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             module = self.lightning_module
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, self._split_points(module, pipeline), self.schedule,
-                                            self.micro_batches)
+                                            self.micro_batches, self.core.lab.emulation)
 
     def _auto_pipelines(self) -> list[list[int]]:
         """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
@@ -295,7 +302,10 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         sampler = self.core.loaders.train_sampler
         total = sampler.rank_sizes_at(batch_idx) if sampler is not None else None
         real = total is None or total[self.global_rank] > 0
-        joined, any_real = gather_batch(batch, real, replica.group, self.root_device)
+        # The pipeline's collectives are sync to the monitor, as the strategy's own are.
+        monitor = step.monitor
+        timed = monitor.timed_collective if monitor is not None else (lambda collective, *a: collective(*a))
+        joined, any_real = timed(gather_batch, batch, real, replica.group, self.root_device)
         trainer = _compat.trainer_of(self.lightning_module)
         weight = (1.0 / sum(total) if total else 1.0 / len(self.layout.replica_sizes([1] * self.world_size)))
         weight = weight * float(any_real) / trainer.accumulate_grad_batches
@@ -309,7 +319,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
         for p, g in zip(params, held):
             p.grad = g
-        for name, value, args_, kw in share_logs(calls, replica.ranks[-1], replica.group):
+        for name, value, args_, kw in timed(share_logs, calls, replica.ranks[-1], replica.group):
             self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_, **kw)
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter

@@ -18,11 +18,16 @@ and the last stage computes each micro-batch's loss by running the user's ``trai
 ``self(...)`` returning the stage's output, so the loss and every ``self.log`` stay the user's. Its ``self.log``
 calls are combined over micro-batches as micro-batching combines them
 (:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0.
+
+Each micro-batch's forward, backward and loss run through :meth:`PipelinedReplica.work`: there a CPU rank emulating
+a slower card pauses for it (so the neighbour stage waits for it as for a slow card), and the monitor's
+:class:`~lightning_hetero.observe.stage_times.StageTimer`, when one is attached, times it and the schedule's waits on
+its transfers.
 """
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Optional
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 import lightning_hetero._compat as _compat
+from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
 from lightning_hetero.plan.layout import micro_batch_count
 from lightning_hetero.strategies.stage_memory import StageHolding
@@ -128,10 +134,14 @@ class PipelinedReplica:
         schedule: ``"gpipe"`` or ``"1f1b"`` (GPipe where a step has fewer micro-batches than stages).
         micro_batches: the most micro-batches a step runs (``None``: 2 × stages), see
             :func:`~lightning_hetero.plan.layout.micro_batch_count`.
+        emulator: this rank's emulator (:class:`~lightning_hetero.lab.emulation.Emulator`): on CPU, emulating a
+            slower card, it pauses after each micro-batch's work, where the neighbour stage waits for it as for a
+            slow card.
     """
 
     def __init__(self, module: nn.Module, ranks: Sequence[int], group: dist.ProcessGroup, device: torch.device,
-                 split_points: Sequence[str], schedule: str, micro_batches: Optional[int]) -> None:
+                 split_points: Sequence[str], schedule: str, micro_batches: Optional[int],
+                 emulator: Optional[Emulator] = None) -> None:
         self.module = module
         self.ranks = tuple(ranks)
         self.stage = self.ranks.index(dist.get_rank())
@@ -144,6 +154,9 @@ class PipelinedReplica:
         self._built: dict[tuple, Any] = {}
         self.holding = StageHolding(module, device)
         self.optimizers: Sequence[torch.optim.Optimizer] = ()  # whose state follows the stage's parameters
+        self.timer: Optional[Any] = None  # the monitor's StageTimer (observe/stage_times.py)
+        self.slowed: Optional[Callable[[], AbstractContextManager[None]]] = (
+            emulator.slowed_in_place if emulator is not None else None)
 
     @property
     def stages(self) -> int:
@@ -180,6 +193,7 @@ class PipelinedReplica:
             # The split is known: this stage's parameters on the device, the others' nowhere on this rank.
             self.holding.keep_only(self.partition[self.stage], self.optimizers)
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
+            _compat.around_stage_work(stage, self.work)
             kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
             self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)
             while len(self._built) > KEPT_SCHEDULES:  # a traced stage per shape: the oldest goes
@@ -201,18 +215,39 @@ class PipelinedReplica:
         self._batch, self._batch_idx, self._size, self._weight = batch, batch_idx, size, weight
         self._losses: list[Tensor] = []
         self._capture = LogCapture(self.module)
+        timer = self.timer
         with self._capture.patched():
-            if self.stage == 0:
-                schedule.step(*inputs)
-            elif self.is_last:
-                schedule.step(target=torch.arange(size, device=self.device))
-            else:
-                schedule.step()
+            if timer is not None:
+                timer.begin()
+            with _compat.pipeline_transfers(timer.posted, timer.waited) if timer is not None else nullcontext():
+                if self.stage == 0:
+                    schedule.step(*inputs)
+                elif self.is_last:
+                    schedule.step(target=torch.arange(size, device=self.device))
+                else:
+                    schedule.step()
+            if timer is not None:
+                timer.end()
         if not self.is_last:
             return None, []
         return torch.stack(self._losses).sum(), self._capture.combined()
 
+    def work(self, run: Callable[[], Any]) -> Any:
+        """``run()``, one micro-batch's forward, backward or loss: slowed in place by a CPU emulator, timed by the
+        monitor."""
+        if self.slowed is not None:
+            inner = run
+
+            def run() -> Any:
+                assert self.slowed is not None
+                with self.slowed():
+                    return inner()
+        return run() if self.timer is None else self.timer.compute(run)
+
     def _loss(self, output: Any, index: Tensor) -> Tensor:
+        return self.work(lambda: self._micro_batch_loss(output, index))
+
+    def _micro_batch_loss(self, output: Any, index: Tensor) -> Tensor:
         """The user's ``training_step`` on one micro-batch, its ``self(...)`` returning the last stage's output."""
         start, end = int(index[0]), int(index[-1]) + 1
         share = (end - start) / self._size

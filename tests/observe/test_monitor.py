@@ -92,10 +92,11 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
         (_START, 2.7, 4, 64), (_COLLECTIVE, 2.71, 2.72), (_RELEASE, 3.4, 3.0),
         (_RELEASE, 3.5, 3.45), (_END, 3.6),
     ]
-    step1 = [1.0, 0.0, 0.1 + 0.4, 4, 0]  # cycle, data, sync (collective + wait after the backward), samples, tokens
+    # cycle, data, sync (collective + wait after the backward), samples, tokens; no pipeline stage (six zeros)
+    step1 = [1.0, 0.0, 0.1 + 0.4, 4, 0] + [0.0] * 6
     # Step 2 runs from step 1's release to its own, less validation (0.5 s); its gaps between batches (0.7 + 0.1 s
     # after the exchange, 0.5 of them validation) leave 0.3 s of data; sync = exchange + collective + wait.
-    step2 = [3.4 - 1.0 - 0.5, 0.3, 0.2 + 0.01 + 0.4, 8, 128]
+    step2 = [3.4 - 1.0 - 0.5, 0.3, 0.2 + 0.01 + 0.4, 8, 128] + [0.0] * 6
     whole = _StepRows(lambda a, b: b - a).rows(events)
     assert whole == pytest.approx(step1 + step2)
     for cut in (5, 8, 11):
