@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import yaml
@@ -116,11 +116,13 @@ class Lever:
             return [float(v) for v in self.capacities.split("/")]
         return self.capacities
 
-    def strategy_args(self, measured: Optional[list[float]]) -> dict[str, Any]:
-        """Our strategy's arguments under this lever (as a config's ``init_args``)."""
+    def strategy_args(self, measured: Optional[list[float]], policy: Optional[dict[str, Any]] = None
+                      ) -> dict[str, Any]:
+        """Our strategy's arguments under this lever (as a config's ``init_args``); ``policy``: more
+        :class:`~lightning_hetero.MemoryPolicy` fields."""
         memory: Any = self.memory
-        if self.keep_gathered:
-            memory = {"rules": {"*": self.memory}, "keep_gathered": True}
+        if self.keep_gathered or policy:
+            memory = {"rules": {"*": self.memory}, "keep_gathered": self.keep_gathered, **(policy or {})}
         args: dict[str, Any] = {"capacities": self.capacities_for(measured), "memory": memory}
         if self.global_batch:
             args["global_batch_size"] = self.global_batch
@@ -237,9 +239,9 @@ class Pair:
         return sum(rates) if rates and all(r is not None for r in rates) else None  # type: ignore[misc]
 
     def ours(self, base: dict[str, Any], lever: Lever, measured: Optional[list[float]], tag: str,
-             model_args: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        args = lever.strategy_args(measured)
-        config = write_config(config_with(base, args, model_args), os.path.join(self.scratch, f"{tag}.yaml"))
+             policy: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        args = lever.strategy_args(measured, policy)
+        config = write_config(config_with(base, args), os.path.join(self.scratch, f"{tag}.yaml"))
         results = run_jobs(config, self.lab, Run(tag, OURS), "real", self.args.steps, self.scratch,
                            self.args.accelerator, self.args.timeout, self.log)
         record = run_record(lever.text, results)
@@ -424,6 +426,15 @@ def big_model(params_b: float, width: int) -> dict[str, Any]:
             "init": "fill"}
 
 
+def big_policy(model: dict[str, Any]) -> dict[str, Any]:
+    from models import GPTConfig, gpt_activation_bytes
+
+    per_sample, fraction = gpt_activation_bytes(GPTConfig(vocab=model["vocab"], seq=model["seq"],
+                                                          width=model["width"], layers=model["layers"],
+                                                          heads=model["heads"]))
+    return {"activation_bytes_per_sample": per_sample, "checkpointed_fraction": fraction}
+
+
 def big_estimate(model: dict[str, Any], caps_gib: list[float], batch: int) -> dict[str, Any]:
     """Host memory and step time to expect, from the planner (``bench_fsdp_shared.plan``: ``memory="auto"`` under
     the caps at 3 + 1 samples) and :data:`CPU_ADAM_NS`."""
@@ -467,10 +478,14 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-sharded-big-") as scratch, \
             open(os.path.join(args.out, "big.log"), "w") as log:
         pair = Pair(args, lab, scratch, log)
+        # The global batch given: the plan made when the model is sharded then counts each rank's activations.
         lever = Lever.parse(args.big_lever)
+        lever = replace(lever, global_batch=lever.global_batch or args.big_batch)
         for which in args.big_runs.split(","):
             if which == "ours":
-                record = pair.ours(base, lever, None, "big-ours")
+                # Activations counted from the model's shape (as bench_fsdp_shared plans): `auto` chooses its blocks
+                # when the model is sharded, before a trial step could measure them.
+                record = pair.ours(base, lever, None, "big-ours", policy=big_policy(model))
             else:
                 config = write_config(base, os.path.join(scratch, "big-lightning.yaml"))
                 record = pair.baseline(config, "fsdp:offload" if args.accelerator == "gpu" else "ddp")
@@ -488,8 +503,9 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
     result["ours_over_lightning"] = ours / theirs if ours and theirs else None
     with open(os.path.join(args.out, "sharded_big.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"big {estimate['parameters'] / 1e9:.2f}B on {caps} GiB: ours {_fmt(ours, 3)} samples/s, Lightning FSDP + "
-          f"CPU offload {_fmt(theirs, 3)}: {_fmt(result['ours_over_lightning'])}x")
+    baseline = next((r["run"] for r in result["runs"] if r["run"].startswith("Lightning")), "Lightning")
+    print(f"big {estimate['parameters'] / 1e9:.2f}B on {caps} GiB: ours {_fmt(ours, 3)} samples/s, {baseline} "
+          f"{_fmt(theirs, 3)}: {_fmt(result['ours_over_lightning'])}x")
     return result
 
 
@@ -510,7 +526,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--big-caps", default="52,22", help="GiB per rank")
     parser.add_argument("--big-lab", default=None, help="cards as --lab (default: memory caps only, full compute)")
     parser.add_argument("--big-batch", type=int, default=4, help="global batch of the big check")
-    parser.add_argument("--big-lever", default="caps=equal", help="our configuration in the big check")
+    parser.add_argument("--big-lever", default="caps=3/1", help="our configuration in the big check")
     parser.add_argument("--big-runs", default="ours,lightning", help="which of ours, lightning, in order")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args(argv)
