@@ -4,26 +4,30 @@ Lightning's ``FSDPStrategy``, every rank emulated as its card in its own process
 Every run goes through :mod:`benchmarks.rehearse_real` (rank r alone on GPU r, NCCL, its own emulator, each rank's
 emulation timed on a fixed workload before its first step), in this order:
 
-1. **solo** (each card alone, a world of one, both cards at once on their own GPUs): ``HeteroFSDPStrategy`` on the
-   same model, AdamW and precision, ``memory="auto"`` (the plan the strategy picks for the card alone: a 24 GiB card
-   cannot hold a 1.1B replica with DDP, but one FSDP rank with every state on it, or checkpointing/offloading what
-   does not fit, trains it), at the card's batch in the pair. Alone a card has no communication and no wait for the
-   other, which is what Σ solo stands for; it also steps the optimizer over all the parameters where in the pair it
-   steps its half, so a card's solo rate counts that (a fixed cost per step, under 10 % of a solo step here: see
-   ``solo_plan`` and the step times in the JSON). The first round runs at the split of the published rates; once the
-   levers have run, any card whose batch there differs is timed again at it, so each lever's Σ solo is at its own
-   batches.
+1. **solo**, what Σ solo means: each card alone (a world of one; both cards at once, each on its own GPU) trains
+   the same model, AdamW and precision with ``HeteroFSDPStrategy(memory="auto")`` at its batch in the pair. An
+   emulated 24 GiB card ran out of memory holding a 1.1B replica under Lightning's DDP at one sample (RESULTS.md,
+   the 1.1B rehearsal); one FSDP rank with every state on it and no DDP buckets fits, checkpointing or offloading
+   what does not; the JSON records the plan it picked. Alone a card has no communication and no wait for the other: that is what Σ solo stands for.
+   It also steps AdamW over all the parameters, where in the pair it steps its half; this is the one cost of the
+   solo definition a pair rank does not pay (on the emulated 3090, whose 8 SMs stream the optimizer slowly, a
+   noticeable share of a solo step at one sample), so a ratio near 1 says the pair loses nothing beyond it. The first
+   round runs at the split of the published rates; once the levers have run, each card not yet timed at a lever's
+   batch is timed at it, so every lever's Σ solo is at its own batches.
 2. **levers** (ours): one run per configuration of ``--levers``, each ``key=value`` joined by ``+``:
-   ``caps=measured`` (the solo rates of step 1), ``caps=peak``, ``caps=equal`` or ``caps=5/1``; ``gb=12`` (global
-   batch; default the config's ``batch_size`` × 2); ``memory=auto`` (any ``memory`` rule). E.g.
-   ``--levers "caps=peak,caps=measured,caps=measured+gb=12"``.
-3. **baseline**: Lightning's ``FSDPStrategy`` (``fsdp``; ``fsdp:offload`` with its CPU offload), equal batches
-   (``batch_size`` per rank), every step under the rank's emulation; ``ddp`` on CPU, where Lightning's FSDP does not
-   run, to exercise the path.
+   ``caps=measured`` (the solo rates of step 1), ``caps=peak``, ``caps=equal`` or ``caps=5/1``; ``gb=16`` (global
+   batch; default the config's ``batch_size`` × 2); ``memory=auto`` (any ``memory`` rule);
+   ``keep_gathered=true`` (``MemoryPolicy(keep_gathered=True)``: FSDP's ``reshard_after_forward=False``, one
+   all-gather per block and step instead of two). E.g. ``--levers "caps=measured,caps=measured+keep_gathered=true"``.
+3. **baseline**: Lightning's ``FSDPStrategy`` (``fsdp``; ``fsdp:offload`` with its CPU offload) at every global
+   batch a lever ran, equal batches, every step under the rank's emulation; ``ddp`` on CPU, where Lightning's FSDP
+   does not run, to exercise the path.
 
 Each lever's samples/s is its global batch over its slowest rank's median step (2 warm-up steps untimed); printed:
-ours ÷ Σ solo, ours ÷ Lightning, Lightning ÷ Σ solo (at the main lever's batches), and each run's per-rank emulation
-(the workload time against rank 0's, expected from the emulated SM counts; a rank without an emulator is named).
+ours ÷ Σ solo, ours ÷ Lightning at the same global batch, Lightning ÷ Σ solo (at the first lever's batches), and
+each run's per-rank emulation (the workload time against rank 0's, expected from the emulated SM counts; a rank
+without an emulator is named). Every run fills ``benchmarks.lm.GPTModule``'s weights (``init="fill"``: seconds for
+1.1B parameters instead of a serial random draw per weight; ``--random-init`` for torch's own).
 
 ``--big``: the largest-model check: a GPT of ``--big-params`` billion parameters (``--big-width``, weights filled
 without per-element random draws: ``benchmarks.lm.GPTModule(init="fill")``) on a pair capped at ``--big-caps``
@@ -65,6 +69,10 @@ from lightning_hetero.rehearse.launch import free_port, launch_ranks  # noqa: E4
 
 OURS = "hetero_fsdp"
 BASELINES = {"fsdp": ("real_fsdp", None), "fsdp:offload": ("real_fsdp", "offload"), "ddp": ("real_ddp", None)}
+# The config's batch (8: 7 + 1 at the measured rates), then a third less traffic on the PCIe-class link, then twice the
+# batch (each card's compute against the same traffic and fixed costs), then both.
+DEFAULT_LEVERS = ("caps=measured,caps=measured+keep_gathered=true,caps=measured+gb=16,"
+                  "caps=measured+gb=16+keep_gathered=true")
 # The big check's model: width, heads and sequence of the 1.1B config's family, vocabulary padded as nanoGPT does.
 BIG_SEQ, BIG_VOCAB = 512, 50304
 # CPU AdamW cost assumed by the big check's time estimate (ns per offloaded parameter and step, 16 host cores).
@@ -267,6 +275,9 @@ def pair_check(args: argparse.Namespace) -> dict[str, Any]:
     levers = [Lever.parse(t) for t in args.levers.split(",") if t.strip()]
     with open(args.model) as f:
         base = yaml.safe_load(f)
+    if not args.random_init and str(base["model"].get("class_path", "")).endswith("lm.GPTModule"):
+        # Every run (solo, ours, Lightning's) with the weights filled: seconds instead of a serial draw per weight.
+        base["model"].setdefault("init_args", {})["init"] = "fill"
     default_batch = per_rank_batch(base) * len(lab)
     result: dict[str, Any] = {"config": args.model, "lab": lab, "steps": args.steps, "levers": [], "baseline": [],
                               "solo": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -513,12 +524,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="configs/rehearse_gpt.yaml", help="a LightningCLI config (model, data)")
     parser.add_argument("--lab", default="A100-80GB,RTX3090")
-    parser.add_argument("--levers", default="caps=measured,caps=peak,caps=measured+gb=12",
+    parser.add_argument("--levers", default=DEFAULT_LEVERS,
                         help="comma-separated configurations of ours, the first the main one (see above)")
     parser.add_argument("--baseline", default="fsdp", choices=sorted(BASELINES) + ["none"])
     parser.add_argument("--rounds", type=int, default=1, help="every lever and the baseline this many times")
     parser.add_argument("--steps", type=int, default=8, help="steps a run (the first 2 untimed)")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--random-init", action="store_true",
+                        help="torch's own weight initialisation (default: benchmarks.lm's fill, for every run)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds one launch may take")
     parser.add_argument("--big", action="store_true", help="the largest-model check instead (see above)")
     parser.add_argument("--big-params", type=float, default=8.0, help="billions of parameters")

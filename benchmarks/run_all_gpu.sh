@@ -6,6 +6,8 @@
 #                                          # the GPU checks again on GPUs 0,1 while GPUs 2,3 benchmark)
 #   bash benchmarks/run_all_gpu.sh monitor  # the monitor's GPU test and its overhead A/B (mix2, GPT + ResNet-50)
 #   bash benchmarks/run_all_gpu.sh tokens   # token-balanced vs sample-count splits on a length-skewed set
+#   bash benchmarks/run_all_gpu.sh sharded  # 2 GPUs, <= 560 s: P8, the 1.1B sharded pair vs Σ solo and Lightning
+#                                          # FSDP, levers side by side (SHARDED_LEVERS); SHARDED_BIG=1: the ~8B check
 #   bash benchmarks/run_all_gpu.sh goals    # 4 GPUs, <= 540 s: the throughput goals P1 (mix2), P2 (mix4), P3 (same2
 #                                          # on NVLink and PCIe), P7 (hosts 2+2, periodic sync); 3 rounds each;
 #                                          # $OUT gets goals.json, goals.txt, p1/p2/p3/p7 plots, logs.txt
@@ -67,6 +69,15 @@ case "${1:-checks}" in
             step lab4 200 0,1,2,3 python3 benchmarks/bench_lab.py --scenarios mix4 --out "$OUT/lab4"
         else
             step lab2 330 0,1 python3 benchmarks/bench_lab.py --scenarios mix2,same2 --out "$OUT/lab2"
+        fi
+        ;;
+    sharded)
+        if [ -n "${SHARDED_BIG:-}" ]; then
+            step sharded_big 560 0,1 python3 benchmarks/bench_sharded_pair.py --big --steps 5 --timeout 270 \
+                --out "$OUT"
+        else
+            step sharded_pair 560 0,1 python3 benchmarks/bench_sharded_pair.py --steps 8 --timeout 120 \
+                ${SHARDED_LEVERS:+--levers "$SHARDED_LEVERS"} --out "$OUT"
         fi
         ;;
     goals)
