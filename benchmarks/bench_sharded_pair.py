@@ -8,7 +8,8 @@ emulation timed on a fixed workload before its first step), in this order:
    the same model, AdamW and precision with ``HeteroFSDPStrategy(memory="auto")`` at its batch in the pair. An
    emulated 24 GiB card ran out of memory holding a 1.1B replica under Lightning's DDP at one sample (RESULTS.md,
    the 1.1B rehearsal); one FSDP rank with every state on it and no DDP buckets fits, checkpointing or offloading
-   what does not; the JSON records the plan it picked. Alone a card has no communication and no wait for the other: that is what Σ solo stands for.
+   what does not; the JSON records the plan it picked. Alone a card has no communication and no wait for the
+   other: that is what Σ solo stands for.
    It also steps AdamW over all the parameters, where in the pair it steps its half; this is the one cost of the
    solo definition a pair rank does not pay (on the emulated 3090, whose 8 SMs stream the optimizer slowly, a
    noticeable share of a solo step at one sample), so a ratio near 1 says the pair loses nothing beyond it. The first
@@ -206,7 +207,8 @@ def run_record(name: str, results: list[RankResult], global_batch: Optional[int]
     return {"run": name, "samples_per_s": rate, "spread": spread, "split": results[0].split if results else None,
             "plans": [r.plan for r in results], "batches": [r.batch for r in results],
             "step_seconds": [r.step_time for r in results], "peak_bytes": [r.peak_allocated_bytes for r in results],
-            "estimate_bytes": [r.estimated_bytes for r in results], "host_rss_bytes": [r.host_rss_bytes for r in results],
+            "estimate_bytes": [r.estimated_bytes for r in results],
+            "host_rss_bytes": [r.host_rss_bytes for r in results],
             "errors": [r.error for r in results if r.error], "emulation": emulation, "emulation_misses": misses}
 
 
@@ -218,19 +220,37 @@ class Pair:
         self.solo: dict[tuple[int, int], RankResult] = {}  # (card, batch) -> its solo run
 
     def solo_runs(self, base: dict[str, Any], wanted: list[tuple[int, int]]) -> None:
-        """Each (card, batch) not yet timed, alone; the cards' runs at once, each on its own GPU."""
+        """Each (card, batch) not yet timed, alone; the cards' runs at once, each on its own GPU. The plan is the
+        strategy's own (``memory="auto"``, the step measured before the first step); a card whose plan turned out
+        not to fit is run again with the model's activations counted (:func:`counted_policy`), so that ``auto``
+        checkpoints or offloads what it must when the model is sharded."""
         todo = [w for w in dict.fromkeys(wanted) if w not in self.solo and w[1] > 0]
-        config = write_config(config_with(base, {"capacities": "equal", "memory": "auto"}),
-                              os.path.join(self.scratch, "solo.yaml"))
+        measured = write_config(config_with(base, {"capacities": "equal", "memory": "auto"}),
+                                os.path.join(self.scratch, "solo.yaml"))
+        policy = counted_policy(base)
+        retried: set[tuple[int, int]] = set()
         gpu = self.args.accelerator == "gpu"
         while todo:
             batch_round = list({card: (card, b) for card, b in reversed(todo)}.values())  # one per card
-            jobs = [RankJob(config, "solo", 0, [solo_card(self.lab, card, self.args.accelerator)], self.args.steps,
-                            os.path.join(self.scratch, f"solo-card{card}-b{b}.json"), entry(OURS).class_path,
-                            self.args.accelerator, port=free_port(), batch_size=b, gpu=card if gpu else None)
-                    for card, b in batch_round]
+            jobs = []
+            for card, b in batch_round:
+                config = measured
+                if (card, b) in retried:
+                    config = write_config(config_with(base, {"capacities": "equal", "global_batch_size": b,
+                                                             "memory": {"rules": {"*": "auto"}, **(policy or {})}}),
+                                          os.path.join(self.scratch, f"solo-counted-b{b}.yaml"))
+                jobs.append(RankJob(config, "solo", 0, [solo_card(self.lab, card, self.args.accelerator)],
+                                    self.args.steps, os.path.join(self.scratch, f"solo-card{card}-b{b}.json"),
+                                    entry(OURS).class_path, self.args.accelerator, port=free_port(), batch_size=b,
+                                    gpu=card if gpu else None))
             self.log.write(f"\n===== solo {batch_round} =====\n")
             for (card, b), result in zip(batch_round, launch_ranks(jobs, self.args.timeout, self.log)):
+                short = not result.ok and (result.oom or "MemoryFitError" in (result.error or ""))
+                if short and policy and (card, b) not in retried:
+                    retried.add((card, b))
+                    print(f"  solo card {card} batch {b}: {result.error}; again with the activations counted",
+                          flush=True)
+                    continue
                 self.solo[(card, b)] = result
                 print(f"  solo card {card} ({card_label(self.lab[card])}) batch {b}: "
                       f"{_rate(b, result)} samples/s, plan {result.plan} {result.error or ''}", flush=True)
@@ -371,11 +391,12 @@ def format_pair(result: dict[str, Any]) -> str:
         lines.append(f"solo {solo['card']:<10} batch {solo['batch']:>3}: {_fmt(solo['samples_per_s'])} samples/s, "
                      f"plan {solo['plan']}, emulated speed {solo['emulated_speed']}, workload "
                      f"{_fmt(solo['probe_seconds'], 3)} s {solo['error'] or ''}")
-    lines.append(f"{'run':<28} {'split':>9} {'plans':<28} {'samples/s (min-max)':>22} {'÷Σsolo':>7} {'÷Lightning':>10}")
+    lines.append(f"{'run':<36} {'split':>9} {'plans':<28} {'samples/s (min-max)':>22} {'÷Σsolo':>7} "
+                 f"{'÷Lightning':>10}")
     for lever in result["levers"]:
         run = lever["runs"][0] if lever["runs"] else {}
         span = f"{_fmt(lever['samples_per_s'])} ({_fmt(lever['min'])}-{_fmt(lever['max'])})"
-        lines.append(f"{lever['lever']:<28} {str(run.get('split')):>9} {str(run.get('plans')):<28} {span:>22} "
+        lines.append(f"{lever['lever']:<36} {str(run.get('split')):>9} {str(run.get('plans')):<28} {span:>22} "
                      f"{_fmt(lever['over_sum_solo'])    :>7} {_fmt(lever['over_lightning']):>10}")
     shown = set()
     for base in result["baseline"]:
@@ -386,7 +407,7 @@ def format_pair(result: dict[str, Any]) -> str:
                  if b.get("global_batch") == base.get("global_batch") and b["samples_per_s"]]
         span = f"{_fmt(statistics.median(rates) if rates else None)} ({_fmt(min(rates, default=None))}-" \
                f"{_fmt(max(rates, default=None))})"
-        lines.append(f"{base['run']:<28} {str(base['batches']):>9} {str(base['plans']):<28} {span:>22}")
+        lines.append(f"{base['run']:<36} {str(base['batches']):>9} {str(base['plans']):<28} {span:>22}")
     lines.append(f"Lightning ÷ Σ solo (at the first lever's batches, same global batch): "
                  f"{_fmt(result['lightning_over_sum_solo'])}")
     lines.append("emulation per rank (workload time x rank 0's / expected from the emulated speeds):")
@@ -438,12 +459,26 @@ def big_model(params_b: float, width: int) -> dict[str, Any]:
 
 
 def big_policy(model: dict[str, Any]) -> dict[str, Any]:
+    """:class:`~lightning_hetero.MemoryPolicy` fields counting a ``benchmarks.lm.GPTModule``'s activations
+    (:func:`benchmarks.models.gpt_activation_bytes`) from its arguments."""
     from models import GPTConfig, gpt_activation_bytes
 
     per_sample, fraction = gpt_activation_bytes(GPTConfig(vocab=model["vocab"], seq=model["seq"],
                                                           width=model["width"], layers=model["layers"],
                                                           heads=model["heads"]))
     return {"activation_bytes_per_sample": per_sample, "checkpointed_fraction": fraction}
+
+
+def counted_policy(base: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """:func:`big_policy` for the config's model when it is ``benchmarks.lm.GPTModule``; ``None`` otherwise."""
+    model = base.get("model") or {}
+    if not str(model.get("class_path", "")).endswith("lm.GPTModule"):
+        return None
+    from benchmarks.lm import GPTModule
+    import inspect
+
+    defaults = {k: v.default for k, v in inspect.signature(GPTModule).parameters.items()}
+    return big_policy({**defaults, **(model.get("init_args") or {})})
 
 
 def big_estimate(model: dict[str, Any], caps_gib: list[float], batch: int) -> dict[str, Any]:

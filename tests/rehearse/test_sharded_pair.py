@@ -82,3 +82,28 @@ def test_a_filled_gpt_has_the_random_ones_shapes_and_trains():
     assert torch.isfinite(loss) and all(p.grad is not None for p in filled.parameters())
     with pytest.raises(ValueError, match="`init`"):
         GPTModule(init="zeros")
+
+
+def test_a_solo_card_whose_plan_is_short_runs_again_with_its_activations_counted(tmp_path, monkeypatch, capsys):
+    import io
+
+    import yaml
+
+    import benchmarks.bench_sharded_pair as bench
+
+    configs = []
+
+    def launch(jobs, timeout, log):
+        configs.extend(yaml.safe_load(open(job.config))["trainer"]["strategy"]["init_args"] for job in jobs)
+        first = len(configs) == 1
+        return [RankResult("solo", 0, "RTX3090", error="MemoryFitError: the model does not fit") if first
+                else _rank(0, 0.25, 1)]
+
+    monkeypatch.setattr(bench, "launch_ranks", launch)
+    base = yaml.safe_load(open("configs/rehearse_gpt.yaml"))
+    args = argparse.Namespace(accelerator="cpu", steps=4, timeout=10.0)
+    pair = Pair(args, ["A100-80GB", "RTX3090"], str(tmp_path), io.StringIO())
+    pair.solo_runs(base, [(1, 1)])
+    assert configs[0]["memory"] == "auto"  # the strategy's own plan, measured
+    assert configs[1]["global_batch_size"] == 1 and configs[1]["memory"]["activation_bytes_per_sample"] > 0
+    assert pair.solo_rate(1, 1) == pytest.approx(4.0)

@@ -355,7 +355,8 @@ class RecordsItsResharding(WrapperModule):
     def on_train_end(self) -> None:
         from lightning_hetero._compat import fsdp_flags
 
-        torch.save([fsdp_flags(block)[0] for block in self.model.blocks], f"{self.out_dir}/reshard{self.global_rank}.pt")
+        flags = [fsdp_flags(block)[0] for block in self.model.blocks]
+        torch.save(flags, f"{self.out_dir}/reshard{self.global_rank}.pt")
 
 
 @pytest.mark.slow
