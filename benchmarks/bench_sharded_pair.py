@@ -315,29 +315,54 @@ def pair_check(args: argparse.Namespace) -> dict[str, Any]:
         records: dict[str, list[dict[str, Any]]] = {lever.text: [] for lever in levers}
         batches = sorted({lever.global_batch or default_batch for lever in levers} or {default_batch})
         result["default_global_batch"] = default_batch
+        launches: list[float] = []
+
+        def room() -> bool:
+            """Whether one more launch (as long as the longest so far) ends before ``--deadline-s``."""
+            if not args.deadline_s:
+                return True
+            left = args.deadline_s - (time.perf_counter() - started)
+            if left < max(launches, default=0.0):
+                print(f"  skipped: {left:.0f} s left of --deadline-s {args.deadline_s:g}", flush=True)
+                return False
+            return True
+
+        def timed(run: Any) -> Any:
+            began = time.perf_counter()
+            value = run()
+            launches.append(time.perf_counter() - began)
+            return value
+
+        # One global batch at a time, each group whole (levers, Lightning, the solo runs at its splits) before the
+        # next: a command stopped by its deadline keeps complete ratios for the groups it ran.
         for round_ in range(args.rounds):
-            for i, lever in enumerate(levers):
-                record = pair.ours(base, lever, measured, f"lever{i}-round{round_}")
-                records[lever.text].append(record)
-                print(f"  round {round_} {lever.text}: {_fmt(record['samples_per_s'])} samples/s split "
-                      f"{record['split']} plans {record['plans']} {record['errors'] or ''}", flush=True)
+            for global_batch in batches:
+                group = [(i, lv) for i, lv in enumerate(levers) if (lv.global_batch or default_batch) == global_batch]
+                for i, lever in group:
+                    if not room():
+                        break
+                    record = timed(lambda: pair.ours(base, lever, measured, f"lever{i}-round{round_}"))
+                    records[lever.text].append(record)
+                    print(f"  round {round_} {lever.text}: {_fmt(record['samples_per_s'])} samples/s split "
+                          f"{record['split']} plans {record['plans']} {record['errors'] or ''}", flush=True)
+                    _save(args, result, levers, records, pair, started)
+                # Lightning at the same global batch, equal batches: each lever against the same samples a step.
+                if args.baseline != "none" and room():
+                    config = write_config(config_with(base, None, batch_size=global_batch // len(lab)),
+                                          os.path.join(scratch, f"lightning-gb{global_batch}.yaml"))
+                    # Lightning's FSDPStrategy needs an accelerator: on CPU its DDP exercises the path.
+                    name = "ddp" if args.accelerator == "cpu" and args.baseline.startswith("fsdp") else args.baseline
+                    record = timed(lambda: pair.baseline(config, name, f"-gb{global_batch}-round{round_}"))
+                    record["global_batch"] = global_batch
+                    result["baseline"].append(record)
+                    print(f"  round {round_} {record['run']} at {global_batch}: {_fmt(record['samples_per_s'])} "
+                          f"samples/s {record['errors'] or ''}", flush=True)
+                # Σ solo at each lever's own batches: the cards whose batch there was not timed yet.
+                wanted = [(card, b) for _, lv in group for r in records[lv.text] for card, b in
+                          enumerate(r["split"] or [])]
+                if wanted and room():
+                    timed(lambda: pair.solo_runs(base, wanted))
                 _save(args, result, levers, records, pair, started)
-            # Lightning at every global batch a lever ran, equal batches: each lever against the same samples a step.
-            for global_batch in batches if args.baseline != "none" else []:
-                config = write_config(config_with(base, None, batch_size=global_batch // len(lab)),
-                                      os.path.join(scratch, f"lightning-gb{global_batch}.yaml"))
-                # Lightning's FSDPStrategy needs an accelerator: on CPU its DDP exercises the path.
-                name = "ddp" if args.accelerator == "cpu" and args.baseline.startswith("fsdp") else args.baseline
-                record = pair.baseline(config, name, f"-gb{global_batch}-round{round_}")
-                record["global_batch"] = global_batch
-                result["baseline"].append(record)
-                print(f"  round {round_} {record['run']} at {global_batch}: {_fmt(record['samples_per_s'])} "
-                      f"samples/s {record['errors'] or ''}", flush=True)
-                _save(args, result, levers, records, pair, started)
-        # Σ solo at each lever's own batches: the cards whose batch there was not timed yet.
-        wanted = [(card, b) for runs in records.values() for r in runs for card, b in enumerate(r["split"] or [])]
-        pair.solo_runs(base, wanted)
-        _save(args, result, levers, records, pair, started)
     return result
 
 
@@ -415,7 +440,7 @@ def format_pair(result: dict[str, Any]) -> str:
         for run in runs[:1]:
             cells = [f"rank {e['rank']} speed {e['speed']} {_fmt(e['ratio'])}x ({_fmt(e['expected_ratio'])}x)"
                      for e in run["emulation"]]
-            lines.append(f"  {name:<26} " + "; ".join(cells) + "".join(f"  MISS {m}" for m in run["emulation_misses"]))
+            lines.append(f"  {name:<36} " + "; ".join(cells) + "".join(f"  MISS {m}" for m in run["emulation_misses"]))
     return "\n".join(lines)
 
 
@@ -568,6 +593,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--random-init", action="store_true",
                         help="torch's own weight initialisation (default: benchmarks.lm's fill, for every run)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds one launch may take")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="start no launch that would end past this many seconds (0: no deadline)")
     parser.add_argument("--big", action="store_true", help="the largest-model check instead (see above)")
     parser.add_argument("--big-params", type=float, default=8.0, help="billions of parameters")
     parser.add_argument("--big-width", type=int, default=4096)

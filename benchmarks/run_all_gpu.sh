@@ -76,7 +76,7 @@ case "${1:-checks}" in
             step sharded_big 560 0,1 python3 benchmarks/bench_sharded_pair.py --big --steps 5 --timeout 270 \
                 --out "$OUT"
         else
-            step sharded_pair 560 0,1 python3 benchmarks/bench_sharded_pair.py --steps 8 --timeout 120 \
+            step sharded_pair 560 0,1 python3 benchmarks/bench_sharded_pair.py --steps 8 --timeout 120 --deadline-s 540 \
                 ${SHARDED_LEVERS:+--levers "$SHARDED_LEVERS"} --out "$OUT"
         fi
         ;;
