@@ -7,7 +7,9 @@
 #   bash benchmarks/run_all_gpu.sh monitor  # the monitor's GPU test and its overhead A/B (mix2, GPT + ResNet-50)
 #   bash benchmarks/run_all_gpu.sh tokens   # token-balanced vs sample-count splits on a length-skewed set
 #   bash benchmarks/run_all_gpu.sh rebalance  # P5: rank 0 of mix2 slows 2x at step 30; Lightning DDP, static shares,
-#                                          # rebalance and the oracle on ResNet-50, rounds until 240 s (2 GPUs, limit 290 s)
+#                                          # rebalance and the oracle on GPT-124M, rounds until 240 s (2 GPUs, limit 290 s)
+#   bash benchmarks/run_all_gpu.sh sharded  # 2 GPUs, <= 560 s: P8, the 1.1B sharded pair vs Σ solo and Lightning
+#                                          # FSDP, levers side by side (SHARDED_LEVERS); SHARDED_BIG=1: the ~8B check
 #   bash benchmarks/run_all_gpu.sh goals    # 4 GPUs, <= 540 s: the throughput goals P1 (mix2), P2 (mix4), P3 (same2
 #                                          # on NVLink and PCIe), P7 (hosts 2+2, periodic sync); 3 rounds each;
 #                                          # $OUT gets goals.json, goals.txt, p1/p2/p3/p7 plots, logs.txt
@@ -74,6 +76,15 @@ case "${1:-checks}" in
     rebalance)
         # The first round always runs; another starts only if it ends within --deadline-s (the limit is a backstop).
         step rebalance 290 0,1 python3 benchmarks/bench_rebalance.py --deadline-s 240 --out "$OUT/rebalance"
+        ;;
+    sharded)
+        if [ -n "${SHARDED_BIG:-}" ]; then
+            step sharded_big 560 0,1 python3 benchmarks/bench_sharded_pair.py --big --steps 5 --timeout 270 \
+                --out "$OUT"
+        else
+            step sharded_pair 560 0,1 python3 benchmarks/bench_sharded_pair.py --steps 8 --timeout 120 --deadline-s 540 \
+                ${SHARDED_LEVERS:+--levers "$SHARDED_LEVERS"} --out "$OUT"
+        fi
         ;;
     goals)
         # Two lanes of two GPUs, then all four. Each step's limit is a backstop above its --deadline-s (rounds that

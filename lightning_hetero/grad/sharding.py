@@ -101,22 +101,26 @@ def shard_module(
     checkpoint: BlockCount,
     offload: BlockCount,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``module`` in place: ``fully_shard`` each block (inner first) and the root. ``checkpoint`` / ``offload``:
     ``True`` for every block, ``False`` for none, or a count: the first that many top-level blocks
     (:func:`~lightning_hetero.plan.blocks.top_level_blocks`) recompute their activations in the backward / keep
     their shard, gradients and optimizer state in host memory (blocks inside one inherit its choice). The root's own
     parameters (embeddings, heads) are offloaded only when every block is. A module the user already sharded keeps
-    its blocks; only the root is added if missing."""
+    its blocks; only the root is added if missing. ``reshard_after_forward=False``: the blocks keep their gathered
+    parameters until their backward (one all-gather per block and step instead of two); the same on every rank."""
     ties = tied_parameters(module)
     units = block_units(module, blocks, ties) if not is_sharded(module) else []
     top = outermost(units)
     checkpointed, offloaded = _first(checkpoint, len(top)), _first(offload, len(top))
     inside = {id(m) for m in units}
 
-    def options(offload_this: bool) -> dict[str, object]:
+    def options(offload_this: bool, block: bool = True) -> dict[str, object]:
         policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_this else OffloadPolicy()
-        chosen = {"mesh": mesh, "offload_policy": policy}
+        chosen: dict[str, object] = {"mesh": mesh, "offload_policy": policy}
+        if block and not reshard_after_forward:
+            chosen["reshard_after_forward"] = False  # the root is FSDP's to decide (it keeps its own gathered)
         if mp_policy is not None:
             chosen["mp_policy"] = mp_policy
         return chosen
@@ -133,7 +137,7 @@ def shard_module(
         fully_shard(block, **options(index < offloaded))
     if not isinstance(module, FSDPModule):
         module.register_forward_hook(own_outputs)
-        fully_shard(module, **options(offloaded == len(top) and (len(top) > 0 or bool(offload))))
+        fully_shard(module, **options(offloaded == len(top) and (len(top) > 0 or bool(offload)), block=False))
     check_ties(module, ties)
     return module
 

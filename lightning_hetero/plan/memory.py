@@ -113,6 +113,10 @@ class MemoryPolicy:
             instead of the counted activations. ``False``: count (for a training step whose side effects a trial
             would disturb: the trial restores parameters, gradients, buffers, random state and the modules' plain
             attributes only).
+        keep_gathered: keep each block's gathered parameters from its forward to its backward (FSDP's
+            ``reshard_after_forward=False``) on every rank: one all-gather per block and step instead of two, a third
+            less traffic on a slow link, for the whole model's parameters held on each device (counted by the plan).
+            One setting for the job: it decides which collectives every rank joins.
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
@@ -121,6 +125,7 @@ class MemoryPolicy:
     checkpointed_fraction: float = 0.5
     granularity: Granularity = "block"
     measure: bool = True
+    keep_gathered: bool = False
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -134,6 +139,7 @@ class MemoryPolicy:
         check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
               f"one of {get_args(Granularity)}")
         check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
+        check("memory", "keep_gathered", self.keep_gathered, isinstance(self.keep_gathered, bool), "True or False")
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")
@@ -270,7 +276,8 @@ class RankMemory:
 
 def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ranks: int, samples: int,
              activation_bytes_per_sample: int, budget: int, checkpointed_fraction: float = 0.5,
-             micro_limit: Optional[int] = None, step: Optional[StepBytes] = None) -> RankMemory:
+             micro_limit: Optional[int] = None, step: Optional[StepBytes] = None,
+             keep_gathered: bool = False) -> RankMemory:
     """A rank's device memory under ``mode`` (a whole-rank mode or per-block counts, see :func:`parse_rule`):
     offloaded blocks keep their shard, gradients and optimizer state on the host; each checkpointed block frees its
     share of the activations, down to ``checkpointed_fraction`` of them (at least two blocks' worth) with all.
@@ -278,7 +285,9 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations.
     ``step``: the rank's step bytes measured under ``mode``
     (:func:`~lightning_hetero.plan.activations.measure_step_bytes`): they replace the counted activations, and the
-    gathered blocks with what the step holds whatever its batch."""
+    gathered blocks with what the step holds whatever its batch. ``keep_gathered``: every block's parameters stay
+    gathered from its forward to its backward (:class:`MemoryPolicy`), the whole model's counted at fp32 size (a bound
+    under bf16 collectives; a measured step holds them already)."""
     counts = parse_rule(mode)
     n = footprint.blocks
     offload = n if counts.offload is None else counts.offload
@@ -294,6 +303,8 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     # Parameters + gradients of the computing block and the prefetched one; with micro-batches the whole model's,
     # offloaded blocks included (they are gathered on the device like the others).
     gathered = max(2 * 2 * footprint.largest_block_bytes, micro_batch_gathered_bytes(footprint, pieces))
+    if keep_gathered and pieces <= 1:
+        gathered += footprint.parameter_bytes
     source = "formula"
     if step is not None:
         # What the step holds over its resting state. The gradients `shard` counts are the last step's: alive through
@@ -384,7 +395,7 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
         def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget,
                          limit: Optional[int] = limit, step: Optional[StepBytes] = step) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
-                            policy.checkpointed_fraction, limit, step)
+                            policy.checkpointed_fraction, limit, step, policy.keep_gathered)
 
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
     short = [p for p in plans if not p.fits]

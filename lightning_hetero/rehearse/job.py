@@ -41,7 +41,8 @@ class RankJob:
     script: Optional[str] = None
     # The GPU (of those visible) the rank's process gets alone; None: the first (rehearsals), rank r (real runs).
     gpu: Optional[int] = None
-    # A sharded strategy's `memory` rule for every rank ("keep", "offload:4", ...); None: the config's.
+    # A sharded strategy's `memory` rule for every rank ("keep", "offload:4", ...); None: the config's. Lightning's
+    # FSDP ("real_fsdp") takes "offload" only: its CPU offload of every parameter.
     memory: Optional[str] = None
 
 

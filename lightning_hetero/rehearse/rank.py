@@ -264,7 +264,10 @@ def trainer_overrides(job: RankJob, model: Any, root: str) -> dict[str, Any]:
     if lightning == "ddp":
         overrides["strategy"] = DDPStrategy()
     elif lightning == "fsdp":
-        overrides["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(model)))
+        # `memory="offload"` on a Lightning run: its own CPU offload of every parameter (the baseline for models
+        # that do not fit the cards).
+        overrides["strategy"] = FSDPStrategy(auto_wrap_policy=set(default_blocks(model)),
+                                             cpu_offload=job.memory == "offload")
     return overrides
 
 

@@ -330,7 +330,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         hosts = self.lab.hosts if self.hybrid else {"all": tuple(range(self.world_size))}
         modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
-                     offload=plan.offload_blocks, mp_policy=mixed_precision(modes))
+                     offload=plan.offload_blocks, mp_policy=mixed_precision(modes),
+                     reshard_after_forward=not self.memory_policy.keep_gathered)
         check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 

@@ -199,3 +199,38 @@ def test_auto_chooses_with_the_micro_batches_counted():
     assert not fewer.fits
     column = memory_column(split, policy)
     assert "micro-batches" not in column[0] and "2 micro-batches: 14 GiB gathered" in column[1]
+
+
+def test_keep_gathered_counts_the_whole_model_held_from_forward_to_backward():
+    """Blocks that stay gathered until their backward hold every parameter on the device (fp32 size, a bound):
+    the plan counts it on every rank, and auto makes room for it the way it does for micro-batches."""
+    budget = device_budget(RTX3090, 0.1)
+    resharded = estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget)
+    kept = estimate(FOOTPRINT, "keep", RTX3090, 2, 4, 2 * GIB, budget, keep_gathered=True)
+    assert kept.gathered - resharded.gathered == FOOTPRINT.parameter_bytes
+    plans = _plan(MemoryPolicy(keep_gathered=True))
+    assert plans[0].mode == "keep" and plans[1].offload_blocks > 0  # the 3090 offloads to hold the gathered model
+    assert all(p.gathered == 4 * 250_000_000 + FOOTPRINT.parameter_bytes for p in plans)
+    with pytest.raises(ValueError, match="keep_gathered"):
+        MemoryPolicy(keep_gathered="yes")
+
+
+def _held_after_forward(rank: int, world: int, reshard_after_forward: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    model = Stack()
+    shard_module(model, device_mesh({"h": [0]}, "cpu"), (nn.Sequential,), checkpoint=0, offload=0,
+                 reshard_after_forward=reshard_after_forward)
+    loss = model(torch.randn(2, 3)).sum()
+    # FSDP2 registers a block's gathered parameters as plain tensors, its shards as DTensors.
+    after_forward = [not isinstance(b[0].weight, DTensor) for b in model.blocks]
+    loss.backward()
+    return {"after_forward": after_forward,
+            "after_backward": [not isinstance(b[0].weight, DTensor) for b in model.blocks]}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_blocks_stay_gathered_from_forward_to_backward_only_when_asked(reshard_after_forward):
+    held = run_ranks(1, free_port(), _held_after_forward, reshard_after_forward=reshard_after_forward)[0]
+    assert held["after_forward"] == [not reshard_after_forward] * 4
+    assert held["after_backward"] == [False] * 4  # resharded once their gradients are reduced

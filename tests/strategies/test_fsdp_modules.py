@@ -343,3 +343,30 @@ def test_micro_batches_with_a_per_block_plan_equal_one_process(tmp_path):
     assert plans[1]["gathered"] > plans[0]["gathered"]  # the whole model, held across rank 1's micro-batches
     assert set(plans[0]["forward_sizes"]) == {2} and set(plans[1]["forward_sizes"]) == {2}
     assert len(plans[1]["forward_sizes"]) == 3 * len(plans[0]["forward_sizes"])
+
+
+class RecordsItsResharding(WrapperModule):
+    """Writes, per rank, whether its blocks reshard after forward (FSDP2's flag as the strategy set it)."""
+
+    def __init__(self, out_dir: str, optimizer: str = "adamw", n: int = 40) -> None:
+        super().__init__(optimizer, n=n)
+        self.out_dir = out_dir
+
+    def on_train_end(self) -> None:
+        from lightning_hetero._compat import fsdp_flags
+
+        flags = [fsdp_flags(block)[0] for block in self.model.blocks]
+        torch.save(flags, f"{self.out_dir}/reshard{self.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_blocks_kept_gathered_until_their_backward_equal_one_process(tmp_path):
+    """``memory.keep_gathered``: every rank's blocks keep their gathered parameters from forward to backward (one
+    all-gather per block and step instead of two); shares 3 + 1, AdamW: one process's parameters, replicas equal."""
+    from lightning_hetero.plan.memory import MemoryPolicy
+
+    seed_everything(0)
+    records, ref_params = _fit_and_reference(tmp_path, RecordsItsResharding(str(tmp_path)), [3, 1],
+                                             strategy_kwargs={"memory": MemoryPolicy(keep_gathered=True)})
+    _assert_exact(records, ref_params)
+    assert [torch.load(tmp_path / f"reshard{r}.pt") for r in range(2)] == [[False, False]] * 2
