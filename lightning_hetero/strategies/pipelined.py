@@ -208,7 +208,10 @@ class PipelinedReplica:
         """Forward and backward of the replica's ``batch`` through the pipeline; each micro-batch's loss scaled by
         ``weight`` × its samples (b/G spread over the micro-batches). Returns the replica's mean loss and the
         combined log calls (last stage; ``(None, [])`` elsewhere)."""
-        inputs = forward_inputs(self.module, batch, batch_idx)
+        # Contiguous: the traced stage checks its input's strides, and a slice (GPT's ``tokens[:, :-1]``) keeps its
+        # parent's (profiling a 1.63B GPT's pipeline on H100 stopped: PipeliningShapeError, expected (512, 1), got
+        # (513, 1)). A copy of the input tokens; every micro-batch of a contiguous batch is contiguous.
+        inputs = tuple(a.contiguous() for a in forward_inputs(self.module, batch, batch_idx))
         size = inputs[0].shape[0]
         count = micro_batch_count(size, self.stages, self.micro_batches)
         schedule = self._schedule(inputs, count)

@@ -57,6 +57,8 @@ def test_hybrid_layout_equals_one_process_on_four_gpus(tmp_path):
     result = run_worker("gpu_worker.py", tmp_path, "hybrid")
     assert len(set(result["steps"])) == 1 and result["steps"][0] == result["reference_steps"] > 0
     assert all(result["owned"]) and not set(result["owned"][0]) & set(result["owned"][1])
-    assert result["same_global_batches"] and result["replicas_identical_every_step"] and result["stages_equal_replicas"]
+    assert result["same_global_batches"]
+    assert result["replicas_identical_every_step"]
+    assert result["stages_equal_replicas"]
     print(f"\nGPU hybrid equivalence: {result['reference_steps']} steps, max rel diff {result['max_rel_diff']:.2e}")
     assert result["max_rel_diff"] < 1e-4, result["per_step_rel_diff"]
