@@ -175,7 +175,8 @@ def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
 def _strategy(config: str, args: argparse.Namespace, world: int, module: nn.Module) -> Any:
     from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy
 
-    common: dict[str, Any] = {"observation": {"print_table": False}, "resilience": {"timeout": 150}}
+    common: dict[str, Any] = {"observation": {"print_table": False, "monitor": args.monitor},
+                              "resilience": {"timeout": 150}}
     precision = "32-true" if args.accelerator == "cpu" else "bf16-mixed"
     emulate = emulate_specs(args, world)
     # Published rates of the emulated cards on GPUs; the CPU emulator's slowdowns have none, so their inverse.
@@ -221,6 +222,7 @@ def _emulated_fsdp(emulate: list[Any], block: type) -> Any:
 def run(config: str, args: argparse.Namespace) -> None:
     """One configuration's fit (every rank runs this; rank 0 writes the row)."""
     from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
     from bench_lab import _timer_class
@@ -249,7 +251,9 @@ def run(config: str, args: argparse.Namespace) -> None:
 
     precision = "bf16-mixed" if config == "lfsdp4" and args.accelerator != "cpu" else None
     trainer = Trainer(accelerator="cpu" if args.accelerator == "cpu" else "gpu", devices=world,
-                      strategy=_strategy(config, args, world, module), max_steps=steps, logger=False,
+                      strategy=_strategy(config, args, world, module), max_steps=steps,
+                      logger=CSVLogger(os.path.join(args.out, config)) if args.monitor else False,
+                      log_every_n_steps=max(1, args.steps // 2),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[timer] + ([Verify()] if config == "hybrid" else []),
                       **({"precision": precision} if precision else {}))
@@ -306,6 +310,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--timeouts", default="", help="per-configuration seconds overriding --timeout: hybridauto=240,...")
     p.add_argument("--fast-card", default=None,
                    help="emulate ranks 0, 1 as this preset (e.g. A100-80GB, the seed's lab); default: whole devices")
+    p.add_argument("--monitor", action="store_true",
+                   help="HeteroMonitor on in our configurations: per-rank (and per-stage) times in each config's log")
     p.add_argument("--dump-every", type=int, default=0, help="dump every rank's stack every N s (0: never)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
@@ -323,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         command = [sys.executable, os.path.abspath(__file__), "--run", config, "--out", work, "--model", args.model,
                    "--accelerator", args.accelerator, "--batch", str(rank_batch(args, 2 if config == "fast2" else 4)),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--dump-every", str(args.dump_every),
-                   "--profile-steps", str(args.profile_steps)]
+                   "--profile-steps", str(args.profile_steps)] + (["--monitor"] if args.monitor else [])
         command += ["--fast-card", args.fast_card] if args.fast_card else []
         command += (["--tiny"] if args.tiny else []) + (
             ["--micro-batches", str(args.micro_batches)] if args.micro_batches else [])
@@ -339,6 +345,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         result_path = os.path.join(work, f"{config}.json")
         if code == 0 and os.path.exists(result_path):
             row = json.load(open(result_path))
+            if args.monitor:  # the monitor's summary (per rank, per stage) is in the log
+                with open(os.path.join(args.out, f"{config}.log"), "w") as f:
+                    f.write(text)
         else:
             oom = "out of memory" in text.lower()
             row = {"config": config, "error": "does not fit (out of memory)" if oom else f"failed ({code})",
