@@ -195,7 +195,9 @@ def _strategy(config: str, args: argparse.Namespace, world: int, module: nn.Modu
         return HeteroDDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
     if config == "fsdp4":
         return HeteroFSDPStrategy(capacities=peak, emulate=emulate, precision_policy=precision, **common)
-    return _emulated_fsdp(emulate, EncoderLayer if args.model == "bert" else Block)
+    if config == "lfsdp4":
+        return _emulated_fsdp(emulate, EncoderLayer if args.model == "bert" else Block)
+    raise ValueError(f"configuration {config!r}: one of {list(CONFIGS)}")
 
 
 def _emulated_fsdp(emulate: list[Any], block: type) -> Any:
@@ -290,6 +292,24 @@ def rank_batch(args: argparse.Namespace, world: int) -> int:
     return args.batch or DEFAULT_BATCH[args.model]
 
 
+def checked_options(args: argparse.Namespace) -> tuple[list[str], dict[str, int]]:
+    """The ``--configs`` to run and the ``--timeouts`` per configuration, checked before anything runs: a ``ValueError``
+    naming the flag (an unknown name, a malformed limit, a ``--global-batch`` a configuration's ranks do not divide)."""
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise ValueError(f"--configs: {unknown or 'none given'}, each one of {list(CONFIGS)}")
+    limits: dict[str, int] = {}
+    for item in filter(None, args.timeouts.split(",")):
+        name, _, seconds = item.partition("=")
+        if name not in CONFIGS or not seconds.isdigit() or int(seconds) < 1:
+            raise ValueError(f"--timeouts item {item!r}: CONFIG=SECONDS, CONFIG one of {list(CONFIGS)}, SECONDS >= 1")
+        limits[name] = int(seconds)
+    for config in configs:
+        rank_batch(args, 2 if config == "fast2" else 4)  # a --global-batch the configuration cannot split
+    return configs, limits
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
@@ -319,10 +339,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.run is not None:
         run(args.run, args)
         return
-    limits = {c: int(v) for c, v in (item.split("=") for item in args.timeouts.split(",") if item)}
+    try:
+        configs, limits = checked_options(args)
+    except ValueError as err:
+        p.error(str(err))
     rows = []
     work = tempfile.mkdtemp(prefix="bench_hybrid_")  # per-configuration logs and rows; only the summary goes to --out
-    for config in args.configs.split(","):
+    for config in configs:
         if config == "lfsdp4" and args.accelerator == "cpu":  # Lightning's FSDPStrategy needs an accelerator
             rows.append({"config": config, "error": "skipped on CPU"})
             continue

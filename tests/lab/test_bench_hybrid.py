@@ -1,0 +1,25 @@
+"""benchmarks/bench_hybrid.py: its options are checked before any configuration runs, each error naming its flag."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import bench_hybrid  # noqa: E402
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    # A misspelt configuration used to run Lightning's FSDP under that name.
+    (["--configs", "hybird"], "--configs"),
+    (["--configs", "hybrid", "--timeouts", "hybridauto"], "--timeouts"),
+    (["--configs", "hybrid", "--timeouts", "hybird=240"], "--timeouts"),
+    # Used to fail only when the loop reached dp4, after the configurations before it had run.
+    (["--configs", "fast2,dp4", "--global-batch", "6"], "--global-batch"),
+], ids=["config", "timeout without seconds", "timeout of an unknown config", "global batch"])
+def test_bad_options_stop_before_anything_runs(tmp_path, capsys, argv, flag):
+    with pytest.raises(SystemExit):
+        bench_hybrid.main(argv + ["--accelerator", "cpu", "--tiny", "--timeout", "1", "--out", str(tmp_path)])
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "bench_hybrid.json").exists()
