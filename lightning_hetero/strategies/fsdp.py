@@ -320,6 +320,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     # -- memory plan and sharding ---------------------------------------------------------------------------------
     def shard(self, module: nn.Module) -> None:
         blocks = self.blocks or default_blocks(module)
+        self._check_same_sharding(blocks)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         # The plan's split of an explicit global batch (none yet otherwise: the shares are known at the loader).
         # Explicit micro-batch limits are known here, before the loader; "auto" ones follow the profiled caps and
@@ -334,6 +335,20 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                      reshard_after_forward=not self.memory_policy.keep_gathered)
         check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
+
+    def _check_same_sharding(self, blocks: tuple[type[nn.Module], ...]) -> None:
+        """The choices that decide which collectives every rank joins, equal on every rank (one host's config that
+        differs would hang the first all-gather until the resilience timeout instead)."""
+        mine = {"blocks": sorted(f"{b.__module__}.{b.__qualname__}" for b in blocks),
+                "memory.keep_gathered": self.memory_policy.keep_gathered}
+        every: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(every, mine)
+        for field in mine:
+            values = [e[field] for e in every]
+            if any(v != values[0] for v in values):
+                each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(f"`{field}` differs between ranks ({each}): it must be the same on every rank of a "
+                                 "sharded job.")
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy, micro: Optional[list[Optional[int]]],
                      steps: Optional[list[Optional[StepBytes]]] = None) -> list[RankMemory]:

@@ -1,5 +1,6 @@
 """HeteroFSDPStrategy: sharded training over unequal ranks, with the math of one process on the global batch."""
 
+import dataclasses
 import copy
 import os
 import sys
@@ -413,3 +414,21 @@ def test_registry_names_build_the_strategy():
     for name, start_method in (("hetero_fsdp", "popen"), ("hetero_fsdp_fork", "fork"), ("hetero_fsdp_spawn", "spawn")):
         strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
         assert isinstance(strategy, HeteroFSDPStrategy) and strategy._start_method == start_method
+
+
+class _KeepGatheredOnRank1(HeteroFSDPStrategy):
+    """One rank's config differs (as a second host's YAML might): rank 1 keeps its blocks gathered."""
+
+    def shard(self, module):
+        if self.global_rank == 1:
+            self.memory_policy = dataclasses.replace(self.memory_policy, keep_gathered=True)
+        super().shard(module)
+
+
+@pytest.mark.slow
+def test_a_sharding_choice_that_differs_between_ranks_is_named_before_any_collective_hangs(tmp_path):
+    with pytest.raises(Exception) as err:
+        fit_distributed(TinyModel(n=32), str(tmp_path), 2, {"capacities": [1, 1]}, strategy_class=_KeepGatheredOnRank1)
+    message = "".join(str(e) for e in (err.value, err.value.__cause__) if e is not None)
+    assert "`memory.keep_gathered` differs between ranks (rank 0: False, rank 1: True)" in message
+    assert not (tmp_path / "rank0.pt").exists()
