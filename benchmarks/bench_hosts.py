@@ -63,6 +63,7 @@ from bench_lab import (  # noqa: E402
     capped,
     format_detail,
     format_table,
+    keep_row,
     run_ranks,
     solo_rate,
     stop_on_sigterm,
@@ -346,16 +347,10 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
                     row["held_out_per_rank"] = [c[1] for c in checks]
                 row.update(model=kind, link=link, config=config, layout=args.layout,
                            config_s=time.perf_counter() - started)
-                rows.append(row)
                 del module
-                if cuda:
-                    torch.cuda.empty_cache()
-                dist.barrier()
-                if local_rank == 0:  # after every configuration: a later crash keeps what was measured
-                    print(f"[bench_hosts] {kind}/{link}/{config}: {row.get('samples_per_s')} samples/s "
-                          f"({row['config_s']:.0f} s)", flush=True)
-                    with open(out_file, "w") as f:
-                        json.dump(rows, f)
+                keep_row(rows, row, out_file, local_rank == 0, cuda,
+                         f"[bench_hosts] {kind}/{link}/{config}: {row.get('samples_per_s')} samples/s "
+                         f"({row['config_s']:.0f} s)")
     dist.destroy_process_group()
 
 

@@ -408,18 +408,26 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
                     row["emulation"] = [c[1] for c in checks]
                 row.update(scenario=scenario, model=kind, config=config, round=round_index,
                            config_s=time.perf_counter() - began)
-                rows.append(row)
                 del module
-                if cuda:
-                    torch.cuda.empty_cache()
-                dist.barrier()
-                if local_rank == 0:  # after every configuration: a later crash keeps what was measured
-                    print(f"[bench_lab] {scenario} round {round_index + 1} {kind}/{config}: "
-                          f"{row.get('samples_per_s', row.get('error'))} ({row['config_s']:.0f} s)", flush=True)
-                    with open(out_file, "w") as f:
-                        json.dump(rows, f)
+                keep_row(rows, row, out_file, local_rank == 0, cuda,
+                         f"[bench_lab] {scenario} round {round_index + 1} {kind}/{config}: "
+                         f"{row.get('samples_per_s', row.get('error'))} ({row['config_s']:.0f} s)")
         round_s = time.time() - round_began
     dist.destroy_process_group()
+
+
+def keep_row(rows: list[dict[str, Any]], row: dict[str, Any], out_file: str, writer: bool, cuda: bool,
+             line: str) -> None:
+    """End of one configuration on every rank: its row kept, the device's cache freed, the ranks met, and (the
+    writer) ``line`` printed and every row so far written, so a later crash keeps what was measured."""
+    rows.append(row)
+    if cuda:
+        torch.cuda.empty_cache()
+    dist.barrier()
+    if writer:
+        print(line, flush=True)
+        with open(out_file, "w") as f:
+            json.dump(rows, f)
 
 
 # -- driver -----------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from bench_lab import (  # noqa: E402 (also sets the NCCL environment the device
     capped,
     emulated_steps,
     format_table,
+    keep_row,
     run_ranks,
     solo_rate,
     stop_on_sigterm,
@@ -277,16 +278,10 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
                 dist.all_gather_object(checks, [row.pop("capped_local", None), row.pop("sms_local", None)])
                 row["capped"], row["sms"] = [c[0] for c in checks], [c[1] for c in checks]
                 row.update(config=config, model=kind, round=round_index, config_s=time.perf_counter() - t)
-                rows.append(row)
                 del module
-                if cuda:
-                    torch.cuda.empty_cache()
-                dist.barrier()
-                if local_rank == 0:  # after every configuration: a later crash keeps what was measured
-                    print(f"[bench_rebalance] round {round_index + 1} {kind}/{config}: "
-                          f"{row.get('error', 'done')} ({row['config_s']:.0f} s)", flush=True)
-                    with open(out_file, "w") as f:
-                        json.dump(rows, f)
+                keep_row(rows, row, out_file, local_rank == 0, cuda,
+                         f"[bench_rebalance] round {round_index + 1} {kind}/{config}: "
+                         f"{row.get('error', 'done')} ({row['config_s']:.0f} s)")
         round_s = time.time() - began
     dist.destroy_process_group()
 
