@@ -106,9 +106,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
         capacities: relative speed of each rank (a list, a device-name mapping, ``"equal"`` or ``"peak"``); a
-            pipeline's share of the global batch is the sum of its ranks'. Measured (``"profile"``, ``"auto"``):
-            each replica is timed as it trains, a pipeline as one replica
-            (:mod:`~lightning_hetero.strategies.hybrid_profile`).
+            pipeline's share of the global batch is the sum of its ranks'. Measured (``"profile"``, and the default
+            ``"auto"`` when fitting, as for the other strategies): each replica is timed as it trains, a pipeline as
+            one replica (:mod:`~lightning_hetero.strategies.hybrid_profile`). Published rates misjudge a pipeline:
+            ``"peak"`` gave a BERT-base pipeline of two emulated 3090s 16 of 160 samples, and the data-parallel
+            ranks waited 82 of a 232 ms step for it (``benchmarks/RESULTS.md``, 2026-11-27).
         global_batch_size: samples per optimizer step over all replicas (default: the loader's ``batch_size`` ×
             world size).
         profiling: as for :class:`~lightning_hetero.HeteroDDPStrategy` (``steps``; no memory caps are measured).
@@ -136,7 +138,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         schedule: ScheduleName = "gpipe",
         stage_compression: Optional[Literal["bf16", "fp16"]] = None,
         split_points: Optional[list[str]] = None,
-        capacities: CapacitiesArg = "peak",
+        capacities: CapacitiesArg = "auto",
         global_batch_size: Optional[int] = None,
         profiling: Optional[Profiling] = None,
         data: Optional[DataSplit] = None,

@@ -337,6 +337,19 @@ def test_profiled_shares_follow_the_pipelines_speed(tmp_path):
 
 
 @pytest.mark.slow
+def test_default_capacities_measure_each_replica(tmp_path):
+    """Without `capacities` the hybrid layout measures, as the other strategies do ("auto": "profile" when fitting):
+    the pipeline is timed as one replica and its share comes from that rate, not from published ones."""
+    seed_everything(0)
+    os.environ["MASTER_PORT"] = str(free_port())
+    strategy = HeteroHybridStrategy(pipelines=[[1, 2]], start_method="fork", profiling={"steps": 2},
+                                    observation={"print_table": False}, resilience={"timeout": 120})
+    records = fit(Chain(optimizer="sgd", n=48, batch_size=8), str(tmp_path), 3, strategy, 1, max_steps=1)
+    rates = records[0]["replica_rates"]
+    assert rates is not None and len(rates) == 2 and all(r > 0 for r in rates)  # rank 0, then the pipeline
+
+
+@pytest.mark.slow
 def test_auto_pipelines_pair_the_cards_that_cannot_hold_a_replica(tmp_path):
     """`pipelines="auto"`: ranks 1 and 2, emulated with room for half a replica (its parameters, gradients and
     Adam's moments) each, become one 2-stage pipeline; rank 0 (the host's memory) stays data-parallel."""
