@@ -64,10 +64,10 @@ from bench_lab import (  # noqa: E402
     format_detail,
     format_table,
     keep_row,
-    run_ranks,
+    collect_ranks,
     solo_rate,
     stop_on_sigterm,
-    Stopped,
+    rank_device,
 )
 
 LINKS = {"10gbe": 10.0, "25gbe": 25.0}
@@ -297,15 +297,8 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
     from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     world = len(LAYOUTS[args.layout][0])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), NODE_RANK="0")
-    cuda = args.accelerator != "cpu"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-    else:
-        torch.set_num_threads(1)
+    device = rank_device(local_rank, world, port, args.accelerator, threads=1)
+    cuda = device.type == "cuda"
     # The bench process's own emulation (hosts, NCCL_HOSTID, SM cap) for the solo loop and the DDP baseline; the
     # link's bandwidth only paces, so one process group serves both links.
     base = parse_emulate(emulate_specs(args.layout, LINKS[args.links[0]], args.accelerator))
@@ -486,17 +479,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     started = time.perf_counter()
     part = os.path.join(args.out, ".bench_hosts.json")
     stop_on_sigterm()
-    try:
-        run_ranks(worker, (args, _free_port(), part), world)
-    except Stopped:
-        print("[bench_hosts] stopped by SIGTERM; reporting what was measured", flush=True)
-    except Exception as err:  # keep the configurations that finished before the failure
-        print(f"[bench_hosts] failed: {str(err)[-2000:]}", flush=True)
-    rows: list[dict[str, Any]] = []
-    if os.path.exists(part):
-        with open(part) as f:
-            rows = json.load(f)
-        os.remove(part)
+    rows, _ = collect_ranks(worker, (args, _free_port(), part), world, part, "bench_hosts")
     finish(rows)
     result = {
         "layout": args.layout, "hosts": LAYOUTS[args.layout][0], "speeds": LAYOUTS[args.layout][1],

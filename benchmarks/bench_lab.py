@@ -340,15 +340,8 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
     from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     world = len(SCENARIOS[scenario]["shares"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), NODE_RANK="0")
-    cuda = args.accelerator != "cpu"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = rank_device(local_rank, world, port, args.accelerator)
+    cuda = device.type == "cuda"
     specs = emulate_specs(scenario, args.accelerator)
     emulator = None
     if specs is not None:  # this process's own emulation, for the solo loop and the DDP baseline
@@ -363,11 +356,8 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
     first_solos: dict[str, list[float]] = {}  # the capacities of hetero-explicit & co: round 1's solo rates
     round_s = 0.0
     for round_index in range(args.rounds):
-        # Every rank agrees whether another round ends before the deadline (a cut keeps the complete rounds).
         round_began = time.time()
-        late = torch.tensor([float(round_index > 0 and round_began + round_s > args.deadline_at)], device=device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX)
-        if late.item() > 0:
+        if past_deadline(round_index, round_began, round_s, args.deadline_at, device):
             if local_rank == 0:
                 print(f"[bench_lab] {scenario}: another round would end past --deadline-s {args.deadline_s:g}: "
                       f"{round_index} round(s)", flush=True)
@@ -470,6 +460,48 @@ def run_ranks(worker: Any, args: tuple, nprocs: int) -> None:
             if process.is_alive():
                 process.kill()
         raise
+
+
+def collect_ranks(worker: Any, args: tuple, nprocs: int, part: str, name: str) -> tuple[list[dict[str, Any]], bool]:
+    """:func:`run_ranks`, then the rows they wrote to ``part`` (removed), also after a failure or a SIGTERM (the
+    configurations that finished are kept); and whether a SIGTERM stopped them."""
+    stopped = False
+    try:
+        run_ranks(worker, args, nprocs)
+    except Stopped:
+        stopped = True
+        print(f"[{name}] stopped by SIGTERM; reporting what was measured", flush=True)
+    except Exception as err:  # keep the configurations that finished before the failure
+        print(f"[{name}] failed: {str(err)[-2000:]}", flush=True)
+    rows: list[dict[str, Any]] = []
+    if os.path.exists(part):
+        with open(part) as f:
+            rows = json.load(f)
+        os.remove(part)
+    return rows, stopped
+
+
+def rank_device(local_rank: int, world: int, port: int, accelerator: str, threads: Optional[int] = None
+                ) -> torch.device:
+    """A spawned rank's environment for one process group on this host, and its device (CUDA: cuDNN autotuned;
+    CPU: ``threads`` intra-op threads, by default the cores shared out)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), NODE_RANK="0")
+    if accelerator != "cpu":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+        return device
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
+    return torch.device("cpu")
+
+
+def past_deadline(round_index: int, began: float, round_s: float, deadline_at: float, device: torch.device) -> bool:
+    """Whether another round, as long as the last, would end past ``deadline_at``: agreed by every rank (a cut keeps
+    the complete rounds; the first round always runs)."""
+    late = torch.tensor([float(round_index > 0 and began + round_s > deadline_at)], device=device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return late.item() > 0
 
 
 def stop_on_sigterm() -> None:
@@ -667,18 +699,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         t = time.perf_counter()
         part = os.path.join(args.out, f".bench_{scenario}.json")
         world = len(SCENARIOS[scenario]["shares"])
-        stopped = False
-        try:
-            run_ranks(worker, (scenario, args, _free_port(), part), world)
-        except Stopped:
-            stopped = True
-            print(f"[bench_lab] {scenario}: stopped by SIGTERM; reporting what was measured", flush=True)
-        except Exception as err:  # keep the configurations that finished before the failure
-            print(f"[bench_lab] {scenario} failed: {str(err)[-2000:]}", flush=True)
-        if os.path.exists(part):
-            with open(part) as f:
-                rows += json.load(f)
-            os.remove(part)
+        measured, stopped = collect_ranks(worker, (scenario, args, _free_port(), part), world, part,
+                                          f"bench_lab {scenario}")
+        rows += measured
         print(f"[bench_lab] {scenario}: {time.perf_counter() - t:.0f} s", flush=True)
         if stopped:
             break

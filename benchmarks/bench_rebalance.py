@@ -45,7 +45,6 @@ from bench_lab import (  # noqa: E402 (also sets the NCCL environment the device
     _TIMEOUT_S,
     SCENARIOS,
     Indices,
-    Stopped,
     _commit,
     _free_port,
     _lightning_module_class,
@@ -53,9 +52,11 @@ from bench_lab import (  # noqa: E402 (also sets the NCCL environment the device
     emulated_steps,
     format_table,
     keep_row,
-    run_ranks,
+    collect_ranks,
     solo_rate,
     stop_on_sigterm,
+    past_deadline,
+    rank_device,
 )
 from plotting import pyplot  # noqa: E402
 
@@ -226,15 +227,8 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
     from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     world = 2
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), NODE_RANK="0")
-    cuda = args.accelerator != "cpu"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = rank_device(local_rank, world, port, args.accelerator)
+    cuda = device.type == "cuda"
     specs = emulate_specs(args.scenario, args.accelerator)
     # The template of this process's own emulators (solo loops, the DDP baseline); its NCCL link settings must
     # precede the process group.
@@ -246,10 +240,7 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
     round_s = 0.0
     for round_index in range(args.rounds):
         began = time.time()
-        # Every rank agrees whether another round ends before the deadline (a cut keeps the complete rounds).
-        late = torch.tensor([float(round_index > 0 and began + round_s > args.deadline_at)], device=device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX)
-        if late.item() > 0:
+        if past_deadline(round_index, began, round_s, args.deadline_at, device):
             if local_rank == 0:
                 print(f"[bench_rebalance] another round would end past --deadline-s: {round_index} round(s)",
                       flush=True)
@@ -513,17 +504,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     started = time.perf_counter()
     stop_on_sigterm()
     part = os.path.join(args.out, ".bench_rebalance.json")
-    try:
-        run_ranks(worker, (args, _free_port(), part), 2)
-    except Stopped:
-        print("[bench_rebalance] stopped by SIGTERM; reporting what was measured", flush=True)
-    except Exception as err:  # keep the configurations that finished before the failure
-        print(f"[bench_rebalance] failed: {str(err)[-2000:]}", flush=True)
-    rows: list[dict[str, Any]] = []
-    if os.path.exists(part):
-        with open(part) as f:
-            rows = json.load(f)
-        os.remove(part)
+    rows, _ = collect_ranks(worker, (args, _free_port(), part), 2, part, "bench_rebalance")
     analyse(rows, args)
     lines = summarize(rows)
     result = {
