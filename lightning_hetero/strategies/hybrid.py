@@ -378,9 +378,3 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._gather_model()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Rank 0 (data-parallel, checked at set-up) holds every trained parameter: nothing to gather (a stage rank's
-        # state is not written).
-        return super().lightning_module_state_dict()

@@ -17,9 +17,8 @@ from tests.helpers import IndexedDataset, TinyModel, free_port, max_rel_diff, re
 class Chain(TinyModel):
     """TinyModel with its forward called the common way (``self(x)``) and four blocks to split."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, width: int = 16, **kwargs) -> None:
         super().__init__(**kwargs)
-        width = 16
         self.net = nn.Sequential(nn.Linear(self.hparams.features, width), nn.Tanh(), nn.Linear(width, width),
                                  nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, self.hparams.classes))
 
@@ -304,10 +303,7 @@ class Wide(Chain):
     """Chain wide enough that compute, not per-step overhead, sets a CPU step's time."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        width = 1536
-        self.net = nn.Sequential(nn.Linear(self.hparams.features, width), nn.Tanh(), nn.Linear(width, width),
-                                 nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, self.hparams.classes))
+        super().__init__(width=1536, **kwargs)
 
 
 @pytest.mark.slow
