@@ -223,7 +223,8 @@ class HeteroBatchSampler(BatchSampler):
     ) -> None:
         # BatchSampler.__init__ is skipped on purpose: its `batch_size` means a per-rank constant, which ours is not.
         self.sampler = order
-        # The plan's schedule (a strategy's loaders), or one of its own; it refuses a global batch below world size.
+        # The plan's schedule (a strategy's loaders), or one of its own; it refuses a global batch below the number
+        # of replicas (world size, without pipelines).
         self.schedule = schedule or ShareSchedule(global_batch_size, capacities, caps, epoch=order.epoch)
         self.rank = rank
         self.drop_last = drop_last
@@ -388,17 +389,19 @@ def check_training_batch(sampler: HeteroBatchSampler, loader_name: str, explicit
     epoch = "no batch at all" if n == 0 else (
         "no batch at all (drop_last=True)" if sampler.drop_last else f"one batch of {n}")
     if explicit:
-        # Advice the next check accepts: a global batch has at least the schedule's least share per rank (2 for
-        # BatchNorm layers trained without sync).
-        least = sampler.schedule.min_share
-        lowest, per_rank = least * world, "one sample" if least == 1 else f"{least} samples"
+        # Advice the next check accepts: a global batch has at least the schedule's least share per replica (a
+        # rank, or a pipeline's stage ranks together; 2 for BatchNorm layers trained without sync).
+        least, replicas = sampler.schedule.min_share, sampler.schedule.replica_count
+        each = "rank" if replicas == world else "replica"
+        lowest, per_rank = least * replicas, "one sample" if least == 1 else f"{least} samples"
         if n == 0:
             advice = f"Give {loader_name} samples."
         elif n < lowest:
-            advice = f"A global batch has at least {per_rank} per rank ({world}): use more samples or fewer ranks."
+            advice = (f"A global batch has at least {per_rank} per {each} ({replicas}): use more samples or fewer "
+                      "ranks.")
         else:
             advice = f"Set `global_batch_size` to {n}." if n == lowest else (
-                f"Set `global_batch_size` between {lowest} ({per_rank} per rank) and {n}.")
+                f"Set `global_batch_size` between {lowest} ({per_rank} per {each}) and {n}.")
         raise ValueError(
             f"`global_batch_size`={sampler.global_batch_size} is larger than {loader_name}'s dataset ({n} samples): "
             f"every epoch would be {epoch}. {advice}"

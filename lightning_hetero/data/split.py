@@ -153,7 +153,7 @@ class LoaderSplit:
             # The largest batch is the nominal global batch (table, rebalancing); smaller ones are split alike.
             global_batch = max((len(b) for b in order.global_batches(0, False)), default=0)
             drop_last = False
-        # The plan's schedule refuses a global batch smaller than the world size, naming the argument.
+        # The plan's schedule refuses a global batch smaller than the number of replicas, naming the argument.
         schedule = self.plan.new_schedule(global_batch, epoch=order.epoch)
         return HeteroBatchSampler(
             order, global_batch_size=global_batch, capacities=schedule.capacities, rank=self.view.global_rank,

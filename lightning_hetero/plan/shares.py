@@ -57,22 +57,24 @@ class ShareSchedule:
 
     Changes are keyed to batch indices, so every rank applies one to the same batch; a new epoch starts from the
     latest change. ``cap_shares=False`` ignores memory caps (oversized shares then run as micro-batches).
-    ``min_share``: the fewest samples a rank trains on (2 while BatchNorm layers train on per-rank statistics).
+    ``min_share``: the fewest samples a replica trains on (2 while BatchNorm layers train on per-rank statistics).
     ``replicas``: ranks that train one replica together (a pipeline's), split as one (:meth:`set_replicas`).
+    ``replica_count``: how many replicas the job trains (a pipeline's stage ranks count once; default: one per rank):
+    a global batch has at least one sample per replica. An evaluation schedule splits by rank but keeps the job's
+    count (a rank short of a sample runs a padding step, as a pipeline's stage rank of no sample does in training).
     """
 
     def __init__(self, global_batch_size: Optional[int], capacities: Sequence[float],
-                 caps: Optional[Sequence[int]] = None, epoch: int = 0) -> None:
-        if global_batch_size is not None and global_batch_size < len(capacities):
-            raise ValueError(
-                f"`global_batch_size`={global_batch_size} is smaller than the world size {len(capacities)}: "
-                "every rank needs at least one sample of each global batch."
-            )
+                 caps: Optional[Sequence[int]] = None, epoch: int = 0, replica_count: Optional[int] = None) -> None:
+        self.world_size = len(capacities)
+        self.replica_count = self.world_size if replica_count is None else int(replica_count)
+        if global_batch_size is not None and global_batch_size < self.replica_count:
+            raise ValueError(f"`global_batch_size`={global_batch_size} is smaller than {self._replicas_named()}: "
+                             f"every {self._replica_word()} needs at least one sample of each global batch.")
         self.min_share = 1
         self.replicas: Optional[tuple[tuple[int, ...], ...]] = None
         # None: not yet known (the plan's schedule before the training loader is built).
         self.global_batch_size = global_batch_size
-        self.world_size = len(capacities)
         self._cap_shares = True
         # How a batch whose samples have costs is cut (see `cut`): by count, by summed cost, or by padded cost.
         self.balance: Balance = "samples"
@@ -121,14 +123,25 @@ class ShareSchedule:
             self._full_splits.clear()
             self.epoch = epoch
 
+    def _replica_word(self) -> str:
+        return "rank" if self.replica_count == self.world_size else "replica"
+
+    def _replicas_named(self) -> str:
+        """The limit as the user meets it: the world size, or the replicas where pipelines make them fewer."""
+        if self.replica_count == self.world_size:
+            return f"the world size {self.world_size}"
+        return (f"the {self.replica_count} replicas of the {self.world_size} ranks (a pipeline's stage ranks train one "
+                "replica, and one of them may have no sample of its own)")
+
     def set_min_share(self, min_share: int) -> None:
-        """Give every rank at least ``min_share`` samples of each global batch (2: BatchNorm layers train on each
-        rank's own statistics and cannot train on one sample)."""
-        if self.global_batch_size is not None and self.global_batch_size < min_share * self.world_size:
+        """Give every replica (every rank, without pipelines) at least ``min_share`` samples of each global batch
+        (2: BatchNorm layers train on each rank's own statistics and cannot train on one sample)."""
+        if self.global_batch_size is not None and self.global_batch_size < min_share * self.replica_count:
+            named = self._replicas_named()
             raise ValueError(
-                f"`global_batch_size`={self.global_batch_size} is smaller than {min_share} x the world size "
-                f"{self.world_size}: the model's BatchNorm layers train on each rank's own statistics, which need at "
-                "least 2 samples per rank. Raise the batch size, or set `Trainer(sync_batchnorm=True)` (statistics "
+                f"`global_batch_size`={self.global_batch_size} is smaller than {min_share} x {named}: the model's "
+                f"BatchNorm layers train on each rank's own statistics, which need at least 2 samples per "
+                f"{self._replica_word()}. Raise the batch size, or set `Trainer(sync_batchnorm=True)` (statistics "
                 "over the global batch; then 1 sample per rank is enough)."
             )
         self.min_share = min_share
@@ -136,9 +149,11 @@ class ShareSchedule:
 
     def set_replicas(self, replicas: Optional[Sequence[Sequence[int]]]) -> None:
         """Split over these groups of ranks (each trains one replica on the union of its slices, every rank once)
-        with the least share per replica, a rank of a group possibly getting none (:func:`split_replicas`);
-        ``None``: every rank its own replica."""
+        with the least share per replica, a rank of a group possibly getting none (:func:`split_replicas`), and
+        count them as :attr:`replica_count`; ``None``: every rank its own replica (the count stays the job's)."""
         self.replicas = None if replicas is None else check_replicas(replicas, self.world_size)
+        if self.replicas is not None:
+            self.replica_count = len(self.replicas)
         self._full_splits.clear()
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
@@ -243,8 +258,8 @@ class SharePlan:
         """Capacities that need no measurement (the ``capacities`` argument against the lab's devices)."""
         weights, self.source = resolve_static_capacities(self.spec, devices, dtype)
         self._schedule = ShareSchedule(None, weights)
-        self._schedule.set_min_share(self._min_share)
         self._schedule.set_replicas(self._replicas)
+        self._schedule.set_min_share(self._min_share)
         self._loader_bound = False
 
     def adopt(self, capacities: Sequence[float], source: str, caps: Optional[Sequence[int]],
@@ -261,16 +276,19 @@ class SharePlan:
             follower.change(capacities, first_batch=0, caps=caps)
 
     def new_schedule(self, global_batch_size: int, epoch: int = 0) -> ShareSchedule:
-        """A loader's schedule, starting from the shares in force (it refuses a global batch below world size)."""
+        """A loader's schedule, starting from the shares in force; it refuses a global batch below the number of
+        replicas (the world size, less a pipeline's stage ranks but one: :attr:`replicas`)."""
         latest = self._store().latest
-        return ShareSchedule(global_batch_size, latest.capacities, latest.caps, epoch=epoch)
+        count = None if self._replicas is None else len(self._replicas)
+        return ShareSchedule(global_batch_size, latest.capacities, latest.caps, epoch=epoch, replica_count=count)
 
     def use_train_schedule(self, schedule: ShareSchedule) -> None:
         """The training loader's schedule (made by :meth:`new_schedule`) becomes the store, replacing the one before;
         it splits with the plan's :attr:`min_share` (a ``ValueError`` if its global batch is too small for it) and
         :attr:`replicas`."""
-        schedule.set_min_share(self._min_share)
+        # Replicas first: the least share is per replica.
         schedule.set_replicas(self._replicas)
+        schedule.set_min_share(self._min_share)
         self._schedule = schedule
         self._loader_bound = True
 

@@ -193,3 +193,45 @@ def test_a_pipeline_is_one_replica_whose_least_share_is_one_sample() -> None:
     train.schedule.balance = "tokens"
     runs = train.schedule.cut(0, [float(c) for c in range(1, 13)])
     assert sorted(i for r in runs for i in r) == list(range(12)) and len(runs[1]) + len(runs[2]) >= 1
+
+
+def test_a_global_batch_needs_one_sample_per_replica_not_per_rank() -> None:
+    """4 ranks where ranks 2, 3 form a pipeline are 3 replicas: a global batch of 3 was refused as below the world
+    size; it gives each replica one sample (a stage rank none). Below 3 is refused naming the field and the count;
+    without pipelines the limit stays the world size."""
+    from lightning_hetero.data.sampler import check_training_batch
+    from lightning_hetero.plan.shares import ShareSchedule
+
+    cpus = [DeviceInfo(r, "host", "cpu", "cpu", (0, 0), 2**34, 2) for r in range(4)]
+    plan = SharePlan(parse_capacities("equal"), global_batch_size=3)
+    plan.resolve(cpus, torch.float32)
+    with pytest.raises(ValueError, match=r"`global_batch_size`=3 is smaller than the world size 4"):
+        plan.new_schedule(3)
+    plan.replicas = [[0], [1], [2, 3]]
+    assert plan.split == (1, 1, 1, 0)
+    train = _training_sampler(plan, 19, 3)
+    assert [train.split_at(k, train.global_batch_len(k)) for k in (0, 6)] == [[1, 1, 1, 0], [0, 0, 1, 0]]
+    assert [len(b) for b in train] == [1] * 6  # rank 0: six batches of one sample, the last of 1 dropped
+    with pytest.raises(ValueError, match=r"`global_batch_size`=2 is smaller than the 3 replicas of the 4 ranks"):
+        plan.new_schedule(2)
+    with pytest.raises(ValueError, match=r"`global_batch_size`=2 is smaller than the world size 4"):
+        ShareSchedule(2, [1, 1, 1, 1])
+    # The least share is per replica too (BatchNorm trained unsynced: 2 each of 3 replicas).
+    unsynced = SharePlan(parse_capacities("equal"), global_batch_size=6)
+    unsynced.resolve(cpus, torch.float32)
+    unsynced.replicas, unsynced.min_share = [[0], [1], [2, 3]], 2
+    assert _training_sampler(unsynced, 12, 6).split_at(0) == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match=r"`global_batch_size`=5 is smaller than 2 x the 3 replicas"):
+        unsynced.use_train_schedule(unsynced.new_schedule(5))
+    # Evaluation splits the set by rank (every rank runs the whole model): the rank short of a sample pads.
+    order = GlobalOrder(12, shuffle=False)
+    evaluation = [EvaluationBatchSampler(order, 3, [1, 1, 1, 1], rank=r, drop_last=False, schedule=plan.new_schedule(3))
+                  for r in range(4)]
+    batches = [list(s) for s in evaluation]
+    assert {len(b) for b in batches} == {4}  # every rank runs the same number of batches
+    assert sorted(i for r in range(4) for k, b in enumerate(batches[r]) if not evaluation[r].is_padding(k)
+                  for i in b) == list(range(12))
+    # A too-large global batch's advice counts replicas.
+    small = _training_sampler(plan, 2, 3)
+    with pytest.raises(ValueError, match=r"at least one sample per replica \(3\)"):
+        check_training_batch(small, "train_dataloader", explicit=True)

@@ -521,3 +521,64 @@ def test_weights_tied_within_a_stage(tmp_path):
     records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, split_points=["net.6"]), 1)
     assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
     assert torch.equal(records[1]["final"]["net.2.weight"], records[0]["final"]["net.2.weight"])
+
+
+class ValidationLoss(Callback):
+    """Per rank: the epoch's reduced ``val_loss`` after every validation run."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.values = out_dir, []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.values.append(float(trainer.callback_metrics["val_loss"]))
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save(self.values, os.path.join(self.out_dir, f"val{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_global_batch_of_one_sample_per_replica(tmp_path, accumulate):
+    """4 ranks are 3 replicas (ranks 0, 1 and the pipeline [2, 3]): a global batch of 3 trains (one sample per
+    replica, stage rank 3 running a padding slice; the epoch's last batch of 1 leaves both data-parallel ranks
+    padding), with and without accumulation, and equals one process on the same global batches; validation with
+    that global batch (4 ranks evaluating the whole model, one short of a sample) logs one process's loss."""
+    world, capacities, n, epochs = 4, [1, 1, 1, 1], 19, 2
+    seed_everything(0)
+    model = Validated(optimizer="adamw", n=n, batch_size=3)
+    reference = copy.deepcopy(model)
+    ref_params, ref_batches = reference_run(reference, 1, [1.0], epochs, accumulate=accumulate)
+    assert [len(b) for b in ref_batches[:7]] == [3] * 6 + [1]
+    records = fit(model, str(tmp_path), world, hybrid([[2, 3]], capacities, global_batch_size=3), epochs,
+                  callbacks=[Splits(str(tmp_path)), ValidationLoss(str(tmp_path))], default_root_dir=str(tmp_path),
+                  accumulate_grad_batches=accumulate)
+    splits = torch.load(os.path.join(str(tmp_path), "splits.pt"))
+    assert splits == 2 * ([[1, 1, 1, 0]] * 6 + [[0, 0, 1, 0]])
+    assert len(records[0]["params"]) == len(ref_params) == 14
+    diff = 0.0
+    for step, expected in enumerate(ref_params):
+        taken = sorted(i for r in range(world) if splits[step][r] for i in records[r]["indices"][step])
+        assert taken == sorted(ref_batches[step])
+        assert torch.equal(_flat(records[1]["params"][step]), _flat(records[0]["params"][step]))
+        for r in (2, 3):
+            for name in records[r]["owned"]:
+                assert torch.equal(records[r]["params"][step][name], records[0]["params"][step][name]), (r, name)
+        diff = max(diff, max_rel_diff(_flat(records[0]["params"][step]), expected))
+    print(f"global batch 3 over 3 replicas, accumulate {accumulate}: max rel diff {diff:.2e}")
+    assert diff <= 2e-5
+    # Validation after each epoch: one process's mean loss over the 12 validation samples, on every rank.
+    dataset, probe = IndexedDataset(12, seed=1), copy.deepcopy(reference)
+    for epoch, last in enumerate((6, 13)):
+        nn.utils.vector_to_parameters(ref_params[last], probe.parameters())
+        expected = float(probe.loss((dataset.x, dataset.y, torch.arange(12))).detach())
+        for r in range(world):
+            logged = torch.load(os.path.join(str(tmp_path), f"val{r}.pt"))
+            assert abs(logged[epoch] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, epoch, logged, expected)
+
+
+@pytest.mark.slow
+def test_a_global_batch_below_the_replica_count_is_refused(tmp_path):
+    """3 replicas (ranks 0, 1 and the pipeline [2, 3]) cannot split a global batch of 2: refused on every rank,
+    naming the field and the replica count."""
+    with pytest.raises(Exception, match=r"`global_batch_size`=2 is smaller than the 3 replicas of the 4 ranks"):
+        fit(Chain(n=24), str(tmp_path), 4, hybrid([[2, 3]], [1, 1, 1, 1], global_batch_size=2), 1, max_steps=1)
