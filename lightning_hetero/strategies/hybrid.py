@@ -20,7 +20,8 @@ data-parallel replica holding the whole model. The composition, in the order a f
 """
 
 from datetime import timedelta
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -60,6 +61,8 @@ class _UnwrappedDDP(DDPStrategy):
     on a stage rank is the pipeline's (inside the precision's autocast, as Lightning runs a step)."""
 
     replica: Optional[PipelinedReplica] = None
+    stage_sync: Optional[StageSync] = None
+    accumulating = False  # inside an accumulation step's closure: no optimizer step follows its backward
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -78,6 +81,24 @@ class _UnwrappedDDP(DDPStrategy):
 
     def pipelined_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning runs an accumulation step's closure in this (there is no DDP wrapper to tell).
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+
+    def exchange_overlapped(self) -> Any:
+        """Around the backward an optimizer step follows (the stage split known, automatic optimization): the stage
+        exchanges begin during it (:meth:`~lightning_hetero.grad.stage_sync.StageSync.overlapped`)."""
+        sync, module = self.stage_sync, self.lightning_module
+        if sync is None or sync.partition is None or not module.automatic_optimization or self.accumulating:
+            return nullcontext()
+        return sync.overlapped(module)
 
     def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
         """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
@@ -183,7 +204,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, stage_compression
         self.layout: Optional[HybridLayout] = None
-        self.stage_sync: Optional[StageSync] = None
         # Measured capacities time a pipeline as one replica.
         self.core.profiler.measure = self._profile_layout
 
@@ -332,6 +352,12 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if self.replica is not None or share is None:
             return loss
         return loss * loss_weight(share[0], share[1], world_size=1)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        # A step's one Lightning backward (micro-batches' earlier ones bypass this): the stage exchanges begin in it.
+        with self.exchange_overlapped():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -521,3 +521,79 @@ def test_weights_tied_within_a_stage(tmp_path):
     records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, split_points=["net.6"]), 1)
     assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
     assert torch.equal(records[1]["final"]["net.2.weight"], records[0]["final"]["net.2.weight"])
+
+
+class ExchangeOrder(Callback):
+    """Per rank: the order of the stage exchanges' launches (the group's ranks, async or not), the first layer's
+    gradient (the backward's last) and each optimizer step, per training batch."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.batches = out_dir, []
+
+    def setup(self, trainer, pl_module, stage):
+        import torch.distributed as dist
+
+        launch = dist.all_reduce
+
+        def spied(tensor, *args, group=None, async_op=False, **kwargs):
+            if group is not None and self.batches:
+                self.batches[-1].append(("all_reduce", tuple(dist.get_process_group_ranks(group)), async_op))
+            return launch(tensor, *args, group=group, async_op=async_op, **kwargs)
+
+        dist.all_reduce = spied
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.net[0].weight.register_post_accumulate_grad_hook(
+            lambda p: self.batches[-1].append(("first layer grad",)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append([])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.batches[-1].append(("optimizer step",))
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save(self.batches, os.path.join(self.out_dir, f"order{trainer.global_rank}.pt"))
+
+
+class Unused(Chain):
+    """Chain with a trainable parameter in its last stage that never gets a gradient (used detached)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.spare = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.net(x) + self.spare.detach()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("accumulate", "model_class"), [(1, Chain), (2, Chain), (1, Unused)])
+def test_stage_exchanges_overlap_the_backward(tmp_path, accumulate, model_class):
+    """A data-parallel rank launches the last stage's exchange before the backward reaches the first layer, only on
+    the backward an optimizer step follows, in descending stage order; a stage that never gets all its gradients
+    (an unused parameter) is exchanged late, and so is every stage below it. The result is one process's."""
+    world, capacities, n = 3, [2, 1, 1], 72
+    seed_everything(0)
+    model = model_class(optimizer="adamw", n=n)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1, accumulate=accumulate)
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, split_points=["net.4"]), 1,
+                  callbacks=[ExchangeOrder(str(tmp_path))], accumulate_grad_batches=accumulate)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    assert records[1]["owned"] and records[2]["owned"]
+    order = torch.load(os.path.join(tmp_path, "order0.pt"))
+    stage_groups = [(0, 1), (0, 2)]
+    early = model_class is Chain
+    steps = [events for events in order if ("optimizer step",) in events]
+    assert len(steps) >= 3
+    for events in steps[1:]:  # the first step shares the stage split: exchanged late
+        exchanges = [e for e in events if e[0] == "all_reduce" and e[1] in stage_groups]
+        # One exchange per stage group, the last stage's first, launched async during the backward when early.
+        assert [e[1] for e in exchanges] == stage_groups[::-1]
+        assert [e[2] for e in exchanges] == [early, early]
+        last_stage, grad = events.index(exchanges[0]), events.index(("first layer grad",))
+        assert (last_stage < grad) == early
+    accumulating = [events for events in order if ("optimizer step",) not in events]
+    assert len(accumulating) == (len(order) - len(steps) if accumulate > 1 else 0)
+    for events in accumulating:
+        assert not [e for e in events if e[0] == "all_reduce" and e[1] in stage_groups]
