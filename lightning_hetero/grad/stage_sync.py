@@ -249,7 +249,12 @@ def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
     """The stage's gradients (zeros where missing) and one presence flag per parameter, in one buffer: the same size
     and dtype on every holder of the stage, whatever it holds (small counts: exact in any wire dtype)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    flags = [float(p.grad is not None) for p in params]
+    dtype, device = grads[0].dtype, grads[0].device
+    # All present (every early exchange): made on the device, as a tensor from a list would wait for the CUDA stream,
+    # stalling the backward's kernel launches.
+    present = torch.ones(len(flags), dtype=dtype, device=device) if all(flags) else torch.tensor(
+        flags, dtype=dtype, device=device)
     return torch.cat([g.reshape(-1) for g in grads] + [present])
 
 
