@@ -13,7 +13,8 @@ their sums cast to ``wire`` (:func:`~lightning_hetero.grad.compress_hooks.hierar
 :func:`~lightning_hetero.grad.compress_hooks.cast_hook`), and each leader broadcasts the result inside its host. A
 stage group on one host stays exact.
 
-The exchange overlaps the backward that precedes an optimizer step (:meth:`StageSync.overlapped`): a data-parallel
+The exchange may overlap the backward that precedes an optimizer step (:meth:`StageSync.overlapped`; the strategy
+decides when, :mod:`~lightning_hetero.strategies.stage_exchange`): a data-parallel
 rank starts stage s's all-reduce (async) as soon as every trainable parameter of stage s has accumulated its gradient
 (backward reaches the last stage first, so stage S-1's exchange runs beside the backward of stages S-2..0); a stage
 rank starts its one all-reduce as Lightning's backward returns (its pipeline's backward ran in the training step).
@@ -28,8 +29,8 @@ The optimizer step waits for them and exchanges the rest as before. Why no group
   stage group only, and issues its exchange after the training step's collectives, as a data-parallel rank does;
 - a stage exchanged across hosts with compression stays late (its two-level exchange waits as it goes).
 
-A change made to the gradients after the backward (``on_after_backward``) is lost on a stage exchanged early: change
-them in ``on_before_optimizer_step``, which sees the exchanged gradients (gradient clipping runs after it).
+A change made to the gradients after the backward (``on_after_backward``) would be lost on a stage exchanged early:
+the strategy keeps the exchange late when such a hook exists.
 """
 
 from collections.abc import Iterator, Sequence
@@ -161,7 +162,8 @@ class StageSync:
             # Its exchange already took the gradient: the other holders expect no second one.
             raise RuntimeError(f"a parameter of pipeline stage {stage} received a second gradient in one backward, "
                                "after the stage's exchange began (a parameter used in two reentrant checkpointed "
-                               "segments?): use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`.")
+                               "segments?): use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, or "
+                               "exchange after the backward with `HeteroHybridStrategy(overlap_stage_exchange=False)`.")
         self._missing[stage].discard(id(param))
         self._begin_complete()
 
