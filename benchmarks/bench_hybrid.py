@@ -402,6 +402,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"rank {rank} emulation: measured {check['measured_slowdown']}x, expected "
                   f"{check['expected_slowdown']}x")
     for r in rows:
+        if "overlapping" in r:
+            when = "begun in the backward" if r["overlapping"] else "after the backward"
+            print(f"{r['config']}: stage exchange {when}")
         if r["config"].startswith("hybrid") and "samples_per_s" in r and best:
             print(f"{r['config']} / best other: {r['samples_per_s'] / best:.2f}x")
         if r["config"].startswith("hybrid") and r.get("replica_rates"):

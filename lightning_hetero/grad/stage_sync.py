@@ -66,6 +66,9 @@ class StageSync:
         self.hops: list[Optional[HierarchicalState]] = [None] * layout.stages
         if wire is not None and hosts is not None:
             self.hops = [self._hop(layout.stage_members(s), hosts, wire) for s in range(layout.stages)]
+        # Whether this fit's exchanges may begin during the backward (the same on every rank: the strategy agrees
+        # it); without, none is begun early and they run in ascending stage order.
+        self.overlap = False
         # The exchanges begun during the backward, by stage: (work, flat buffer, its parameters).
         self._early: dict[int, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = {}
         # While a backward is overlapped: the next stage to begin (descending), each stage's trainable parameters and
@@ -136,6 +139,7 @@ class StageSync:
         exchange begins as soon as its gradients are complete, in descending stage order (see the module docstring);
         :meth:`all_reduce_grads` waits for them. A data-parallel rank counts each stage's gradients as autograd
         accumulates them; a stage rank's gradients are complete when the backward returns."""
+        assert self.overlap, "overlapped() needs `overlap` (agreed by every rank)"
         stage_rank = self.layout.stage_of(self.rank) is not None
         self._early, self._next = {}, max(self._held())
         self._trainable = {s: self._trainable_params(module, s) for s in self._held()}
@@ -183,9 +187,10 @@ class StageSync:
         """Sum each held stage's (pre-weighted) gradients over its group, in place; a gradient missing on some holders
         counts 0 there, one missing on every holder (a frozen or unused parameter) stays ``None``, as on one device
         (where e.g. AdamW then skips the parameter rather than decaying it). Stages begun during the backward
-        (:meth:`overlapped`) are waited for; the others are exchanged now, in the same descending order."""
+        (:meth:`overlapped`) are waited for; the others are exchanged now, in the same descending order (ascending
+        without `overlap`: every rank's are all late)."""
         early, self._early, self._next = self._early, {}, None
-        for stage in sorted(self._held(), reverse=True):
+        for stage in sorted(self._held(), reverse=self.overlap):
             if stage in early:
                 work, flat, params = early[stage]
                 work.wait()

@@ -51,17 +51,21 @@ class StageExchange:
     """
 
     stage_sync: Optional[StageSync] = None
-    # The constructor's option; `overlapping`: the option as every rank agreed it for this fit (see the module doc).
+    # The constructor's option (`overlapping`: as every rank agreed it for this fit, see the module doc).
     overlap_stage_exchange: bool = True
-    overlapping: bool = False
     # Inside an accumulation step's closure: no optimizer step follows its backward.
     accumulating: bool = False
 
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # type: ignore[misc]
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.overlapping = self._agree_overlap(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.stage_sync is not None:
+            self.stage_sync.overlap = self._agree_overlap(trainer)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether this fit's stage exchanges begin during the backward (agreed at set-up by every rank)."""
+        return self.stage_sync is not None and self.stage_sync.overlap
 
     def _agree_overlap(self, trainer: Any) -> bool:
         """Whether this fit's exchanges may begin during the backward: the option on and no rank with a gradient
@@ -92,7 +96,7 @@ class StageExchange:
         """Around the backward an optimizer step follows (overlapping, the stage split known, automatic
         optimization): the stage exchanges begin during it."""
         sync, module = self.stage_sync, self.lightning_module  # type: ignore[attr-defined]
-        if (not self.overlapping or sync is None or sync.partition is None or not module.automatic_optimization
+        if (sync is None or not sync.overlap or sync.partition is None or not module.automatic_optimization
                 or self.accumulating):
             return nullcontext()
         return sync.overlapped(module)
