@@ -6,6 +6,8 @@ Configurations, each a separate Lightning fit (its own process group, launched b
 
 - ``hybrid``: ``HeteroHybridStrategy(pipelines=[[2, 3]])``: ranks 0, 1 data-parallel, ranks 2, 3 (the emulated
   3090s) one 2-stage pipelined replica;
+- ``hybridlate``: ``hybrid`` with ``overlap_stage_exchange=False``: every stage exchange after the whole backward
+  (``hybridlate,hybrid`` on one machine: the overlap's gain);
 - ``hybridauto``: ``HeteroHybridStrategy(pipelines="auto", capacities="profile")``: the cards that cannot hold a
   replica paired by the planner, each replica's share from its timed steps (on CPU the slow ranks' memory is
   capped at 0.8 of a replica, so the planner pairs them there too);
@@ -51,7 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import GPT, Bert, BertConfig, Block, EncoderLayer, GPTConfig, mlm_batch  # noqa: E402
 
-CONFIGS = ("hybrid", "hybridauto", "fast2", "dp4", "fsdp4", "lfsdp4")
+CONFIGS = ("hybrid", "hybridlate", "hybridauto", "fast2", "dp4", "fsdp4", "lfsdp4")
+# Without --configs: the layouts' comparison (hybridlate is the overlap's baseline, asked for by name).
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c != "hybridlate")
 MODELS = ("gpt", "bert")
 XL = GPTConfig(vocab=50304, seq=512, width=1600, layers=48, heads=25)  # GPT-2 XL shape, untied head: ~1.63B
 # Sequences per rank and step by default: the 1.63B GPT's activations at 512 tokens fill a fast card at 8; BERT-base
@@ -181,9 +185,10 @@ def _strategy(config: str, args: argparse.Namespace, world: int, module: nn.Modu
     emulate = emulate_specs(args, world)
     # Published rates of the emulated cards on GPUs; the CPU emulator's slowdowns have none, so their inverse.
     peak: Any = [3, 3, 1, 1] if args.accelerator == "cpu" else "peak"
-    if config == "hybrid":
+    if config in ("hybrid", "hybridlate"):
         return HeteroHybridStrategy(pipelines=[[2, 3]], capacities=peak, emulate=emulate,
-                                    micro_batches=args.micro_batches, precision_policy=precision, **common)
+                                    micro_batches=args.micro_batches, precision_policy=precision,
+                                    overlap_stage_exchange=config == "hybrid", **common)
     if config == "hybridauto":
         replica = 4 * sum(p.numel() * p.element_size() for p in module.parameters())
         return HeteroHybridStrategy(pipelines="auto", capacities="profile", emulate=emulate_specs(args, world, replica),
@@ -274,6 +279,7 @@ def run(config: str, args: argparse.Namespace) -> None:
         if config.startswith("hybrid"):
             profile = strategy.core.profiler.profile
             row["pipelines"] = strategy.pipelines
+            row["overlapping"] = strategy.overlapping
             row["capacities"] = [round(c, 4) for c in strategy.plan.capacities]
             if profile is not None:
                 row["replica_rates"] = [round(r, 2) for r in profile.extra["replica_rates"]]
@@ -312,7 +318,7 @@ def checked_options(args: argparse.Namespace) -> tuple[list[str], dict[str, int]
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in Lightning's launch
     p.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--model", default="gpt", choices=MODELS,
@@ -396,6 +402,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"rank {rank} emulation: measured {check['measured_slowdown']}x, expected "
                   f"{check['expected_slowdown']}x")
     for r in rows:
+        if "overlapping" in r:
+            when = "begun in the backward" if r["overlapping"] else "after the backward"
+            print(f"{r['config']}: stage exchange {when}")
         if r["config"].startswith("hybrid") and "samples_per_s" in r and best:
             print(f"{r['config']} / best other: {r['samples_per_s'] / best:.2f}x")
         if r["config"].startswith("hybrid") and r.get("replica_rates"):

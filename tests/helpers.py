@@ -138,14 +138,16 @@ def fit_distributed(model: LightningModule, out_dir: str, world: int, strategy_k
 
 
 def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epochs: int, seed: int = 0,
-                  shuffle_within: bool = False, equal_rank_weights: bool = False, accumulate: int = 1
+                  shuffle_within: bool = False, equal_rank_weights: bool = False, accumulate: int = 1,
+                  after_backward: Optional[Callable[[TinyModel], None]] = None
                   ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """One process trained on the same global batches; returns params after each step and the global batches.
 
     ``shuffle_within`` reorders samples inside each global batch: the run-to-run floor of summation order.
     ``equal_rank_weights`` averages the ranks' slice losses equally, as plain DDP would (the wrong answer).
     ``accumulate`` steps the optimizer every that many global batches (and at the end of an epoch), with each
-    batch's loss divided by it, as Lightning's ``accumulate_grad_batches`` does.
+    batch's loss divided by it, as Lightning's ``accumulate_grad_batches`` does. ``after_backward(model)`` runs after
+    each backward, as an ``on_after_backward`` hook does.
     """
     dataset = IndexedDataset(model.hparams.n)
     g = model.hparams.batch_size * world
@@ -168,6 +170,8 @@ def reference_run(model: TinyModel, world: int, capacities: Sequence[float], epo
             else:
                 loss = model.loss((dataset.x[idx], dataset.y[idx], idx))
             (loss / accumulate).backward()
+            if after_backward is not None:
+                after_backward(model)
             if steps_optimizer(k, len(epoch_batches), accumulate):
                 optimizer.step()
                 optimizer.zero_grad()

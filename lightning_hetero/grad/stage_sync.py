@@ -12,9 +12,30 @@ the data-parallel strategy: each stage group sums in full precision inside every
 their sums cast to ``wire`` (:func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook` with
 :func:`~lightning_hetero.grad.compress_hooks.cast_hook`), and each leader broadcasts the result inside its host. A
 stage group on one host stays exact.
+
+The exchange may overlap the backward that precedes an optimizer step (:meth:`StageSync.overlapped`; the strategy
+decides when, :mod:`~lightning_hetero.strategies.stage_exchange`): a data-parallel
+rank starts stage s's all-reduce (async) as soon as every trainable parameter of stage s has accumulated its gradient
+(backward reaches the last stage first, so stage S-1's exchange runs beside the backward of stages S-2..0); a stage
+rank starts its one all-reduce as Lightning's backward returns (its pipeline's backward ran in the training step).
+The optimizer step waits for them and exchanges the rest as before. Why no group can deadlock:
+
+- each stage group still sees exactly one all-reduce per step from each member, of one size and dtype (every
+  trainable parameter of the stage plus its presence flags, :func:`_flat`), early or late: ranks may decide
+  differently (a rank where a parameter got no gradient exchanges that stage late), the collective is the same;
+- every rank issues its stage exchanges in descending stage order, early or late: a stage starts early only once
+  every stage above it has (the early ones are a top prefix, the late ones follow in the same order), so two ranks
+  sharing two stage groups (data-parallel ranks) never issue them in opposite orders; a stage rank is in one
+  stage group only, and issues its exchange after the training step's collectives, as a data-parallel rank does;
+- a stage exchanged across hosts with compression stays late (its two-level exchange waits as it goes).
+
+A change made to the gradients after the backward (``on_after_backward``) would be lost on a stage exchanged early:
+the strategy keeps the exchange late when such a hook exists.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from typing import Optional
 
 import torch
@@ -45,6 +66,17 @@ class StageSync:
         self.hops: list[Optional[HierarchicalState]] = [None] * layout.stages
         if wire is not None and hosts is not None:
             self.hops = [self._hop(layout.stage_members(s), hosts, wire) for s in range(layout.stages)]
+        # Whether this fit's exchanges may begin during the backward (the same on every rank: the strategy agrees
+        # it); without, none is begun early and they run in ascending stage order.
+        self.overlap = False
+        # The exchanges begun during the backward, by stage: (work, flat buffer, its parameters).
+        self._early: dict[int, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = {}
+        # While a backward is overlapped: the next stage to begin (descending), each stage's trainable parameters and
+        # those still without this backward's gradient (ids); `_next` is None otherwise.
+        self._next: Optional[int] = None
+        self._trainable: dict[int, list[nn.Parameter]] = {}
+        self._missing: dict[int, set[int]] = {}
+        self._hooked: set[int] = set()
 
     def _hop(self, members: Sequence[int], hosts: Sequence[str], wire: str) -> Optional[HierarchicalState]:
         """The stage group's hosts, each a full-precision group, and its leaders' group (collective: every rank
@@ -98,25 +130,81 @@ class StageSync:
         params = dict(module.named_parameters())
         return [params[n] for n in self.partition[stage]]
 
+    def _trainable_params(self, module: nn.Module, stage: int) -> list[nn.Parameter]:
+        return [p for p in self._params(module, stage) if p.requires_grad]
+
+    @contextmanager
+    def overlapped(self, module: nn.Module) -> Iterator[None]:
+        """Around the backward that precedes an optimizer step (once the stage split is shared): each held stage's
+        exchange begins as soon as its gradients are complete, in descending stage order (see the module docstring);
+        :meth:`all_reduce_grads` waits for them. A data-parallel rank counts each stage's gradients as autograd
+        accumulates them; a stage rank's gradients are complete when the backward returns."""
+        assert self.overlap, "overlapped() needs `overlap` (agreed by every rank)"
+        stage_rank = self.layout.stage_of(self.rank) is not None
+        self._early, self._next = {}, max(self._held())
+        self._trainable = {s: self._trainable_params(module, s) for s in self._held()}
+        self._missing = {s: {id(p) for p in params} for s, params in self._trainable.items()}
+        for stage, params in self._trainable.items() if not stage_rank else ():
+            for p in params:
+                if id(p) not in self._hooked:
+                    self._hooked.add(id(p))
+                    p.register_post_accumulate_grad_hook(partial(self._arrived, stage))
+        self._begin_complete()  # stages without trainable parameters
+        try:
+            yield
+        finally:
+            if stage_rank:
+                for stage, params in self._trainable.items():
+                    self._missing[stage] = {id(p) for p in params if p.grad is None}
+                self._begin_complete()
+            self._next = None
+
+    def _arrived(self, stage: int, param: nn.Parameter) -> None:
+        if self._next is None:
+            return
+        if stage in self._early:
+            # Its exchange already took the gradient: the other holders expect no second one.
+            raise RuntimeError(f"a parameter of pipeline stage {stage} received a second gradient in one backward, "
+                               "after the stage's exchange began (a parameter used in two reentrant checkpointed "
+                               "segments?): use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, or "
+                               "exchange after the backward with `HeteroHybridStrategy(overlap_stage_exchange=False)`.")
+        self._missing[stage].discard(id(param))
+        self._begin_complete()
+
+    def _begin_complete(self) -> None:
+        """Begin each stage from `_next` down whose gradients are all here, stopping at the first that is not (or
+        whose exchange crosses hosts compressed): the early exchanges stay a top prefix of the stages."""
+        while self._next in self._missing and not self._missing[self._next] and self.hops[self._next] is None:
+            stage, params = self._next, self._trainable[self._next]
+            if params:
+                with torch.no_grad():
+                    flat = _flat(params)
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage], async_op=True)
+                self._early[stage] = (work, flat, params)
+            self._next -= 1
+
     def all_reduce_grads(self, module: nn.Module) -> None:
         """Sum each held stage's (pre-weighted) gradients over its group, in place; a gradient missing on some holders
         counts 0 there, one missing on every holder (a frozen or unused parameter) stays ``None``, as on one device
-        (where e.g. AdamW then skips the parameter rather than decaying it)."""
-        for stage in self._held():
-            params = [p for p in self._params(module, stage) if p.requires_grad]
-            if not params:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            # One presence flag per parameter rides in the same all-reduce (small counts: exact in any wire dtype).
-            present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
-                                   device=grads[0].device)
-            flat = torch.cat([g.reshape(-1) for g in grads] + [present])
-            hop = self.hops[stage]
-            if hop is None:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+        (where e.g. AdamW then skips the parameter rather than decaying it). Stages begun during the backward
+        (:meth:`overlapped`) are waited for; the others are exchanged now, in the same descending order (ascending
+        without `overlap`: every rank's are all late)."""
+        early, self._early, self._next = self._early, {}, None
+        for stage in sorted(self._held(), reverse=self.overlap):
+            if stage in early:
+                work, flat, params = early[stage]
+                work.wait()
             else:
-                # The two-level hook averages over the group's ranks: times their count, the sum.
-                flat = hierarchical_hook(hop, FlatBucket(flat)).wait().mul_(hop.world_size)
+                params = self._trainable_params(module, stage)
+                if not params:
+                    continue
+                flat = _flat(params)
+                hop = self.hops[stage]
+                if hop is None:
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+                else:
+                    # The two-level hook averages over the group's ranks: times their count, the sum.
+                    flat = hierarchical_hook(hop, FlatBucket(flat)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
             for p, held in zip(params, flat[-len(params):].tolist()):
                 if held < 0.5:
@@ -162,6 +250,19 @@ def broadcast_buffers(module: nn.Module, src: int) -> None:
         if id(buffer) not in seen:
             seen.add(id(buffer))
             dist.broadcast(buffer, src=src)
+
+
+def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The stage's gradients (zeros where missing) and one presence flag per parameter, in one buffer: the same size
+    and dtype on every holder of the stage, whatever it holds (small counts: exact in any wire dtype)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flags = [float(p.grad is not None) for p in params]
+    dtype, device = grads[0].dtype, grads[0].device
+    # All present (every early exchange): made on the device, as a tensor from a list would wait for the CUDA stream,
+    # stalling the backward's kernel launches.
+    present = torch.ones(len(flags), dtype=dtype, device=device) if all(flags) else torch.tensor(
+        flags, dtype=dtype, device=device)
+    return torch.cat([g.reshape(-1) for g in grads] + [present])
 
 
 def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter], as_grad: bool) -> None:

@@ -11,7 +11,8 @@ data-parallel replica holding the whole model. The composition, in the order a f
    gradients and optimizer state (:mod:`~lightning_hetero.strategies.stage_memory`): the model waits in host
    memory until the first step's trace splits it;
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
-   group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g;
+   group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g, begun
+   during the backward where it can be (:mod:`~lightning_hetero.strategies.stage_exchange`);
 4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
    the ranks that train them), and every rank rank 0's buffers (no DDP wrapper re-syncs them), so every rank
    evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a
@@ -21,7 +22,7 @@ data-parallel replica holding the whole model. The composition, in the order a f
 
 from datetime import timedelta
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
+from lightning_hetero.strategies.stage_exchange import StageExchange
 from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -87,7 +89,7 @@ class _UnwrappedDDP(DDPStrategy):
         return True
 
 
-class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
+class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
@@ -102,6 +104,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
         stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
             (inside a host: full precision), :class:`~lightning_hetero.grad.stage_sync.StageSync`; ``None``: exact.
+        overlap_stage_exchange: begin each stage's gradient exchange during the backward, as soon as the stage's
+            gradients are complete (``True``), or after the whole backward (``False``). A LightningModule that
+            overrides ``backward`` or ``on_after_backward``, or a callback that overrides ``on_after_backward``,
+            keeps it after the backward (:mod:`~lightning_hetero.strategies.stage_exchange`), as does a stage
+            group compressed across hosts.
         split_points: module names (``"blocks.6"``) where each stage after the first begins. Default: the model's
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
@@ -137,6 +144,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
         stage_compression: Optional[Literal["bf16", "fp16"]] = None,
+        overlap_stage_exchange: bool = True,
         split_points: Optional[list[str]] = None,
         capacities: CapacitiesArg = "auto",
         global_batch_size: Optional[int] = None,
@@ -162,6 +170,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
         check("", "stage_compression", stage_compression, stage_compression in (None, "bf16", "fp16"),
               "None, 'bf16' or 'fp16'")
+        check("", "overlap_stage_exchange", overlap_stage_exchange, isinstance(overlap_stage_exchange, bool),
+              "True or False")
         check("", "split_points", split_points, split_points is None or (
             isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
             "a list of module names or None")
@@ -182,8 +192,8 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, stage_compression
+        self.overlap_stage_exchange = overlap_stage_exchange
         self.layout: Optional[HybridLayout] = None
-        self.stage_sync: Optional[StageSync] = None
         # Measured capacities time a pipeline as one replica.
         self.core.profiler.measure = self._profile_layout
 
@@ -261,12 +271,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
         # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        assert self.stage_sync is not None
-        params = list(self.precision_plugin.main_params(optimizer))
-        self.stage_sync.clip_grad_norm(self.lightning_module, params, float(clip_val), self.root_device)
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -332,19 +337,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         if self.replica is not None or share is None:
             return loss
         return loss * loss_weight(share[0], share[1], world_size=1)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        def exchanged() -> Any:
-            out = closure()
-            assert self.stage_sync is not None
-            if self.stage_sync.partition is None:
-                self.stage_sync.share_partition(self.replica.partition if self.replica else None,
-                                                self.lightning_module)
-            self.stage_sync.all_reduce_grads(self.lightning_module)
-            return out
-
-        return super().optimizer_step(optimizer, exchanged, model, **kwargs)
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
         return "a pipelined replica's stages hold different layers; BatchNorm cannot sync across them."

@@ -23,3 +23,11 @@ def test_bad_options_stop_before_anything_runs(tmp_path, capsys, argv, flag):
         bench_hybrid.main(argv + ["--accelerator", "cpu", "--tiny", "--timeout", "1", "--out", str(tmp_path)])
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "bench_hybrid.json").exists()
+
+
+@pytest.mark.parametrize(("config", "overlap"), [("hybrid", True), ("hybridlate", False)])
+def test_hybridlate_is_hybrid_with_the_exchange_after_the_backward(config, overlap):
+    args = bench_hybrid.argparse.Namespace(monitor=False, accelerator="cpu", fast_card=None, micro_batches=None)
+    strategy = bench_hybrid._strategy(config, args, 4, None)
+    assert strategy.pipelines == [[2, 3]]
+    assert strategy.overlap_stage_exchange is overlap

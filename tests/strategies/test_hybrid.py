@@ -257,6 +257,8 @@ def test_bad_options_are_named():
         HeteroHybridStrategy(pipelines=[2, 3])
     with pytest.raises(ValueError, match="`stage_compression`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], stage_compression="topk")
+    with pytest.raises(ValueError, match="`overlap_stage_exchange`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], overlap_stage_exchange="no")
     with pytest.raises(ValueError, match="`schedule`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
@@ -582,3 +584,144 @@ def test_a_global_batch_below_the_replica_count_is_refused(tmp_path):
     naming the field and the replica count."""
     with pytest.raises(Exception, match=r"`global_batch_size`=2 is smaller than the 3 replicas of the 4 ranks"):
         fit(Chain(n=24), str(tmp_path), 4, hybrid([[2, 3]], [1, 1, 1, 1], global_batch_size=2), 1, max_steps=1)
+
+
+class ExchangeOrder(Callback):
+    """Per rank: the order of the stage exchanges' launches (the group's ranks, async or not), the first layer's
+    gradient (the backward's last) and each optimizer step, per training batch."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.batches = out_dir, []
+
+    def setup(self, trainer, pl_module, stage):
+        import torch.distributed as dist
+
+        launch = dist.all_reduce
+
+        def spied(tensor, *args, group=None, async_op=False, **kwargs):
+            if group is not None and self.batches:
+                self.batches[-1].append(("all_reduce", tuple(dist.get_process_group_ranks(group)), async_op))
+            return launch(tensor, *args, group=group, async_op=async_op, **kwargs)
+
+        dist.all_reduce = spied
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.net[0].weight.register_post_accumulate_grad_hook(
+            lambda p: self.batches[-1].append(("first layer grad",)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append([])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.batches[-1].append(("optimizer step",))
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save(self.batches, os.path.join(self.out_dir, f"order{trainer.global_rank}.pt"))
+
+
+class Unused(Chain):
+    """Chain with a trainable parameter in its last stage that never gets a gradient (used detached)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.spare = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.net(x) + self.spare.detach()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("accumulate", "model_class", "overlap"),
+                         [(1, Chain, True), (2, Chain, True), (1, Unused, True), (1, Chain, False)],
+                         ids=["overlap", "accumulate 2", "unused parameter", "overlap off"])
+def test_stage_exchanges_overlap_the_backward(tmp_path, accumulate, model_class, overlap):
+    """A data-parallel rank launches the last stage's exchange before the backward reaches the first layer, only on
+    the backward an optimizer step follows, in descending stage order; a stage that never gets all its gradients
+    (an unused parameter) is exchanged late, and so is every stage below it; with `overlap_stage_exchange=False`
+    every exchange is late, in ascending stage order. The result is one process's."""
+    world, capacities, n = 3, [2, 1, 1], 72
+    seed_everything(0)
+    model = model_class(optimizer="adamw", n=n)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1, accumulate=accumulate)
+    strategy = hybrid([[1, 2]], capacities, split_points=["net.4"], overlap_stage_exchange=overlap)
+    records = fit(model, str(tmp_path), world, strategy, 1, callbacks=[ExchangeOrder(str(tmp_path))],
+                  accumulate_grad_batches=accumulate)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    assert records[1]["owned"] and records[2]["owned"]
+    order = torch.load(os.path.join(tmp_path, "order0.pt"))
+    stage_groups = [(0, 1), (0, 2)]
+    early = model_class is Chain and overlap
+    steps = [events for events in order if ("optimizer step",) in events]
+    assert len(steps) >= 3
+    for events in steps[1:]:  # the first step shares the stage split: exchanged late
+        exchanges = [e for e in events if e[0] == "all_reduce" and e[1] in stage_groups]
+        # One exchange per stage group, launched async during the backward when early; with the overlap on, the last
+        # stage's first (early or late), off: the first stage's first.
+        assert [e[1] for e in exchanges] == (stage_groups[::-1] if overlap else stage_groups)
+        assert [e[2] for e in exchanges] == [early, early]
+        last_stage, grad = events.index(exchanges[0]), events.index(("first layer grad",))
+        assert (last_stage < grad) == early
+    accumulating = [events for events in order if ("optimizer step",) not in events]
+    assert len(accumulating) == (len(order) - len(steps) if accumulate > 1 else 0)
+    for events in accumulating:
+        assert not [e for e in events if e[0] == "all_reduce" and e[1] in stage_groups]
+
+
+def scale_last_layer(module):
+    """A gradient edit after the backward: the last layer's gradients (in the last stage) times 0.25, where held."""
+    for p in module.net[6].parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.25)
+
+
+class EditsGrads(Chain):
+    def on_after_backward(self):
+        scale_last_layer(self)
+
+
+class EditGrads(Callback):
+    def on_after_backward(self, trainer, pl_module):
+        scale_last_layer(pl_module)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["module", "callback"])
+def test_a_gradient_edit_after_the_backward_is_honoured(tmp_path, where):
+    """`on_after_backward` sees each rank's own gradients before the exchange, as Lightning promises: an edit there
+    (of the last stage, which a data-parallel rank would otherwise exchange during the backward) gives one process
+    doing the same edit after its backward, with the overlap on. SGD: a scaled gradient moves the parameters less
+    (Adam would undo the scale)."""
+    world, capacities, n = 3, [2, 1, 1], 36
+    seed_everything(0)
+    model = (EditsGrads if where == "module" else Chain)(optimizer="sgd", n=n)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1, after_backward=scale_last_layer)
+    strategy = hybrid([[1, 2]], capacities, split_points=["net.4"], overlap_stage_exchange=True)
+    records = fit(model, str(tmp_path), world, strategy, 1, callbacks=[EditGrads()] if where == "callback" else [])
+    assert records[0]["steps"] == len(ref_params) >= 3
+    for step, expected in enumerate(ref_params):
+        assert max_rel_diff(_flat(records[0]["params"][step]), expected) <= 2e-5, step
+    assert torch.equal(records[2]["final"]["net.6.weight"], records[0]["final"]["net.6.weight"])
+
+
+class EditOnRank(Callback):
+    """Adds :class:`EditGrads` to the trainer's callbacks on one rank only (before the strategy's set-up), and saves
+    whether each rank's exchange overlaps the backward."""
+
+    def __init__(self, out_dir, rank):
+        self.out_dir, self.rank = out_dir, rank
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == self.rank:
+            trainer.callbacks.append(EditGrads())
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save(trainer.strategy.overlapping, os.path.join(self.out_dir, f"overlapping{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_a_gradient_hook_on_one_rank_keeps_every_rank_late(tmp_path):
+    """The late fallback is agreed by every rank: a hook on one stage rank alone turns the overlap off everywhere."""
+    seed_everything(0)
+    strategy = hybrid([[1, 2]], [2, 1, 1], split_points=["net.4"], overlap_stage_exchange=True)
+    fit(Chain(optimizer="sgd", n=12), str(tmp_path), 3, strategy, 1, callbacks=[EditOnRank(str(tmp_path), 2)])
+    assert [torch.load(os.path.join(tmp_path, f"overlapping{r}.pt")) for r in range(3)] == [False] * 3
