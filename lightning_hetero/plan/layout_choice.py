@@ -13,15 +13,20 @@ its published TFLOP/s). What each layout keeps on a card (``state`` = parameters
   pipeline of S cards runs at S × its slowest card's speed × m / (m + S - 1), the GPipe bubble of m = 2S
   micro-batches.
 
-The pick: data parallel when it fits (the least traffic and the highest rate), else hybrid (only activations cross
-between stages, one all-reduce per stage), else sharded; each card's memory less a headroom for activations.
+The pick: data parallel when it fits (the least traffic and the highest rate), else the higher rate of the sharded and
+the hybrid layouts that fit (the sharded one wherever both fit: its rate is every card's speed, a pipeline's is its
+slowest card's less the bubble); each card's memory less a headroom for activations. The traffic is left out of both
+rates: the hybrid layout's exchange (one all-reduce per stage) moves about as many bytes as data parallelism's, the
+sharded layout's gathers and scatters about half as many again, and on one host with a PCIe-class link the sharded
+layout measured the faster (a 1.63B GPT on two A100-class and two 3090-class cards: 53.6 against 28.2 samples/s,
+``benchmarks/RESULTS.md``). Where the cards span hosts on a slow link, every block's gathers cross it: measure both.
 
 Example::
 
     >>> cards = [Card("A100", 80 * 2**30, 312), Card("A100", 80 * 2**30, 312), Card("3090", 24 * 2**30, 71),
     ...          Card("3090", 24 * 2**30, 71)]
     >>> compare_layouts(2_000_000_000 * 4, 2, cards).pick   # a 2B-parameter model, AdamW, fp32
-    'hybrid'
+    'sharded'
 """
 
 from collections.abc import Sequence
@@ -103,10 +108,17 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
     if "data parallel" in fitting:
         return LayoutComparison(tuple(verdicts), "data parallel", "every card holds the whole model, its gradients "
                                 "and optimizer state: the least traffic and the highest rate.")
+    if "hybrid" in fitting and "sharded" in fitting:
+        sharded, hybrid = fitting["sharded"].rate or 0.0, fitting["hybrid"].rate or 0.0
+        pick = "sharded" if sharded >= hybrid else "hybrid"
+        return LayoutComparison(tuple(verdicts), pick, f"both fit; the {pick} layout has the higher rate "
+                                f"({max(sharded, hybrid):.4g} against {min(sharded, hybrid):.4g}; a pipeline runs at "
+                                "its slowest card's speed less the bubble). Traffic is left out of both: on one host "
+                                "the sharded layout measured the faster; across hosts on a slow link its gathers "
+                                "cross it at every block, the hybrid's stage exchange once a step: measure both.")
     if "hybrid" in fitting:
-        return LayoutComparison(tuple(verdicts), "hybrid", "some cards cannot hold a replica but pipelines of them "
-                                "can: only activations cross between stages, while the sharded layout's gathers "
-                                "cross the links at every block.")
+        return LayoutComparison(tuple(verdicts), "hybrid", "some cards cannot hold a replica or a shard, but "
+                                "pipelines of them can hold a stage.")
     if "sharded" in fitting:
         return LayoutComparison(tuple(verdicts), "sharded", "only sharding fits the model on every card.")
     return LayoutComparison(tuple(verdicts), None, f"no layout fits: a replica's state is {gib(state)}; the "

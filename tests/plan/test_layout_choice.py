@@ -22,10 +22,12 @@ def test_a_model_that_fits_every_card_trains_data_parallel():
     assert "every card holds a replica" in _by_layout(comparison)["hybrid"].note
 
 
-def test_a_model_too_large_for_the_small_cards_pairs_them():
+def test_a_model_too_large_for_the_small_cards_pairs_them_and_shards_faster():
     comparison = compare_layouts(2_000_000_000 * 4, 2, LAB)  # 30 GiB: fits an A100, not a 3090, half fits one
     verdicts = _by_layout(comparison)
-    assert comparison.pick == "hybrid"
+    # Both fit; sharding runs every card at its speed, a pipeline at its slowest card's less the bubble (and on one
+    # host the sharded layout measured the faster).
+    assert comparison.pick == "sharded" and "higher rate (766 against 737.6" in comparison.why
     assert verdicts["data parallel"].fits == (True, True, False, False) and verdicts["data parallel"].rate is None
     # A stage rank: half the gradients and AdamW state, and the whole weights (evaluation gathers them).
     weights = 2_000_000_000 * 4
@@ -45,7 +47,7 @@ def test_the_doctor_compares_layouts_for_a_lab(capsys):
     main(["doctor", "--compare-layouts", "--params", "2e9", "--lab", "A100-80GB,A100-80GB,RTX3090,RTX3090",
           "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert report["pick"] == "hybrid"
+    assert report["pick"] == "sharded"
     with pytest.raises(SystemExit):
         main(["doctor", "--compare-layouts", "--lab", "A100-80GB,RTX3090"])  # no --params
     assert "--params" in capsys.readouterr().err
