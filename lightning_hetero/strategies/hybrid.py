@@ -105,7 +105,8 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
         stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
             (inside a host: full precision), :class:`~lightning_hetero.grad.stage_sync.StageSync`; ``None``: exact.
         overlap_stage_exchange: begin each stage's gradient exchange during the backward, as soon as the stage's
-            gradients are complete (``True``), or after the whole backward (``False``). A LightningModule that
+            gradients are complete (``True``; exact on CPU, not yet checked on GPUs), or after the whole backward
+            (``False``, the default). A LightningModule that
             overrides ``backward`` or ``on_after_backward``, or a callback that overrides ``on_after_backward``,
             keeps it after the backward (:mod:`~lightning_hetero.strategies.stage_exchange`), as does a stage
             group compressed across hosts.
@@ -144,7 +145,7 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
         stage_compression: Optional[Literal["bf16", "fp16"]] = None,
-        overlap_stage_exchange: bool = True,
+        overlap_stage_exchange: bool = False,
         split_points: Optional[list[str]] = None,
         capacities: CapacitiesArg = "auto",
         global_batch_size: Optional[int] = None,

@@ -52,7 +52,7 @@ class StageExchange:
 
     stage_sync: Optional[StageSync] = None
     # The constructor's option (`overlapping`: as every rank agreed it for this fit, see the module doc).
-    overlap_stage_exchange: bool = True
+    overlap_stage_exchange: bool = False
     # Inside an accumulation step's closure: no optimizer step follows its backward.
     accumulating: bool = False
 
