@@ -12,8 +12,8 @@ has one behaviour whatever each rank's callbacks are.
     class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP): ...
 """
 
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -53,8 +53,9 @@ class StageExchange:
     stage_sync: Optional[StageSync] = None
     # The constructor's option (`overlapping`: as every rank agreed it for this fit, see the module doc).
     overlap_stage_exchange: bool = False
-    # Inside an accumulation step's closure: no optimizer step follows its backward.
-    accumulating: bool = False
+    # Inside the optimizer step's closure, whose exchange follows its backward: a closure run elsewhere (an
+    # accumulation step, a LightningModule.optimizer_step that calls it without stepping) exchanges nothing.
+    stepping: bool = False
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -82,22 +83,12 @@ class StageExchange:
                            "sees the exchanged gradients, to keep the overlap).")
         return late.item() == 0
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        # Lightning runs an accumulation step's closure in this (there is no DDP wrapper to tell).
-        self.accumulating = True
-        try:
-            yield
-        finally:
-            self.accumulating = False
-
     def exchange_overlapped(self) -> Any:
         """Around the backward an optimizer step follows (overlapping, the stage split known, automatic
-        optimization): the stage exchanges begin during it."""
+        optimization, inside the step's closure): the stage exchanges begin during it."""
         sync, module = self.stage_sync, self.lightning_module  # type: ignore[attr-defined]
         if (sync is None or not sync.overlap or sync.partition is None or not module.automatic_optimization
-                or self.accumulating):
+                or not self.stepping):
             return nullcontext()
         return sync.overlapped(module)
 
@@ -110,7 +101,11 @@ class StageExchange:
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def exchanged() -> Any:
-            out = closure()
+            self.stepping = True
+            try:
+                out = closure()
+            finally:
+                self.stepping = False
             sync, module = self.stage_sync, self.lightning_module  # type: ignore[attr-defined]
             assert sync is not None
             if sync.partition is None:

@@ -729,3 +729,39 @@ def test_a_gradient_hook_on_one_rank_keeps_every_rank_late(tmp_path):
     strategy = hybrid([[1, 2]], [2, 1, 1], split_points=["net.4"], overlap_stage_exchange=True)
     fit(Chain(optimizer="sgd", n=12), str(tmp_path), 3, strategy, 1, callbacks=[EditOnRank(str(tmp_path), 2)])
     assert [torch.load(os.path.join(tmp_path, f"overlapping{r}.pt")) for r in range(3)] == [False] * 3
+
+
+class SkipsOddSteps(Unused):
+    """Runs every odd batch's closure (training step and backward) without an optimizer step, a pattern Lightning's
+    ``optimizer_step`` documents; its last stage has a parameter without a gradient, so a data-parallel rank exchanges
+    late while the first stage's rank could begin as its backward returns."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % 2:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.slow
+def test_a_backward_without_an_optimizer_step_begins_no_exchange(tmp_path):
+    """A backward that no optimizer step follows (a closure run alone) begins no stage exchange on any rank: one
+    begun there would never be waited for, and a rank that began one the others did not would pair it with the next
+    step's (a hang)."""
+    world, capacities = 3, [2, 1, 1]
+    seed_everything(0)
+    strategy = hybrid([[1, 2]], capacities, split_points=["net.4"], overlap_stage_exchange=True,
+                      resilience={"timeout": 30})
+    records = fit(SkipsOddSteps(optimizer="sgd", n=48), str(tmp_path), world, strategy, 1,
+                  callbacks=[ExchangeOrder(str(tmp_path))])
+    assert records[0]["steps"] >= 3
+    stage_groups = [(0, 1), (0, 2)]
+    for rank in range(world):
+        order = torch.load(os.path.join(tmp_path, f"order{rank}.pt"))
+        skipped = [events for events in order if ("optimizer step",) not in events]
+        assert len(skipped) >= 2
+        for events in skipped:
+            assert not [e for e in events if e[0] == "all_reduce" and e[1] in stage_groups], (rank, events)
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["final"][name], records[0]["final"][name]), (r, name)
