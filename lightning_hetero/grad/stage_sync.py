@@ -144,19 +144,21 @@ class StageSync:
         self._early, self._next = {}, max(self._held())
         self._trainable = {s: self._trainable_params(module, s) for s in self._held()}
         self._missing = {s: {id(p) for p in params} for s, params in self._trainable.items()}
-        for stage, params in self._trainable.items() if not stage_rank else ():
-            for p in params:
-                if id(p) not in self._hooked:
-                    self._hooked.add(id(p))
-                    p.register_post_accumulate_grad_hook(partial(self._arrived, stage))
+        if not stage_rank:
+            for stage, params in self._trainable.items():
+                for p in params:
+                    if id(p) not in self._hooked:
+                        self._hooked.add(id(p))
+                        p.register_post_accumulate_grad_hook(partial(self._arrived, stage))
         self._begin_complete()  # stages without trainable parameters
         try:
             yield
-        finally:
+            # Not on an error: a backward that raised begins no collective the other ranks would not match.
             if stage_rank:
                 for stage, params in self._trainable.items():
                     self._missing[stage] = {id(p) for p in params if p.grad is None}
                 self._begin_complete()
+        finally:
             self._next = None
 
     def _arrived(self, stage: int, param: nn.Parameter) -> None:
@@ -194,6 +196,9 @@ class StageSync:
             if stage in early:
                 work, flat, params = early[stage]
                 work.wait()
+                if flat.is_cuda:
+                    # Made on the backward's stream, read and freed on this one: not reused before that.
+                    flat.record_stream(torch.cuda.current_stream(flat.device))
             else:
                 params = self._trainable_params(module, stage)
                 if not params:

@@ -109,12 +109,12 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
         return LayoutComparison(tuple(verdicts), "data parallel", "every card holds the whole model, its gradients "
                                 "and optimizer state: the least traffic and the highest rate.")
     if "hybrid" in fitting and "sharded" in fitting:
-        sharded, hybrid = fitting["sharded"].rate or 0.0, fitting["hybrid"].rate or 0.0
-        pick = "sharded" if sharded >= hybrid else "hybrid"
-        return LayoutComparison(tuple(verdicts), pick, f"both fit; the {pick} layout has the higher rate "
-                                f"({max(sharded, hybrid):.4g} against {min(sharded, hybrid):.4g}; a pipeline runs at "
-                                "its slowest card's speed less the bubble). Traffic is left out of both: on one host "
-                                "the sharded layout measured the faster; across hosts on a slow link its gathers "
+        # Every card at its speed against a pipeline at its slowest card's less the bubble: the sharded rate is the
+        # higher whenever both fit.
+        return LayoutComparison(tuple(verdicts), "sharded", "both fit; the sharded layout has the higher rate "
+                                f"({fitting['sharded'].rate:.4g} against {fitting['hybrid'].rate:.4g}; a pipeline "
+                                "runs at its slowest card's speed less the bubble). Traffic is left out of both: on one "
+                                "host the sharded layout measured the faster; across hosts on a slow link its gathers "
                                 "cross it at every block, the hybrid's stage exchange once a step: measure both.")
     if "hybrid" in fitting:
         return LayoutComparison(tuple(verdicts), "hybrid", "some cards cannot hold a replica or a shard, but "

@@ -76,12 +76,13 @@ class StageExchange:
         hooks = gradient_edit_hooks(self.lightning_module, trainer.callbacks)  # type: ignore[attr-defined]
         late = torch.tensor([float(bool(hooks))], device=self.root_device)  # type: ignore[attr-defined]
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
-        if late.item() > 0:
-            rank_zero_info(f"{running_strategy()}: the stage gradient exchange runs after the backward "
-                           f"(overlap_stage_exchange is on, but {hooks or 'another rank'}"
-                           " may change the gradients after it; change them in `on_before_optimizer_step`, which "
-                           "sees the exchanged gradients, to keep the overlap).")
-        return late.item() == 0
+        if late.item() == 0:
+            return True
+        named = ", ".join(hooks) if hooks else "a hook on another rank"
+        rank_zero_info(f"{running_strategy()}: the stage gradient exchange runs after the backward "
+                       f"(overlap_stage_exchange is on, but {named} may change the gradients after it; change them "
+                       "in `on_before_optimizer_step`, which sees the exchanged gradients, to keep the overlap).")
+        return False
 
     def exchange_overlapped(self) -> Any:
         """Around the backward an optimizer step follows (overlapping, the stage split known, automatic
