@@ -6,7 +6,8 @@ One NaN loss on one rank turns every rank's weights to NaN: DDP sums it into eve
 - once per optimizer step, after the gradient all-reduce and before the update (Lightning's
   ``on_before_optimizer_step``: gradients are unscaled there when a loss scaler runs), one pass over the gradients
   (their 2-norm, ``torch.nn.utils.get_total_norm``) and one host read say whether they are finite. The all-reduced
-  gradients are the same on every rank, so every rank reaches the same verdict without a collective;
+  gradients are the same on every rank, so every rank reaches the same verdict without a collective (the hybrid
+  layout's stage ranks hold one stage's gradients each: there the ranks agree on the verdict with one small MIN);
 - only then, on the rare step that is not finite, the ranks gather their loss verdicts (one ``all_gather``) to name
   the rank(s) whose loss was non-finite, and act as ``nonfinite`` says, identically everywhere:
 
@@ -87,7 +88,14 @@ class NonFiniteCheck(Callback):
         # The module's parameters: DDP all-reduces their gradients, so every rank reaches the same verdict. (Tensors
         # trained outside the module, or parameters DDP is told to ignore, are rank-local: not checked.)
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if gradients_finite(grads):
+        finite = gradients_finite(grads)
+        if getattr(trainer.strategy, "holds_partial_gradients", False):
+            # A stage rank of the hybrid layout holds one stage's gradients: a non-finite one in another stage is not
+            # in its view, so the ranks agree (one MIN over a flag) before any of them acts alone.
+            flag = torch.tensor([float(finite)], device=pl_module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            finite = bool(flag.item())
+        if finite:
             return
         # Rare: every rank is here at once (the reduced gradients agree), so one collective names the culprits.
         own = torch.tensor([1.0 if losses_finite is None or bool(losses_finite) else 0.0],

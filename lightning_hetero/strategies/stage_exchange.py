@@ -56,6 +56,8 @@ class StageExchange:
     # Inside the optimizer step's closure, whose exchange follows its backward: a closure run elsewhere (an
     # accumulation step, a LightningModule.optimizer_step that calls it without stepping) exchanges nothing.
     stepping: bool = False
+    # A stage rank holds one stage's gradients: the non-finite check agrees over every rank before it acts.
+    holds_partial_gradients = True
 
     @override
     def setup(self, trainer: Any) -> None:

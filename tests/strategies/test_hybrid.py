@@ -765,3 +765,30 @@ def test_a_backward_without_an_optimizer_step_begins_no_exchange(tmp_path):
     for r in (1, 2):
         for name in records[r]["owned"]:
             assert torch.equal(records[r]["final"][name], records[0]["final"][name]), (r, name)
+
+
+class InfInStageZero(Callback):
+    """At the second step, before the non-finite check (a callback of the strategy's, added after the user's): an
+    inf in a stage-0 parameter's gradient on the ranks that hold stage 0 (as a stage exchange hands it on); the
+    stage-1 rank holds no gradient of it."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grad = pl_module.net[0].weight.grad
+        if trainer.global_step == 1 and grad is not None:
+            grad.view(-1)[0] = float("inf")
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_in_one_stage_is_skipped_on_every_rank(tmp_path):
+    """A non-finite gradient only stage 0's holders see: every rank skips the step (none waits in the culprits'
+    gather alone), the replicas stay identical, and training goes on."""
+    seed_everything(0)
+    strategy = hybrid([[1, 2]], [2, 1, 1], split_points=["net.4"], resilience={"timeout": 60, "nonfinite": "skip"})
+    records = fit(Chain(optimizer="sgd", n=48), str(tmp_path), 3, strategy, 1, callbacks=[InfInStageZero()])
+    assert [r["steps"] for r in records] == [records[0]["steps"]] * 3 and records[0]["steps"] > 2
+    # The second step changed nothing on any rank (each rank's held parameters as after the first step).
+    for record in records:
+        before, after = record["params"][0], record["params"][1]
+        assert all(torch.equal(before[n], after[n]) for n in before), record["owned"]
+    for name in records[2]["owned"]:  # the stage-1 rank's parameters: the data-parallel rank's, bit for bit
+        assert torch.equal(records[2]["final"][name], records[0]["final"][name])
