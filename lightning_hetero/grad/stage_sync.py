@@ -195,8 +195,8 @@ class StageSync:
         for stage in sorted(self._held(), reverse=self.overlap):
             if stage in early:
                 work, flat, params = early[stage]
-                work.wait()
                 self.counter.add("all", nbytes(flat))
+                work.wait()
             else:
                 params = self._trainable_params(module, stage)
                 if not params:
