@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hetero.grad.bucket_state import CommCounter
+from lightning_hetero.grad.bucket_state import CommCounter, nbytes
 from lightning_hetero.grad.compress_hooks import (CastState, FlatBucket, HierarchicalState, cast_hook,
                                                   hierarchical_hook)
 from lightning_hetero.plan.layout import HybridLayout
@@ -62,6 +62,8 @@ class StageSync:
         self.groups = [dist.new_group(list(layout.stage_members(s))) for s in range(layout.stages)]
         self.partition: Optional[list[list[str]]] = None
         self.counter = CommCounter()
+        # Bytes this rank handed to the last step's exchange (its stage buffers, or the two-level hops' wire bytes).
+        self.bytes_last_step: Optional[int] = None
         # Per stage: the two-level exchange's state where the stage group spans hosts and `wire` is set, else None.
         self.hops: list[Optional[HierarchicalState]] = [None] * layout.stages
         if wire is not None and hosts is not None:
@@ -190,11 +192,12 @@ class StageSync:
         counts 0 there, one missing on every holder (a frozen or unused parameter) stays ``None``, as on one device
         (where e.g. AdamW then skips the parameter rather than decaying it). Stages begun during the backward
         (:meth:`overlapped`) are waited for; the others are exchanged now, in the same descending order (ascending
-        without `overlap`: every rank's are all late)."""
+        without `overlap`: every rank's are all late). :attr:`bytes_last_step` counts what this rank handed them."""
         early, self._early, self._next = self._early, {}, None
         for stage in sorted(self._held(), reverse=self.overlap):
             if stage in early:
                 work, flat, params = early[stage]
+                self.counter.add("all", nbytes(flat))
                 work.wait()
                 if flat.is_cuda:
                     # Made on the backward's stream, read and freed on this one: not reused before that.
@@ -207,6 +210,7 @@ class StageSync:
                 hop = self.hops[stage]
                 if hop is None:
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[stage])
+                    self.counter.add("all", nbytes(flat))
                 else:
                     # The two-level hook averages over the group's ranks: times their count, the sum.
                     flat = hierarchical_hook(hop, FlatBucket(flat)).wait().mul_(hop.world_size)
@@ -214,6 +218,7 @@ class StageSync:
             for p, held in zip(params, flat[-len(params):].tolist()):
                 if held < 0.5:
                     p.grad = None
+        self.bytes_last_step = sum(self.counter.take().values())
 
     def grad_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
         """The 2-norm of the whole model's (exchanged) gradients, on every rank (a collective over all ranks): each

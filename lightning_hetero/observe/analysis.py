@@ -18,7 +18,12 @@ import torch
 from lightning_hetero.observe.stage_times import NO_STAGE, STAGE_FIELDS, split_transfers, stage_names
 
 # Per-step record columns (seconds, counts), exchanged on logging steps; a data-parallel rank's stage fields are 0.
-STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens") + STAGE_FIELDS
+# Then the strategy's gradient exchange: the rank's time blocked in it where the strategy times it (the hybrid
+# layout's stage exchange; part of sync) and the bytes the rank handed to the step's gradient collectives where the
+# strategy counts them (NaN otherwise).
+EXCHANGE_FIELDS = ("exchange", "comm_bytes")
+NO_EXCHANGE = (0.0, math.nan)
+STEP_FIELDS = ("cycle", "data", "sync", "samples", "tokens") + STAGE_FIELDS + EXCHANGE_FIELDS
 BUSY_THRESHOLD = 0.85
 COMM_RATIO_THRESHOLD = 0.3
 
@@ -26,30 +31,34 @@ COMM_RATIO_THRESHOLD = 0.3
 def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], first_step: int = 0,
             pipelines: Optional[Sequence[Sequence[int]]] = None) -> dict[str, Any]:
     """Per-rank means per step of a window of records (rank, step, field: ``STEP_FIELDS``; rows of the first five
-    fields alone are a job without pipelines) and the job-level figures.
+    fields alone are a job without pipelines, without the last two one without a timed or counted exchange) and the
+    job-level figures.
 
     The rank with the least sync time in a step arrived last at its collectives: that sync is the step's exposed
     communication; everything any rank spent in sync beyond it is waiting for slower ranks. A stage rank of one of
     ``pipelines`` (global ranks, stage order) also spends its step's pipeline waits in send/recv and bubble
-    (:func:`~lightning_hetero.observe.stage_times.split_transfers`); its compute is what remains. (Plain Python over
+    (:func:`~lightning_hetero.observe.stage_times.split_transfers`); its compute is what remains. ``exchange`` (where
+    the strategy timed its exchange) is the part of each rank's sync blocked in it, ``comm_bytes`` (where the strategy
+    counted them) its bytes per step. (Plain Python over
     the table's few hundred numbers: a chain of small tensor operations cost ten times as much on rank 0's step.)
     """
     # [rank][step][field]
     table = steps.tolist() if isinstance(steps, torch.Tensor) else steps
-    table = [[list(row[:5]) + (list(row[5:]) or list(NO_STAGE)) for row in rows] for rows in table]
+    table = [[_padded(row) for row in rows] for rows in table]
     world, n = len(table), (len(table[0]) if table else 0)
     comm_steps = [min(table[r][i][2] for r in range(world)) for i in range(n)]
     comm_total = sum(comm_steps)
     cycle, data, wait, compute, samples, tokens = ([0.0] * world for _ in range(6))
-    sendrecv, bubble, stage_span, stage_compute = ([0.0] * world for _ in range(4))
+    sendrecv, bubble, stage_span, stage_compute, exchange, nbytes = ([0.0] * world for _ in range(6))
     # [rank][step]: (send/recv, bubble) of a stage rank's pipeline waits
     waits = [[(0.0, 0.0)] * n for _ in range(world)]
     for ranks in pipelines or ():
         for i in range(n):
-            for r, split in zip(ranks, split_transfers([table[r][i][5:] for r in ranks])):
+            for r, split in zip(ranks, split_transfers([table[r][i][5:5 + len(STAGE_FIELDS)] for r in ranks])):
                 waits[r][i] = split
     for r, rows in enumerate(table):
-        for (c, d, sync, b, t, span, work, *_), comm, (transfer, idle) in zip(rows, comm_steps, waits[r]):
+        for (c, d, sync, b, t, span, work, *_, blocked, sent), comm, (transfer, idle) in zip(rows, comm_steps,
+                                                                                          waits[r]):
             cycle[r] += c
             data[r] += d
             wait[r] += sync - comm
@@ -60,6 +69,8 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
             bubble[r] += idle
             stage_span[r] += span
             stage_compute[r] += work
+            exchange[r] += blocked
+            nbytes[r] += sent
     # The cycles agree across ranks up to clock skew: their mean
     wall = sum(cycle) / world if world else 0.0
     per_step = 1.0 / n if n else 0.0
@@ -75,6 +86,9 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
         "stage_span": [v * per_step for v in stage_span],
         "stage_compute": [v * per_step for v in stage_compute],
     } if pipelines else {}
+    exchanged = {"exchange": [v * per_step for v in exchange]} if any(v > 0 for v in exchange) else {}
+    if not all(math.isnan(v) for v in nbytes):
+        exchanged["comm_bytes"] = [v * per_step for v in nbytes]
     return {
         "first_step": int(first_step),
         "steps": int(n),
@@ -84,6 +98,7 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
         "comm": [comm_total * per_step] * world,
         "cycle": [v * per_step for v in cycle],
         **staged,
+        **exchanged,
         "samples": samples,
         "tokens": tokens,
         # As trained
@@ -98,15 +113,22 @@ def analyse(steps: Union[torch.Tensor, Sequence[Sequence[Sequence[float]]]], fir
     }
 
 
-# Per-rank seconds per step of every window, and those of pipelined jobs' windows.
+def _padded(row: Sequence[float]) -> list[float]:
+    """A record with every ``STEP_FIELDS`` column: a shorter one's stage and exchange fields as none ran."""
+    stage_end = 5 + len(STAGE_FIELDS)
+    return list(row[:5]) + (list(row[5:stage_end]) or list(NO_STAGE)) + (list(row[stage_end:]) or list(NO_EXCHANGE))
+
+
+# Per-rank seconds per step of every window, those of pipelined jobs' windows, and the gradient exchange's time and
+# bytes where the strategy timed or counted them.
 _PARTS = ("compute", "wait", "data", "comm", "cycle")
-_STAGE_PARTS = ("sendrecv", "bubble", "stage_span", "stage_compute")
+_OPTIONAL_PARTS = ("sendrecv", "bubble", "stage_span", "stage_compute") + EXCHANGE_FIELDS
 
 
 def accumulate(totals: Optional[dict[str, list[float]]], window: Mapping[str, Any]) -> dict[str, list[float]]:
     """Running sums (seconds and samples per rank, steps) of the windows after warm-up."""
     n = window["steps"]
-    add = {k: [v * n for v in window[k]] for k in _PARTS + _STAGE_PARTS if k in window}
+    add = {k: [v * n for v in window[k]] for k in _PARTS + _OPTIONAL_PARTS if k in window}
     add["samples"] = list(window["samples"])
     add["tokens"] = list(window["tokens"])
     add["steps"] = [float(n)]
@@ -127,7 +149,7 @@ MIN_DATA_S = 0.005
 def totals_window(totals: Mapping[str, Sequence[float]], steps: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The per-step means of the summary's totals, in the layout of :func:`analyse`'s windows (for :func:`advice`)."""
     n = max(totals["steps"][0], 1.0)
-    per_step = {k: [v / n for v in totals[k]] for k in _PARTS + _STAGE_PARTS if k in totals}
+    per_step = {k: [v / n for v in totals[k]] for k in _PARTS + _OPTIONAL_PARTS if k in totals}
     total = sum(totals["samples"])
     slowest = max(per_step["compute"])
     return {
@@ -195,22 +217,30 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
                 f"{span} GPU of rank {r} is {util:.0f}% utilised (NVML, goal >= 85%): the batch may be too "
                 "small for the card (raise the global batch) or the host too slow to feed it.")))
     ratio = window.get("comm_compute_ratio")
-    # fp16 / bf16 on the wire halves the bytes: at best half the exposed communication is saved.
-    saved = window["comm"][0] / 2
+    # fp16 / bf16 on the wire halves the bytes: at best half the exposed communication is saved; under the hybrid
+    # layout, half its stage exchange's (the least time a rank was blocked in it: the others waited there too).
+    exchange = window.get("exchange")
+    saved = (min(exchange) if exchange else window["comm"][0]) / 2
     if ratio is not None and ratio > COMM_RATIO_THRESHOLD and saved >= MIN_GAIN * step_s:
-        out.append(("comm", (
-            f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
-            f"{COMM_RATIO_THRESHOLD}): compression='fp16'/'bf16' halves the bytes, {_gain(saved, step_s)} where the "
-            "link's bandwidth (not its latency) is the limit ('powersgd' sends far less on slow links); a larger "
-            "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more with "
-            "the backward), or a larger global batch.")))
+        if exchange:  # the hybrid layout's stage exchange: its own levers
+            how = (f"overlap_stage_exchange=True begins each stage's exchange during the backward (where it is off), "
+                   f"stage_compression='bf16' halves the bytes between hosts, {_gain(saved, step_s)} where the "
+                   "link's bandwidth (not its latency) is the limit; or a larger global batch.")
+        else:
+            how = (f"compression='fp16'/'bf16' halves the bytes, {_gain(saved, step_s)} where the link's bandwidth "
+                   "(not its latency) is the limit ('powersgd' sends far less on slow links); a larger "
+                   "ddp_kwargs={'bucket_cap_mb': ...} when many small buckets are sent (smaller buckets overlap more "
+                   "with the backward), or a larger global batch.")
+        out.append(("comm", f"{span} exposed gradient communication is {ratio:.2f}x the compute time (goal <= "
+                            f"{COMM_RATIO_THRESHOLD}): {how}"))
     return out
 
 
 def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequence[float]] = None,
                  pipelines: Optional[Sequence[Sequence[int]]] = None) -> list[list[str]]:
     """Rows of the end-of-fit table: per rank time split (ms per step and % of the step) and rates; with
-    ``pipelines``, each stage rank named by its pipeline and stage, and its send/recv and bubble."""
+    ``pipelines``, each stage rank named by its pipeline and stage, and its send/recv and bubble; the gradient
+    exchange's time and bytes (MB per step) where the totals hold them."""
     steps = max(totals["steps"][0], 1.0)
     names = stage_names(pipelines)
     rows = []
@@ -224,6 +254,11 @@ def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequenc
         share = f"{shares[r]:.1%}" if shares else "-"
         row = [str(r) + (f" ({names[r]})" if r in names else ""), share, cell("compute"), cell("wait"),
                cell("data"), cell("comm")]
+        if "exchange" in totals:
+            row.append(cell("exchange"))
+        if "comm_bytes" in totals:
+            sent = totals["comm_bytes"][r]
+            row.append("-" if math.isnan(sent) else f"{sent / steps / 1e6:.4g}")
         if pipelines:
             row += [cell("sendrecv"), cell("bubble")] if r in names else ["-", "-"]
         rows.append(row + [f"{1000 * cycle / steps:.2f}", f"{solo:.4g}"])
@@ -233,10 +268,14 @@ def summary_rows(totals: Mapping[str, Sequence[float]], shares: Optional[Sequenc
 SUMMARY_HEADERS = ["rank", "share", "compute ms", "wait ms", "data ms", "comm ms", "step ms", "solo/s"]
 # With pipelines, before the step: a stage rank's time in its pipeline's transfers, and idle waiting for neighbours.
 STAGE_HEADERS = ["send/recv ms", "bubble ms"]
+# After comm, where the totals hold them: the rank's time blocked in the strategy's gradient exchange, and its bytes.
+EXCHANGE_HEADERS = {"exchange": "exchange ms", "comm_bytes": "comm MB"}
 
 
-def summary_headers(pipelines: Optional[Sequence[Sequence[int]]] = None) -> list[str]:
-    return SUMMARY_HEADERS[:6] + (STAGE_HEADERS if pipelines else []) + SUMMARY_HEADERS[6:]
+def summary_headers(pipelines: Optional[Sequence[Sequence[int]]] = None,
+                    totals: Optional[Mapping[str, Sequence[float]]] = None) -> list[str]:
+    extra = [header for key, header in EXCHANGE_HEADERS.items() if key in (totals or {})]
+    return SUMMARY_HEADERS[:6] + extra + (STAGE_HEADERS if pipelines else []) + SUMMARY_HEADERS[6:]
 
 
 def summary_text(totals: Mapping[str, Sequence[float]], pipelines: Optional[Sequence[Sequence[int]]] = None
@@ -264,6 +303,12 @@ def summary_text(totals: Mapping[str, Sequence[float]], pipelines: Optional[Sequ
     if pipelines:
         notes.append("send/recv: a stage rank's time in its pipeline's transfers; bubble: its time idle in them, "
                      "waiting for a neighbour stage; its compute is what remains (micro-batches, optimizer)")
+    if "exchange" in totals:
+        notes.append("exchange: the rank's time blocked in the stage gradient exchange after its backward (what the "
+                     "backward did not hide), part of its comm + wait: a rank its stage groups waited for shows the "
+                     "exchange's own cost, the others the wait for that rank too")
+    if "comm_bytes" in totals:
+        notes.append("comm MB: what the rank handed to the step's gradient collectives, 10^6 bytes per step")
     total = sum(totals["samples"])
     shares = [s / total for s in totals["samples"]] if total > 0 else None
     return summary_rows(totals, shares, pipelines), "\n".join(notes)
@@ -275,7 +320,7 @@ def print_summary(totals: Mapping[str, Sequence[float]], steps: Optional[Sequenc
     totals cover, for the title (the warnings during the run give single windows' means, these are all steps');
     ``pipelines``: the job's pipelined replicas (their stage ranks get send/recv and bubble columns)."""
     rows, foot = summary_text(totals, pipelines)
-    headers = summary_headers(pipelines)
+    headers = summary_headers(pipelines, totals)
     title = "HeteroMonitor: where each rank's step time went (after warm-up)"
     if steps:
         title = (f"HeteroMonitor: where each rank's step time went, steps {steps[0]}-{steps[-1]} (after warm-up; "

@@ -31,16 +31,23 @@ compute: the rank's rate if it never waited), ``monitor/share_rank{r}``, ``monit
 ``monitor/tokens_per_s`` (when the batch's first tensor holds token ids: an integer tensor of two or more dimensions),
 ``monitor/ideal_fraction`` (samples/s ÷ Σ solo rates), ``monitor/comm_compute_ratio`` (exposed communication ÷ the
 slowest rank's compute), and the NVML values (``gpu_util_rank{r}``, ``mem_gib``, ``power_w``, ``temp_c``,
-``sm_clock_mhz``, ``thermal_throttle``). It also appends every window to ``hetero_monitor.jsonl`` in the logger's
+``sm_clock_mhz``, ``thermal_throttle``); ``monitor/exchange_s_rank{r}`` and ``monitor/comm_bytes_rank{r}`` where
+the strategy times or counts them (see below). It also appends every window to ``hetero_monitor.jsonl`` in the logger's
 ``log_dir`` (no file without a logger that has one), which ``python -m lightning_hetero report LOGDIR`` plots, and
 prints a summary table at the end of ``fit`` with, under it, the advice that would make steps at least 10 % shorter
-(busy < 85 %: shares or more loader workers; exposed communication > 0.3 × compute: compression or bucket size), each
-with its expected gain.
+(busy < 85 %: shares or more loader workers; exposed communication > 0.3 × compute: compression or bucket size, or
+under the hybrid layout the stage exchange's overlap and compression), each with its expected gain.
 
 A stage rank of a pipelined replica (``HeteroHybridStrategy``) also reports its schedule's step: its micro-batches'
 compute (``stage_compute``), its pipeline transfers (``sendrecv``) and its time idle waiting for a neighbour stage
 (``bubble``), timed by :class:`~lightning_hetero.observe.stage_times.StageTimer`; its compute column is what remains
 of its step without them. The summary names each stage rank's pipeline and stage.
+
+Under ``HeteroHybridStrategy`` every rank also reports its part of the stage gradient exchange: ``exchange``, the time
+it was blocked in it after its backward (:meth:`HeteroMonitor.timed_exchange`: the late all-reduces and the waits on
+those begun during the backward; a part of its sync, between the backward's end and the release), and
+``comm_bytes``, the bytes it handed to it (each held stage's buffer). ``comm_bytes`` comes from any strategy that
+counts its gradient collectives' bytes (``comm_bytes_last_step``: HeteroDDPStrategy's comm hooks too).
 
 Example::
 
@@ -74,14 +81,17 @@ _END = 2  # (kind, mark): the batch ends
 _COLLECTIVE = 3  # (kind, begin, end): a collective issued from within the step
 _EXCLUDED = 4  # (kind, begin, end): validation inside training, part of no step
 _EXCHANGE = 5  # (kind, begin, end): the monitor's own exchange, counted as sync of the next step
-# STAGE_EVENT (kind, begin, end, pieces): a pipeline stage rank's schedule step (observe/stage_times.py)
-_INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE, STAGE_EVENT)
+# STAGE_EVENT = 6 (kind, begin, end, pieces): a pipeline stage rank's schedule step (observe/stage_times.py)
+_GRAD_EXCHANGE = 7  # (kind, begin, end): the strategy's gradient exchange after the backward (timed_exchange)
+_BYTES = 8  # (kind, bytes): what the rank handed to the step's gradient collectives (the strategy's count)
+_INTERVALS = (_COLLECTIVE, _EXCLUDED, _EXCHANGE, STAGE_EVENT, _GRAD_EXCHANGE)
 
 
 class _Step:
     """One optimizer step of this rank being assembled from the event log (seconds and counts)."""
 
-    __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens", "stage")
+    __slots__ = ("origin", "release", "backward_end", "gaps", "colls", "excluded", "samples", "tokens", "stage",
+                 "exchange", "nbytes")
 
     def __init__(self, origin: Any) -> None:
         self.origin = origin  # the previous step's release: the step starts when the ranks were let go
@@ -90,13 +100,17 @@ class _Step:
         self.gaps = self.colls = self.excluded = 0.0
         self.samples = self.tokens = 0
         self.stage: tuple[float, ...] = NO_STAGE  # a pipeline stage rank's schedule steps in it
+        self.exchange = 0.0  # time in the strategy's timed gradient exchange
+        self.nbytes = math.nan  # bytes of the step's gradient collectives (NaN: the strategy counts none)
 
     def row(self, seconds: Callable[[Any, Any], float]) -> tuple[float, ...]:
         data = self.gaps - self.excluded if self.gaps > self.excluded else 0.0
         tail = seconds(self.backward_end, self.release) if self.backward_end is not None else 0.0
-        sync = self.colls + (tail if tail > 0.0 else 0.0)
+        # The timed exchange runs between the backward's end and the release: part of that wait, or all of it
+        # where no backward end was marked.
+        sync = self.colls + max(tail, self.exchange, 0.0)
         return (seconds(self.origin, self.release) - self.excluded, data, sync, self.samples, self.tokens,
-                *self.stage)
+                *self.stage, self.exchange, self.nbytes)
 
 
 class _StepRows:
@@ -145,6 +159,12 @@ class _StepRows:
                 if step is not None:
                     fields = stage_fields(event[1], event[2], event[3], seconds)
                     step.stage = fields if step.stage is NO_STAGE else merge_stage(step.stage, fields)
+            elif kind == _GRAD_EXCHANGE:
+                if step is not None:
+                    step.exchange += seconds(event[1], event[2])
+            elif kind == _BYTES:
+                if step is not None:
+                    step.nbytes = float(event[1])
             elif kind == _EXCHANGE and self.last_end is not None:
                 self.owed_sync += seconds(event[1], event[2])
                 self.last_end = event[2]
@@ -237,6 +257,14 @@ class HeteroMonitor(Callback):
         self._push((_COLLECTIVE, begin, self._mark()))
         return out
 
+    def timed_exchange(self, exchange: Callable[..., Any], *args: Any) -> Any:
+        """``exchange(*args)``, the strategy's gradient exchange after the backward (its late collectives, its wait on
+        those begun during the backward), timed as the rank's exchange time, a part of its sync."""
+        begin = self._mark()
+        out = exchange(*args)
+        self._push((_GRAD_EXCHANGE, begin, self._mark()))
+        return out
+
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -313,7 +341,12 @@ class HeteroMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._push((_END, self._mark()))
+        end = self._mark()
+        if self._released:  # the strategy's byte count of the step's gradient collectives, where it keeps one
+            nbytes = getattr(self._strategy, "comm_bytes_last_step", None)
+            if nbytes is not None:
+                self._push((_BYTES, nbytes))
+        self._push((_END, end))
         if self._released:  # else an accumulating batch: the step goes on
             self._released = False
             self._steps_done += 1
@@ -437,6 +470,11 @@ def window_metrics(window: Mapping[str, Any]) -> dict[str, float]:
     for r in sorted(r for ranks in window.get("pipelines") or () for r in ranks):
         for name in ("sendrecv", "bubble", "stage_compute", "stage_span"):
             metrics[f"monitor/{name}_s_rank{r}"] = window[name][r]
+    for r, v in enumerate(window.get("exchange") or ()):
+        metrics[f"monitor/exchange_s_rank{r}"] = v
+    for r, v in enumerate(window.get("comm_bytes") or ()):
+        if v is not None and not math.isnan(v):
+            metrics[f"monitor/comm_bytes_rank{r}"] = v
     for r, v in enumerate(window["busy"]):
         metrics[f"monitor/busy_rank{r}"] = v
     for r, v in enumerate(window["solo"]):

@@ -5,7 +5,9 @@ logger's ``log_dir`` (the newest one under ``LOGDIR``; one JSON object per logge
 
 - per rank, the timeline of a step: compute, wait for other ranks, data loading and exposed communication (ms per
   step, stacked, against the optimizer step); a pipeline's stage rank, titled by its pipeline and stage, also its
-  send/recv and bubble;
+  send/recv and bubble; under a timed gradient exchange (the hybrid layout's stage exchange) a dashed line of the
+  rank's time blocked in it (a part of its comm and wait), and in the title the bytes it handed to the step's
+  gradient collectives, where the strategy counts them;
 - the share of the global batch each rank trained on (changes when ``rebalance=True`` moves it);
 - each rank's solo rate (samples per second of compute), where a card slowing down mid-run (thermal throttling, a
   co-tenant) shows up, with the GPU temperature and SM clock beside it when NVML was available.
@@ -17,6 +19,7 @@ Example::
 
 import glob
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -72,12 +75,17 @@ def draw(windows: Sequence[dict[str, Any]], out: str) -> str:
         ax = axes[r]
         layers = [held([1000 * (w.get(name) or [0.0] * world)[r] for w in windows]) for name, _ in parts]
         ax.stackplot(edges, *layers, labels=[name for name, _ in parts], colors=[c for _, c in parts], step="pre")
+        if any(w.get("exchange") for w in windows):
+            ax.step(edges, held([1000 * (w.get("exchange") or [0.0] * world)[r] for w in windows]), where="pre",
+                    color="black", linestyle="--", linewidth=1, label="exchange")
         share = windows[-1].get("shares")
         title = f"rank {r}" + (f", {names[r]}" if r in names else "") + (f" (share {share[r]:.1%})" if share else "")
+        sent = (windows[-1].get("comm_bytes") or [None] * world)[r]
+        title += f", {sent / 1e6:.4g} MB / step exchanged" if sent is not None and not math.isnan(sent) else ""
         ax.set_title(title, loc="left", fontsize=9)
         ax.set_ylabel("ms / step")
         if r == 0:
-            ax.legend(loc="upper right", fontsize=8, ncol=len(parts))
+            ax.legend(loc="upper right", fontsize=8, ncol=len(parts) + 1)
     ax = axes[world]
     if any(w.get("shares") for w in windows):
         for r in range(world):

@@ -2,12 +2,13 @@
 Lightning's training step.
 
 The exchange ends inside the optimizer step's closure, before ``on_before_optimizer_step`` and gradient clipping
-see the gradients. With ``overlap_stage_exchange=True`` it begins during the backward that the step follows
-(:meth:`~lightning_hetero.grad.stage_sync.StageSync.overlapped`), unless a gradient edit after the backward is
-possible: a LightningModule that overrides ``backward`` or ``on_after_backward``, or a callback that overrides
-``on_after_backward``, keeps the exchange after the backward for the whole fit (Lightning's contract: those hooks
-see, and may change, the rank's gradients before they are exchanged). Every rank agrees at set-up, so one run
-has one behaviour whatever each rank's callbacks are.
+see the gradients; an attached :class:`~lightning_hetero.observe.monitor.HeteroMonitor` times the rank's wait for it
+and reads its bytes (:attr:`StageExchange.comm_bytes_last_step`). With ``overlap_stage_exchange=True`` it begins
+during the backward that the step follows (:meth:`~lightning_hetero.grad.stage_sync.StageSync.overlapped`), unless a
+gradient edit after the backward is possible: a LightningModule that overrides ``backward`` or ``on_after_backward``,
+or a callback that overrides ``on_after_backward``, keeps the exchange after the backward for the whole fit
+(Lightning's contract: those hooks see, and may change, the rank's gradients before they are exchanged). Every rank
+agrees at set-up, so one run has one behaviour whatever each rank's callbacks are.
 
     class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP): ...
 """
@@ -114,10 +115,19 @@ class StageExchange:
             if sync.partition is None:
                 replica = self.replica  # type: ignore[attr-defined]
                 sync.share_partition(replica.partition if replica else None, module)
-            sync.all_reduce_grads(module)
+            monitor = self.core.step.monitor  # type: ignore[attr-defined]
+            if monitor is None:
+                sync.all_reduce_grads(module)
+            else:  # the rank's time blocked in the exchange
+                monitor.timed_exchange(sync.all_reduce_grads, module)
             return out
 
         return super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
+
+    @property
+    def comm_bytes_last_step(self) -> Optional[int]:
+        """Bytes this rank handed to the last optimizer step's stage exchange (None before the first)."""
+        return self.stage_sync.bytes_last_step if self.stage_sync is not None else None
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Lightning's clipping by norm, by the whole model's norm: a stage rank's own gradients are one stage's."""

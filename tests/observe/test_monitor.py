@@ -3,6 +3,7 @@ waits about 2/3 of its step with equal shares and almost never with profiled sha
 
 import glob
 import json
+import math
 import os
 import time
 from typing import Any
@@ -82,26 +83,29 @@ def test_event_log_replays_into_step_rows_across_windows() -> None:
     """The hooks' event log becomes one row per optimizer step: gaps with loader time, a collective inside the step,
     the wait after the backward's end (carried by the release), an accumulating batch, validation left out, the
     monitor's own exchange counted as sync of the next step, a second optimizer's release ignored; the same rows when
-    a window ends mid-step."""
-    from lightning_hetero.observe.monitor import _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _RELEASE, _START, _StepRows
+    a window ends mid-step; a timed gradient exchange inside the wait after the backward, and the step's bytes."""
+    from lightning_hetero.observe.monitor import (_BYTES, _COLLECTIVE, _END, _EXCHANGE, _EXCLUDED, _GRAD_EXCHANGE,
+                                                  _RELEASE, _START, _StepRows)
 
     events = [
         (_START, 0.0, 4, 0), (_COLLECTIVE, 0.2, 0.3), (_RELEASE, 1.0, 0.6), (_END, 1.1),
         (_EXCHANGE, 1.1, 1.3), (_EXCLUDED, 1.3, 1.8),  # the exchange after step 1, then validation
         (_START, 2.0, 4, 64), (_END, 2.6),  # accumulating: no release
-        (_START, 2.7, 4, 64), (_COLLECTIVE, 2.71, 2.72), (_RELEASE, 3.4, 3.0),
-        (_RELEASE, 3.5, 3.45), (_END, 3.6),
+        (_START, 2.7, 4, 64), (_COLLECTIVE, 2.71, 2.72), (_GRAD_EXCHANGE, 3.1, 3.3), (_RELEASE, 3.4, 3.0),
+        (_RELEASE, 3.5, 3.45), (_BYTES, 4096), (_END, 3.6),
     ]
-    # cycle, data, sync (collective + wait after the backward), samples, tokens; no pipeline stage (six zeros)
-    step1 = [1.0, 0.0, 0.1 + 0.4, 4, 0] + [0.0] * 6
+    # cycle, data, sync (collective + wait after the backward), samples, tokens; no pipeline stage (six zeros); no
+    # timed exchange, no byte count (NaN)
+    step1 = [1.0, 0.0, 0.1 + 0.4, 4, 0] + [0.0] * 6 + [0.0, math.nan]
     # Step 2 runs from step 1's release to its own, less validation (0.5 s); its gaps between batches (0.7 + 0.1 s
-    # after the exchange, 0.5 of them validation) leave 0.3 s of data; sync = exchange + collective + wait.
-    step2 = [3.4 - 1.0 - 0.5, 0.3, 0.2 + 0.01 + 0.4, 8, 128] + [0.0] * 6
+    # after the exchange, 0.5 of them validation) leave 0.3 s of data; sync = exchange + collective + wait, the timed
+    # gradient exchange (0.2 s) a part of that wait.
+    step2 = [3.4 - 1.0 - 0.5, 0.3, 0.2 + 0.01 + 0.4, 8, 128] + [0.0] * 6 + [0.2, 4096]
     whole = _StepRows(lambda a, b: b - a).rows(events)
-    assert whole == pytest.approx(step1 + step2)
-    for cut in (5, 8, 11):
+    assert whole == pytest.approx(step1 + step2, nan_ok=True)
+    for cut in (5, 8, 11, 14):
         rows = _StepRows(lambda a, b: b - a)
-        assert rows.rows(events[:cut]) + rows.rows(events[cut:]) == pytest.approx(step1 + step2), cut
+        assert rows.rows(events[:cut]) + rows.rows(events[cut:]) == pytest.approx(step1 + step2, nan_ok=True), cut
 
 
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")

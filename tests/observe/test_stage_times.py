@@ -69,7 +69,7 @@ def test_a_stage_timer_replays_into_its_step_row() -> None:
     log = [(_START, -0.1, 4, 0), events[0], (_END, 0.8), (_START, 0.9, 4, 0), events[1], (_RELEASE, 1.4, None),
            (_END, 1.5)]
     row = _StepRows(lambda a, b: b - a).rows(log)
-    assert row[5:] == pytest.approx([0.7 + 0.3, 0.4, 0.05, 0.04 + 0.1, 2, 0.02])
+    assert row[5:11] == pytest.approx([0.7 + 0.3, 0.4, 0.05, 0.04 + 0.1, 2, 0.02])
     assert events[0][0] == STAGE_EVENT
 
 
