@@ -13,6 +13,11 @@
 #   bash benchmarks/run_all_gpu.sh goals    # 4 GPUs, <= 540 s: the throughput goals P1 (mix2), P2 (mix4), P3 (same2
 #                                          # on NVLink and PCIe), P7 (hosts 2+2, periodic sync); 3 rounds each;
 #                                          # $OUT gets goals.json, goals.txt, p1/p2/p3/p7 plots, logs.txt
+#   bash benchmarks/run_all_gpu.sh hybrid   # 4 GPUs, <= 560 s: the hybrid layout with the overlapped stage exchange
+#                                          # against one process over NCCL, the stage monitor test (3 GPUs), then
+#                                          # BERT-base late vs overlapped exchange with the monitor (exchange ms, MB)
+#   bash benchmarks/run_all_gpu.sh rehearse # 2 GPUs: the rehearsal against the lab really run (the GPU suite's
+#                                          # check); with 4 GPUs then the four-card lab (needs jsonargparse)
 # Each step has its own time limit, so one hang cannot take the rest with it.
 set -u
 cd "$(dirname "$0")/.."
@@ -84,6 +89,22 @@ case "${1:-checks}" in
         else
             step sharded_pair 560 0,1 python3 benchmarks/bench_sharded_pair.py --steps 8 --timeout 120 --deadline-s 540 \
                 ${SHARDED_LEVERS:+--levers "$SHARDED_LEVERS"} --out "$OUT"
+        fi
+        ;;
+    hybrid)
+        [ "$gpus" -ge 4 ] || { echo "hybrid needs 4 GPUs (found $gpus)"; exit 1; }
+        step hybrid_exact 110 0,1,2,3 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_lab.py -k hybrid
+        step stage_monitor 150 0,1,2 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_stage_monitor.py
+        step hybrid_bert 280 0,1,2,3 python3 benchmarks/bench_hybrid.py --model bert --fast-card A100-80GB \
+            --configs hybridlate,hybrid --global-batch 160 --monitor --warmup 2 --steps 24 --timeout 120 \
+            --out "$OUT/hybrid_bert"
+        ;;
+    rehearse)
+        step rehearse_real 300 0,1 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_rehearse_real.py
+        if [ "$gpus" -ge 4 ]; then
+            step rehearse_four 280 0,1,2,3 python3 benchmarks/rehearse_check.py --model configs/rehearse_gpt_check.yaml \
+                --lab A100-80GB,A100-80GB,RTX3090,RTX3090 --real-gpus --runs hetero_ddp,hetero_fsdp:keep,ddp,fsdp \
+                --steps 10 --timeout 120 --out "$OUT/rehearse_four"
         fi
         ;;
     goals)
