@@ -13,11 +13,12 @@ data-parallel replica holding the whole model. The composition, in the order a f
 3. each replica weights its loss by b_replica / G (a pipeline per micro-batch), and one SUM all-reduce per stage
    group (:class:`~lightning_hetero.grad.stage_sync.StageSync`) gives each parameter Σ_replicas (b / G) g, begun
    during the backward where it can be (:mod:`~lightning_hetero.strategies.stage_exchange`);
-4. evaluation, predict and the end of training give a stage rank the whole model's weights again (re-broadcast from
-   the ranks that train them), and every rank rank 0's buffers (no DDP wrapper re-syncs them), so every rank
-   evaluates the whole model as a data-parallel replica; the next training step frees them again. Rank 0 (a
-   data-parallel rank, holding every trained parameter and the whole optimizer state) writes a full, layout-free
-   checkpoint.
+4. with ``pipelined_evaluation=True``, validation during a fit runs through the pipeline, a stage rank's device
+   keeping its stage's parameters alone (:mod:`~lightning_hetero.strategies.stage_evaluation`); otherwise, and for
+   test, predict and the end of training, a stage rank gets the whole model's weights again (re-broadcast from the
+   ranks that train them) and evaluates as a data-parallel replica; the next training step frees them again. Every
+   rank evaluates with rank 0's buffers (no DDP wrapper re-syncs them). Rank 0 (a data-parallel rank, holding every
+   trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
 from datetime import timedelta
@@ -40,7 +41,7 @@ from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilien
                                      check_strategy_arguments, from_flat_arguments)
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
-from lightning_hetero.grad.stage_sync import StageSync, broadcast_buffers
+from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
@@ -51,6 +52,7 @@ from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
+from lightning_hetero.strategies.stage_evaluation import StageEvaluation
 from lightning_hetero.strategies.stage_exchange import StageExchange
 from lightning_hetero.view import running_strategy
 
@@ -89,7 +91,7 @@ class _UnwrappedDDP(DDPStrategy):
         return True
 
 
-class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
+class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
@@ -110,6 +112,12 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
             overrides ``backward`` or ``on_after_backward``, or a callback that overrides ``on_after_backward``,
             keeps it after the backward (:mod:`~lightning_hetero.strategies.stage_exchange`), as does a stage
             group compressed across hosts.
+        pipelined_evaluation: validation during a fit runs through the pipelines, a stage rank's device keeping its
+            stage's parameters alone, and logs one device's metrics
+            (:mod:`~lightning_hetero.strategies.stage_evaluation`; its ``validation_step`` calls ``self(x, ...)`` as
+            ``training_step`` does). ``False`` (the default): a stage rank gets the whole model for validation and
+            evaluates as a data-parallel replica. Test, predict and the end of training give it the whole model
+            either way.
         split_points: module names (``"blocks.6"``) where each stage after the first begins. Default: the model's
             repeated blocks (:func:`~lightning_hetero.plan.blocks.default_blocks`) cut in proportion to the stage
             ranks' capacities.
@@ -146,6 +154,7 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
         schedule: ScheduleName = "gpipe",
         stage_compression: Optional[Literal["bf16", "fp16"]] = None,
         overlap_stage_exchange: bool = False,
+        pipelined_evaluation: bool = False,
         split_points: Optional[list[str]] = None,
         capacities: CapacitiesArg = "auto",
         global_batch_size: Optional[int] = None,
@@ -173,6 +182,8 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
               "None, 'bf16' or 'fp16'")
         check("", "overlap_stage_exchange", overlap_stage_exchange, isinstance(overlap_stage_exchange, bool),
               "True or False")
+        check("", "pipelined_evaluation", pipelined_evaluation, isinstance(pipelined_evaluation, bool),
+              "True or False")
         check("", "split_points", split_points, split_points is None or (
             isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
             "a list of module names or None")
@@ -193,7 +204,7 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, stage_compression
-        self.overlap_stage_exchange = overlap_stage_exchange
+        self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
         # Measured capacities time a pipeline as one replica.
         self.core.profiler.measure = self._profile_layout
@@ -341,33 +352,3 @@ class HeteroHybridStrategy(StageExchange, HeteroLifecycle, _UnwrappedDDP):
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
         return "a pipelined replica's stages hold different layers; BatchNorm cannot sync across them."
-
-    # -- the whole model where every rank needs it -----------------------------------------------------------------
-    def _gather_model(self) -> None:
-        if self.replica is not None:
-            self.replica.holding.hold_whole()
-        sync, module = self.stage_sync, self.lightning_module
-        if sync is not None and sync.share_partition_once_split(self.replica and self.replica.partition, module,
-                                                                self.root_device):
-            sync.broadcast_params(module)
-        broadcast_buffers(module, src=0)  # rank 0 is data-parallel: it ran every stage's buffers
-
-    @override
-    def on_validation_start(self) -> None:
-        self._gather_model()
-        super().on_validation_start()
-
-    @override
-    def on_test_start(self) -> None:
-        self._gather_model()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._gather_model()
-        super().on_predict_start()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._gather_model()

@@ -34,6 +34,11 @@ from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, 
 from lightning_hetero.strategies.core import HeteroCore
 
 
+# What an evaluation step logs for where it runs a batch not its own (a pipeline's joined batch): whether that is a
+# padding step, and its samples.
+StepRuns = tuple[bool, Optional[int]]
+
+
 def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[int]:
     batch = args[0] if args else kwargs.get("batch")
     try:
@@ -256,13 +261,14 @@ class HeteroLifecycle:
         return out
 
     @contextmanager
-    def _evaluation_step(self, phase: str, loaders: str, args: Sequence[Any], kwargs: Mapping[str, Any]
-                         ) -> Iterator[bool]:
+    def _evaluation_step(self, phase: str, loaders: str, args: Sequence[Any], kwargs: Mapping[str, Any],
+                         runs: Optional[StepRuns] = None) -> Iterator[bool]:
         """Around a validation / test / predict step; yields whether it is a padding step (weight 0, counts nowhere)."""
         self.core.resilience.enter(phase)
         trainer = _compat.trainer_of(self.lightning_module)
         padding = evaluation_padding(getattr(trainer, loaders, None), *step_indices(args, kwargs))
-        with self.core.step.step(0 if padding else _batch_size_of(args, kwargs)), discard_padding_step(
+        padding, size = runs or (padding, _batch_size_of(args, kwargs))
+        with self.core.step.step(0 if padding else size), discard_padding_step(
                 trainer, self.lightning_module, padding):
             yield padding
 

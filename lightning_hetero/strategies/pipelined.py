@@ -57,21 +57,22 @@ def _forward_replaced(module: nn.Module, forward: Any) -> Iterator[None]:
         del module.forward
 
 
-def forward_inputs(module: nn.Module, batch: Any, batch_idx: int) -> tuple[Tensor, ...]:
-    """The positional tensors the user's ``training_step`` hands to ``self(...)`` for ``batch`` (the stage-0 input),
-    caught at the call; a ``ValueError`` for a call the pipeline cannot split."""
+def forward_inputs(module: nn.Module, batch: Any, batch_idx: int, step: str = "training_step",
+                   step_args: Sequence[Any] = ()) -> tuple[Tensor, ...]:
+    """The positional tensors the user's ``step`` (``training_step``, ``validation_step``) hands to ``self(...)`` for
+    ``batch`` (the stage-0 input), caught at the call; a ``ValueError`` for a call the pipeline cannot split."""
     def catch(*args: Any, **kwargs: Any) -> None:
         raise _Called(args, kwargs)
 
     with _forward_replaced(module, catch):
         try:
-            module.training_step(batch, batch_idx)
+            getattr(module, step)(batch, batch_idx, *step_args)
         except _Called as called:
             args, kwargs = called.args, called.kwargs
         else:
-            raise ValueError("a pipelined replica needs `training_step` to call `self(...)` (the model's forward).")
+            raise ValueError(f"a pipelined replica needs `{step}` to call `self(...)` (the model's forward).")
     if kwargs or not args or not all(isinstance(a, Tensor) and a.dim() >= 1 for a in args):
-        raise ValueError("a pipelined replica needs `training_step` to call `self(x, ...)` with batched tensors only "
+        raise ValueError(f"a pipelined replica needs `{step}` to call `self(x, ...)` with batched tensors only "
                          f"(got {len(args)} positional, keyword {sorted(kwargs)}).")
     return args
 
@@ -101,8 +102,8 @@ def _concat(parts: Sequence[Any]) -> Any:
     return first
 
 
-def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: dist.ProcessGroup
-               ) -> list[tuple[str, float, tuple, dict]]:
+def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: dist.ProcessGroup,
+               step: str = "training_step") -> list[tuple[str, float, tuple, dict]]:
     """The last stage's combined ``self.log`` calls (``src`` passes them) on every rank of the pipeline, each value a
     float; a value that is no number (a torchmetrics ``Metric``) raises the same error on every rank, none waits."""
     box: list[Any] = [None]
@@ -110,7 +111,7 @@ def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: d
         bad = [name for name, value, _, _ in calls
                if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
         box = [[(name, float(value), args, kwargs) for name, value, args, kwargs in calls]] if not bad else [
-            f"`self.log({bad[0]!r}, ...)` in `training_step` on a pipelined replica: log a number or a one-element "
+            f"`self.log({bad[0]!r}, ...)` in `{step}` on a pipelined replica: log a number or a one-element "
             "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
     dist.broadcast_object_list(box, src=src, group=group)
     if isinstance(box[0], str):
@@ -152,6 +153,7 @@ class PipelinedReplica:
         self.micro_batches = micro_batches
         self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
         self._built: dict[tuple, Any] = {}
+        self._built_forward: dict[tuple, Any] = {}  # evaluation's forward-only schedules, kept apart from training's
         self.holding = StageHolding(module, device)
         self.optimizers: Sequence[torch.optim.Optimizer] = ()  # whose state follows the stage's parameters
         self.timer: Optional[Any] = None  # the monitor's StageTimer (observe/stage_times.py)
@@ -171,12 +173,14 @@ class PipelinedReplica:
         params = dict(self.module.named_parameters())
         return [params[n] for n in self.partition[self.stage]]
 
-    def _schedule(self, inputs: tuple[Tensor, ...], count: int) -> Any:
-        """The schedule for ``count`` micro-batches of ``inputs``' micro-batch shape (traced on first use)."""
+    def _schedule(self, inputs: tuple[Tensor, ...], count: int, forward_only: bool = False) -> Any:
+        """The schedule for ``count`` micro-batches of ``inputs``' micro-batch shape (traced on first use);
+        ``forward_only``: evaluation's, with no loss and no backward, traced in the module's current mode."""
         size = inputs[0].shape[0] // count
-        key = (count, tuple((tuple(a.shape[1:]), a.dtype) for a in inputs), size)
-        if key in self._built:
-            self._built[key] = self._built.pop(key)  # the most recently used, last
+        key = (count, tuple((tuple(a.shape[1:]), a.dtype) for a in inputs), size, self.module.training)
+        built = self._built_forward if forward_only else self._built
+        if key in built:
+            built[key] = built.pop(key)  # the most recently used, last
         else:
             example = tuple(a[:size] for a in inputs)
             try:
@@ -193,16 +197,22 @@ class PipelinedReplica:
             # The split is known: this stage's parameters on the device, the others' nowhere on this rank.
             self.holding.keep_only(self.partition[self.stage], self.optimizers)
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
-            _compat.around_stage_work(stage, self.work)
-            kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
-            self._built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)
-            while len(self._built) > KEPT_SCHEDULES:  # a traced stage per shape: the oldest goes
-                self._built.pop(next(iter(self._built)))
-        return self._built[key]
+            if forward_only:
+                # Without a loss function a schedule runs no backward; evaluation is not the monitor's to time.
+                _compat.around_stage_work(stage, self._slowed_work)
+                built[key] = ScheduleGPipe(stage, n_microbatches=count)
+            else:
+                _compat.around_stage_work(stage, self.work)
+                kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.stages else ScheduleGPipe
+                built[key] = kind(stage, n_microbatches=count, loss_fn=self._loss, scale_grads=False)
+            while len(built) > KEPT_SCHEDULES:  # a traced stage per shape: the oldest goes
+                built.pop(next(iter(built)))
+        return built[key]
 
     def forget_schedules(self) -> None:
         """Drop every traced stage (profiling's micro-batch shapes are not training's)."""
         self._built.clear()
+        self._built_forward.clear()
 
     def step(self, batch: Any, batch_idx: int, weight: float) -> tuple[Optional[Tensor], list]:
         """Forward and backward of the replica's ``batch`` through the pipeline; each micro-batch's loss scaled by
@@ -235,17 +245,36 @@ class PipelinedReplica:
             return None, []
         return torch.stack(self._losses).sum(), self._capture.combined()
 
+    def evaluate(self, batch: Any, batch_idx: int, step_args: Sequence[Any] = ()) -> tuple[Any, list]:
+        """The replica's evaluation ``batch`` forward through the pipeline (no backward, in the module's mode), then,
+        on the last stage, the user's ``validation_step`` on the whole batch with ``self(...)`` returning the
+        pipeline's output (the micro-batches' outputs joined): what one device computes on it. Returns that step's
+        output and its ``self.log`` calls (last stage; ``(None, [])`` elsewhere)."""
+        step = "validation_step"
+        inputs = tuple(a.contiguous() for a in forward_inputs(self.module, batch, batch_idx, step, step_args))
+        count = micro_batch_count(inputs[0].shape[0], self.stages, self.micro_batches)
+        schedule = self._schedule(inputs, count, forward_only=True)
+        with torch.no_grad():
+            output = schedule.step(*inputs) if self.stage == 0 else schedule.step()
+        if not self.is_last:
+            return None, []
+        result = output[0] if isinstance(output, (tuple, list)) and len(output) == 1 else output
+        capture = LogCapture(self.module)
+        with capture.patched(), _forward_replaced(self.module, lambda *args, **kwargs: result):
+            out = getattr(self.module, step)(batch, batch_idx, *step_args)
+        return out, capture.combined()
+
+    def _slowed_work(self, run: Callable[[], Any]) -> Any:
+        """``run()``, slowed in place by a CPU emulator (as a slower card would take it)."""
+        if self.slowed is None:
+            return run()
+        with self.slowed():
+            return run()
+
     def work(self, run: Callable[[], Any]) -> Any:
         """``run()``, one micro-batch's forward, backward or loss: slowed in place by a CPU emulator, timed by the
         monitor."""
-        if self.slowed is not None:
-            inner = run
-
-            def run() -> Any:
-                assert self.slowed is not None
-                with self.slowed():
-                    return inner()
-        return run() if self.timer is None else self.timer.compute(run)
+        return self._slowed_work(run) if self.timer is None else self.timer.compute(lambda: self._slowed_work(run))
 
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         return self.work(lambda: self._micro_batch_loss(output, index))

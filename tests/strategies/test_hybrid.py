@@ -792,3 +792,99 @@ def test_a_non_finite_gradient_in_one_stage_is_skipped_on_every_rank(tmp_path):
         assert all(torch.equal(before[n], after[n]) for n in before), record["owned"]
     for name in records[2]["owned"]:  # the stage-1 rank's parameters: the data-parallel rank's, bit for bit
         assert torch.equal(records[2]["final"][name], records[0]["final"][name])
+
+
+class PipelineValidated(Chain):
+    """Chain with a validation set of ``val_n`` samples (loader batch size 4)."""
+
+    def __init__(self, val_n: int = 23, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.val_n = val_n
+
+    def val_dataloader(self):
+        from torch.utils.data import DataLoader
+        return DataLoader(IndexedDataset(self.val_n, seed=1), batch_size=4)
+
+
+class ValidationHeld(ValidationLoss):
+    """Per rank: the epoch's reduced ``val_loss`` after every validation run, and the parameter bytes the rank
+    holds at every validation batch."""
+
+    def __init__(self, out_dir):
+        super().__init__(out_dir)
+        self.held = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.held.append(held_bytes(pl_module))
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save({"values": self.values, "held": self.held},
+                   os.path.join(self.out_dir, f"val{trainer.global_rank}.pt"))
+
+
+PIPELINED_VALIDATION = [  # (world, pipelines, capacities, global batch, validation samples)
+    # G = 12: two validation batches, the pipeline's joined 6 and 5 samples run as 3 and 1 micro-batches.
+    (3, [[1, 2]], [2, 1, 1], None, 23),
+    # G = 3: the last stage (rank 3) pads every validation batch, stage 0 alone brings the pipeline's sample; the
+    # last batch pads the whole pipeline (14 samples: ranks 0 and 1 hold the last ones).
+    (4, [[2, 3]], [1, 1, 1, 1], 3, 14),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "pipelines", "capacities", "global_batch", "val_n"), PIPELINED_VALIDATION,
+                         ids=["3ranks", "4ranks-padding"])
+def test_pipelined_validation_logs_one_devices_loss_on_stage_weights(tmp_path, world, pipelines, capacities,
+                                                                    global_batch, val_n):
+    """`pipelined_evaluation=True`: validation during the fit runs through the pipeline; a stage rank's device holds
+    its stage's parameters alone at every validation batch (no re-broadcast of the whole model), the epoch's
+    ``val_loss`` on every rank is one process's over the validation set, and training stays exact."""
+    epochs = 2
+    seed_everything(0)
+    batch_size = 4 if global_batch is None else global_batch
+    model = PipelineValidated(val_n=val_n, optimizer="adamw", n=29, batch_size=batch_size)
+    reference = copy.deepcopy(model)
+    ref_world = world if global_batch is None else 1
+    ref_params, ref_batches = reference_run(reference, ref_world, capacities[:ref_world], epochs)
+    records = fit(model, str(tmp_path), world, hybrid(pipelines, capacities, global_batch_size=global_batch,
+                                                      pipelined_evaluation=True), epochs,
+                  callbacks=[ValidationHeld(str(tmp_path))], default_root_dir=str(tmp_path))
+    assert len(records[0]["params"]) == len(ref_params)
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    validations = [torch.load(os.path.join(str(tmp_path), f"val{r}.pt")) for r in range(world)]
+    for r in pipelines[0]:
+        own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+        held = validations[r]["held"]
+        assert held and all(own <= h <= own + 64 for h in held), (r, own, held)
+        assert own < 0.9 * sum(records[r]["bytes"].values())
+    dataset, probe = IndexedDataset(val_n, seed=1), copy.deepcopy(reference)
+    steps_per_epoch = len(ref_params) // epochs
+    for epoch in range(epochs):
+        nn.utils.vector_to_parameters(ref_params[(epoch + 1) * steps_per_epoch - 1], probe.parameters())
+        expected = float(probe.loss((dataset.x, dataset.y, torch.arange(val_n))).detach())
+        for r in range(world):
+            logged = validations[r]["values"]
+            assert abs(logged[epoch] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, epoch, logged, expected)
+    for r in pipelines[0]:  # the end of training still gives every rank the whole trained model
+        assert torch.equal(_flat(records[r]["final"]), _flat(records[0]["final"]))
+
+
+@pytest.mark.slow
+def test_pipelined_sanity_check_runs_before_the_first_split(tmp_path):
+    """The sanity check's validation comes before any training step (a stage rank's model still parked in host
+    memory): its trace places the stage, the device holds the stage alone, and training from there stays exact."""
+    world, capacities = 3, [2, 1, 1]
+    seed_everything(0)
+    model = PipelineValidated(optimizer="adamw", n=29)
+    ref_params, _ = reference_run(copy.deepcopy(model), world, capacities, 1)
+    trainer = Trainer(accelerator="cpu", devices=world, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                      strategy=hybrid([[1, 2]], capacities, pipelined_evaluation=True),
+                      callbacks=[NamedRecorder(str(tmp_path)), ValidationHeld(str(tmp_path))])
+    trainer.fit(model)
+    records = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
+    held = [torch.load(os.path.join(tmp_path, f"val{r}.pt"))["held"] for r in range(world)]
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in (1, 2):
+        own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
+        assert len(held[r]) == 3 and all(own <= h <= own + 64 for h in held[r]), (r, own, held[r])
