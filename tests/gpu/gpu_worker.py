@@ -5,6 +5,7 @@ that ``__main__``). Writes ``result.json`` to ``--out``; tests/gpu/test_gpu_lab.
     python tests/gpu/gpu_worker.py equivalence --out DIR --micro       # the same, rank 0 in 3 micro-batches
     python tests/gpu/gpu_worker.py equivalence --out DIR --sharded     # the same under HeteroFSDPStrategy (FSDP2)
     python tests/gpu/gpu_worker.py hybrid --out DIR                    # 4 GPUs: 2 data-parallel + a 2-stage pipeline
+    python tests/gpu/gpu_worker.py hybrid_eval --out DIR               # the same, validation through the pipeline
     python tests/gpu/gpu_worker.py cap --out DIR                       # 1 GPU: green-context cap on training steps
 """
 
@@ -195,9 +196,49 @@ def hybrid(out: str, accelerator: str = "gpu") -> dict[str, Any]:
             "max_rel_diff": max(diffs), "per_step_rel_diff": diffs}
 
 
+def hybrid_eval(out: str, accelerator: str = "gpu") -> dict[str, Any]:
+    """The hybrid case with ``pipelined_evaluation=True`` and a validation set of 23 samples: each epoch's
+    ``val_loss`` on every rank vs one process's, a stage rank's parameter bytes at every validation batch vs its
+    stage's, and training vs one process (tests/strategies/test_hybrid.py's pipelined validation on GPUs)."""
+    from tests.helpers import IndexedDataset
+    from tests.strategies.test_hybrid import NamedRecorder, PipelineValidated, ValidationHeld
+
+    world, pipelines, capacities, epochs, val_n = 4, [[2, 3]], [3.0, 2.0, 1.0, 1.0], 2, 23
+    seed_everything(0)
+    model = PipelineValidated(val_n=val_n, optimizer="adamw", n=53, batch_size=4)
+    reference = copy.deepcopy(model)
+    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
+                                    resilience={"timeout": 300}, observation={"print_table": False},
+                                    pipelined_evaluation=True)
+    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
+                      precision="32-true", callbacks=[NamedRecorder(out), ValidationHeld(out)], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=1)
+    trainer.fit(model)
+    records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
+    validations = [torch.load(os.path.join(out, f"val{r}.pt"), map_location="cpu") for r in range(world)]
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    flat = torch.cat([t.reshape(-1) for t in records[0]["params"][-1].values()])
+    dataset, probe, expected = IndexedDataset(val_n, seed=1), copy.deepcopy(reference), []
+    per_epoch = len(ref_params) // epochs
+    for epoch in range(epochs):
+        nn.utils.vector_to_parameters(ref_params[(epoch + 1) * per_epoch - 1], probe.parameters())
+        expected.append(float(probe.loss((dataset.x, dataset.y, torch.arange(val_n))).detach()))
+    # The last `epochs` values: the first is the sanity check's.
+    val_diff = max(abs(v[-epochs:][e] - expected[e]) / max(1.0, abs(expected[e]))
+                   for v in (x["values"] for x in validations) for e in range(epochs))
+    own = {r: sum(records[r]["bytes"][n] for n in records[r]["owned"]) for r in (2, 3)}
+    return {"steps": len(records[0]["params"]), "reference_steps": len(ref_params),
+            "train_max_rel_diff": max_rel_diff(flat, ref_params[-1]), "expected_val_loss": expected,
+            "val_loss": [x["values"] for x in validations], "val_max_rel_diff": val_diff,
+            "stage_own_bytes": [own[r] for r in (2, 3)],
+            "stage_held_bytes_at_validation": [sorted(set(validations[r]["held"])) for r in (2, 3)],
+            "whole_model_bytes": sum(records[2]["bytes"].values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["equivalence", "hybrid", "cap"])
+    parser.add_argument("case", choices=["equivalence", "hybrid", "hybrid_eval", "cap"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--emulate", action="store_true")
     parser.add_argument("--micro", action="store_true")
@@ -209,6 +250,8 @@ def main() -> None:
         result = equivalence(args.out, args.emulate, args.accelerator, args.micro, args.sharded)
     elif args.case == "hybrid":
         result = hybrid(args.out, args.accelerator)
+    elif args.case == "hybrid_eval":
+        result = hybrid_eval(args.out, args.accelerator)
     else:
         result = cap(args.out)
     with open(os.path.join(args.out, "result.json"), "w") as f:

@@ -62,3 +62,18 @@ def test_hybrid_layout_equals_one_process_on_four_gpus(tmp_path):
     assert result["stages_equal_replicas"]
     print(f"\nGPU hybrid equivalence: {result['reference_steps']} steps, max rel diff {result['max_rel_diff']:.2e}")
     assert result["max_rel_diff"] < 1e-4, result["per_step_rel_diff"]
+
+
+@pytest.mark.gpu(4)
+def test_hybrid_pipelined_validation_on_four_gpus(tmp_path):
+    """`pipelined_evaluation=True` on 4 GPUs (validation through the 2-stage pipeline, sanity check included): every
+    rank's epoch `val_loss` is one process's, a stage rank holds its stage's parameters alone at every validation
+    batch, and training still equals one process."""
+    result = run_worker("gpu_worker.py", tmp_path, "hybrid_eval")
+    assert result["steps"] == result["reference_steps"] > 0
+    print(f"\nGPU pipelined validation: val max rel diff {result['val_max_rel_diff']:.2e}, "
+          f"train {result['train_max_rel_diff']:.2e}, stage bytes {result['stage_held_bytes_at_validation']}")
+    assert result["val_max_rel_diff"] <= 1e-5, (result["val_loss"], result["expected_val_loss"])
+    assert result["train_max_rel_diff"] < 1e-4
+    for own, held in zip(result["stage_own_bytes"], result["stage_held_bytes_at_validation"]):
+        assert held and all(own <= h <= own + 64 for h in held), (own, held)
