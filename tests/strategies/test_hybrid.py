@@ -263,6 +263,10 @@ def test_bad_options_are_named():
         HeteroHybridStrategy(pipelines=[[2, 3]], overlap_stage_exchange="no")
     # Opt-in until checked on GPUs: by default every stage exchange runs after the backward.
     assert HeteroHybridStrategy(pipelines=[[2, 3]]).overlap_stage_exchange is False
+    with pytest.raises(ValueError, match="`pipelined_evaluation`"):
+        HeteroHybridStrategy(pipelines=[[2, 3]], pipelined_evaluation=1)
+    # Opt-in until checked on GPUs: by default a stage rank gets the whole model for validation.
+    assert HeteroHybridStrategy(pipelines=[[2, 3]]).pipelined_evaluation is False
     with pytest.raises(ValueError, match="`schedule`"):
         HeteroHybridStrategy(pipelines=[[2, 3]], schedule="zb")
     with pytest.raises(ValueError, match="`data.micro_batch`"):
@@ -484,6 +488,25 @@ def test_validation_before_the_first_optimizer_step_runs_rank_0s_model(tmp_path)
     for r in (1, 2):
         for name, tensor in evaluated[0].items():
             assert torch.equal(evaluated[r][name], tensor), (r, name)
+
+
+@pytest.mark.slow
+def test_pipelined_validation_before_the_first_optimizer_step_runs_rank_0s_stage(tmp_path):
+    """As above with `pipelined_evaluation=True`: a stage rank evaluates its own stage's parameters (rank 0's, as no
+    step has changed them) and rank 0's buffers; the other stages' parameters stay placeholders on it."""
+    seed_everything(0)
+    records = fit(Counted(n=24), str(tmp_path), 3, hybrid([[1, 2]], [2, 1, 1], pipelined_evaluation=True), 1,
+                  callbacks=[EvaluatedModel(str(tmp_path))], max_steps=1, accumulate_grad_batches=2,
+                  val_check_interval=1)
+    evaluated = [torch.load(os.path.join(tmp_path, f"evaluated{r}.pt")) for r in range(3)]
+    assert float(evaluated[0]["seen"]) == 1
+    for r in (1, 2):
+        assert torch.equal(evaluated[r]["seen"], evaluated[0]["seen"])
+        for name in records[r]["owned"]:
+            assert torch.equal(evaluated[r][name], evaluated[0][name]), (r, name)
+        others = [n for n in records[r]["bytes"] if n not in records[r]["owned"]]
+        # (Cloned by the callback: a placeholder's one zero, expanded.)
+        assert others and all(not evaluated[r][n].any() and evaluated[0][n].any() for n in others)
 
 
 class Frozen(Chain):
