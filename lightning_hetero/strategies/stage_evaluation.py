@@ -119,7 +119,8 @@ class StageEvaluation:
         size = extract_batch_size(joined)
         # The last stage logs for the replica; the other stage ranks count nowhere.
         runs = (not (any_real and replica.is_last), size)
-        with self._evaluation_step("validation", "val_dataloaders", args, kwargs, runs=runs):  # type: ignore[attr-defined]
+        evaluation_step = self._evaluation_step  # type: ignore[attr-defined]
+        with evaluation_step("validation", "val_dataloaders", args, kwargs, runs=runs):
             with self.precision_plugin.val_step_context():  # type: ignore[attr-defined]
                 output, calls = replica.evaluate(joined, batch_idx, step_args)
             for name, value, log_args, log_kwargs in share_logs(calls, replica.ranks[-1], replica.group,
