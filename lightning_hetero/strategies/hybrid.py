@@ -32,6 +32,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -338,8 +339,12 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         step.pending_grads = PendingGrads(params, [p.grad for p in params])
         for p, g in zip(params, held):
             p.grad = g
+        # Logged for the replica's joined batch (an epoch mean weights each step by it; the other stage ranks count
+        # nowhere), as the pipelined validation does.
+        size = extract_batch_size(joined)
         for name, value, args_, kw in timed(share_logs, calls, replica.ranks[-1], replica.group):
-            self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_, **kw)
+            self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_,
+                                      **{"batch_size": size, **kw})
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
 

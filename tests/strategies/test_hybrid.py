@@ -911,3 +911,54 @@ def test_pipelined_sanity_check_runs_before_the_first_split(tmp_path):
     for r in (1, 2):
         own = sum(records[r]["bytes"][name] for name in records[r]["owned"])
         assert len(held[r]) == 3 and all(own <= h <= own + 64 for h in held[r]), (r, own, held[r])
+
+
+class EpochLogged(Chain):
+    """Logs the training loss as an epoch mean (``on_epoch=True``): Lightning weights each step by the batch it
+    infers, then sums values and batch sizes over ranks."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_epoch_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
+        return loss
+
+
+class EpochLoss(Callback):
+    def __init__(self, out_dir):
+        self.out_dir, self.values = out_dir, []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.values.append(float(trainer.callback_metrics["train_epoch_loss"]))
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save(self.values, os.path.join(self.out_dir, f"epoch{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_an_epoch_mean_logged_in_training_is_one_devices(tmp_path):
+    """A loss logged with ``on_epoch=True`` in ``training_step``: every rank's epoch value equals one process's
+    (each global batch's mean loss before its step, weighted by the batch's samples), the pipeline's stage ranks
+    logging the replica's value for the samples of their slices."""
+    world, capacities, epochs = 3, [2, 1, 1], 2
+    seed_everything(0)
+    model = EpochLogged(optimizer="sgd", n=46)
+    reference = copy.deepcopy(model)
+    ref_params, ref_batches = reference_run(copy.deepcopy(reference), world, capacities, epochs)
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, split_points=["net.4"]), epochs,
+                  callbacks=[EpochLoss(str(tmp_path))])
+    assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    dataset, probe = IndexedDataset(46), copy.deepcopy(reference)
+    before = [torch.nn.utils.parameters_to_vector(probe.parameters()).detach()] + ref_params[:-1]
+    expected, per_epoch = [], len(ref_batches) // epochs
+    with torch.no_grad():
+        for epoch in range(epochs):
+            total = weight = 0.0
+            for k in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+                torch.nn.utils.vector_to_parameters(before[k], probe.parameters())
+                idx = torch.tensor(ref_batches[k])
+                total += float(probe.loss((dataset.x[idx], dataset.y[idx], idx))) * len(idx)
+                weight += len(idx)
+            expected.append(total / weight)
+    for r in range(world):
+        logged = torch.load(os.path.join(str(tmp_path), f"epoch{r}.pt"))
+        assert logged == pytest.approx(expected, rel=1e-5), (r, logged, expected)
