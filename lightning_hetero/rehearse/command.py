@@ -12,6 +12,10 @@ done for Lightning's ``DDPStrategy`` and ``FSDPStrategy`` with equal batches. Wh
 - **predicted**: the step time of the job (the ranks' phases composed with the modelled communication of the
   gradient path over the lab's link class), throughput and its ratio to the sum of the cards' solo rates.
 
+The hybrid layout (``HeteroHybridStrategy``), whose stage ranks pass activations to each other, is rehearsed with
+the lab's ranks together on this device instead (:mod:`~lightning_hetero.rehearse.together`): memory and the plan,
+no step time.
+
 Example::
 
     python -m lightning_hetero doctor --model configs/rehearse_gpt.yaml --lab "A100-80GB,RTX3090,RTX3090"
