@@ -120,6 +120,7 @@ def status(r: RankResult, first: Optional[RankResult]) -> str:
 
 
 def role(r: RankResult) -> str:
+    """A data-parallel replica, stage s of pipeline p, or ``"-"`` (the rank ended before the layout was built)."""
     if r.stage is not None:
         return r.plan or f"stage {r.stage}"
     return "data-parallel replica" if r.pipelines is not None else "-"
@@ -136,13 +137,16 @@ def together_notes(results: Sequence[RankResult], accelerator: str) -> list[str]
                    "nothing about the card); a peak that fits is that rank's own")
     measured = sorted({r.capacities_asked for r in results if r.capacities_asked in PROFILED})
     if measured:
-        out.append(f"capacities {measured} were measured by the ranks here, while they took turns on this device: "
-                   "the shares are not the lab's (a real run measures its own at its start); give the cards' "
-                   "capacities (a list or a mapping) to rehearse the shares the lab would train with")
+        out.append(f"capacities {measured} (and a pipeline's micro-batch count, where `micro_batches` is not "
+                   "given) were measured by the ranks here, while they took turns on this device: the shares are "
+                   "not the lab's (a real run measures its own at its start); give the cards' capacities (a list or "
+                   "a mapping) to rehearse the shares the lab would train with")
     return out
 
 
 def format_together(report: dict[str, Any]) -> str:
+    """The report of ranks run together, as a person reads it: the pipelines, the rank table, the memory verdict,
+    why there is no step time, the assumptions and notes."""
     results = [RankResult(**r) for r in report["hetero"]]
     cuda = report["accelerator"] == "gpu"
     lines = [f"Rehearsal of {report['config']} on lab {report['lab_text']} ({report['strategy']}): the lab's "
@@ -176,6 +180,7 @@ def format_together(report: dict[str, Any]) -> str:
 
 
 def memory_verdict(results: Sequence[RankResult], first: Optional[RankResult], cuda: bool) -> str:
+    """The ranks that ran out of memory, named; or every rank's peak against its card."""
     out = [r for r in results if r.oom]
     if out:
         return "OUT OF MEMORY: " + "; ".join(
