@@ -329,6 +329,19 @@ def fit_script(job: RankJob) -> None:
     runpy.run_path(job.script, run_name="__main__")
 
 
+def out_of_memory(err: BaseException) -> Optional[BaseException]:
+    """The out-of-memory error ``err`` is, or was raised from: a pipeline stage's forward (``torch.distributed.
+    pipelining``) raises its errors again as a ``RuntimeError``."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
     """What the rank's strategy chose: its plan, split and share (ours: its memory plan, and under the hybrid layout
     its part in it), or Lightning's equal batches."""
@@ -434,18 +447,20 @@ def run_rank(job: RankJob) -> RankResult:
         trainer = clis[-1].trainer
         result.ok = True
         record_plan(result, job, trainer.strategy)
-    except torch.OutOfMemoryError as err:
-        result.oom, result.error, result.failed_at = True, str(err).splitlines()[0], time.time()
-        if clis:
-            # The plan was made before the step that ran out of memory: the report names the rank's part in it.
-            with suppress(Exception):
-                record_plan(result, job, clis[-1].trainer.strategy)
     except Exception as err:  # reported per rank; the doctor goes on with the next one
-        import traceback
-
         result.failed_at = time.time()
-        traceback.print_exc()  # whole in the rank's log
-        result.error = f"{type(err).__name__}: {user_message(err)}"
+        oom = out_of_memory(err)
+        if oom is not None:
+            result.oom, result.error = True, str(oom).splitlines()[0]
+            if clis:
+                # The plan was made before the step that ran out of memory: the report names the rank's part in it.
+                with suppress(Exception):
+                    record_plan(result, job, clis[-1].trainer.strategy)
+        else:
+            import traceback
+
+            traceback.print_exc()  # whole in the rank's log
+            result.error = f"{type(err).__name__}: {user_message(err)}"
     if device.type == "cuda":
         result.peak_allocated_bytes = torch.cuda.max_memory_allocated(0)
         result.peak_reserved_bytes = torch.cuda.max_memory_reserved(0)

@@ -86,6 +86,22 @@ def test_the_rank_that_ran_out_of_memory_first_is_named_and_the_others_stopped_w
     assert failure([asdict(first)], "rehearsal.log", None).startswith("ValueError: the model's own [rehearsed rank 0")
 
 
+def test_an_out_of_memory_error_inside_a_pipeline_stage_counts_as_out_of_memory():
+    import torch
+
+    from lightning_hetero.rehearse.rank import out_of_memory
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        try:
+            raise oom
+        except Exception as err:  # as torch's pipeline stage raises a forward's error again
+            raise RuntimeError("[Stage 1] failed to run forward") from err
+    except RuntimeError as wrapped:
+        assert out_of_memory(wrapped) is oom
+    assert out_of_memory(ValueError("the model's own")) is None
+
+
 def test_ranks_that_fit_show_their_peaks_against_their_cards():
     results = [_rank(0, "A100-80GB", ok=True, plan="replica", share=0.5, peak_allocated_bytes=9 * GIB),
                _rank(1, "RTX3090", ok=True, stage=0, plan="stage 0 of pipeline 0", share=0.5, micro_batches=2,
