@@ -408,7 +408,8 @@ def host_staged_transfers() -> "Iterator[None]":
                 copies.append([])
                 continue
             receives = op.op in (dist.irecv, dist.recv)
-            host = torch.empty_like(op.tensor, device="cpu") if receives else op.tensor.detach().cpu()
+            host = (torch.empty(op.tensor.shape, dtype=op.tensor.dtype) if receives
+                    else op.tensor.detach().cpu().contiguous())
             host_ops.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
             copies.append([(op.tensor, host)] if receives else [])
         works = post(host_ops, *args, **kwargs)
