@@ -71,6 +71,19 @@ class GPTModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class UntiedGPTModule(GPTModule):
+    """:class:`GPTModule` with an output head of its own in place of the embedding's weight: a tied head would join a
+    pipeline's first and last stages, which ``HeteroHybridStrategy`` refuses (``configs/rehearse_hybrid.yaml``)."""
+
+    def __init__(self, vocab: int = 50304, seq: int = 512, width: int = 768, layers: int = 12, heads: int = 12,
+                 lr: float = 3e-4, init: Literal["random", "fill"] = "random") -> None:
+        super().__init__(vocab, seq, width, layers, heads, lr, init)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gpt.hidden(tokens))
+
+
 class RandomTokens(LightningDataModule):
     def __init__(self, batch_size: int = 4, seq: int = 512, vocab: int = 50304, samples: int = 512) -> None:
         super().__init__()

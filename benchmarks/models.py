@@ -57,10 +57,14 @@ class GPT(nn.Module):
         nn.init.normal_(self.pos, std=0.01)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hidden(tokens) @ self.tok.weight.t()
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last layer's normalised output, before the (tied) output projection."""
         x = self.tok(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.ln(x) @ self.tok.weight.t()
+        return self.ln(x)
 
 
 @dataclass(frozen=True)

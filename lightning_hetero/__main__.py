@@ -3,7 +3,7 @@
     python -m lightning_hetero doctor [--json]                                  # this machine's devices and links
     python -m lightning_hetero doctor --model CONFIG [--script S] [--steps N]   # + a short monitored dry run
     python -m lightning_hetero doctor --model CONFIG --lab "A100-80GB,RTX3090,RTX3090" [--strategy hetero_fsdp]
-                                      [--script S] [--json]                     # rehearse a lab one rank at a time
+                                      [--script S] [--json]                     # rehearse a lab on this machine
     python -m lightning_hetero doctor --compare-layouts --params 1.5e9 --lab "A100-80GB,A100-80GB,RTX3090,RTX3090"
                                       [--optimizer adamw] [--json]              # which layout fits that lab
     python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
@@ -54,7 +54,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "alike (default: a generic CLI, for configs whose model and data have a class_path)")
     doctor.add_argument("--steps", type=int, default=None, help="optimizer steps of the dry run (default 20; with "
                         "--lab: per rehearsed rank, default 6)")
-    doctor.add_argument("--lab", help="rehearse the --model config on this lab, one rank at a time on this machine: "
+    doctor.add_argument("--lab", help="rehearse the --model config on this lab on this machine (one rank at a time; "
+                        "the hybrid layout's ranks together): "
                         "preset names ('A100-80GB,RTX3090,RTX3090') or a JSON list of profiles")
     doctor.add_argument("--strategy", choices=names(), help="with --lab: the strategy to "
                         "rehearse when the config's is not one of ours")

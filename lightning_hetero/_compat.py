@@ -363,3 +363,67 @@ def pipeline_transfers(posting: "Callable[[Callable[[], Any]], Any]",
         yield
     finally:
         schedules._batch_p2p = post
+
+
+class _StagedReceive:
+    """One P2P work of a pipeline schedule whose device tensors were received into host copies: ``wait`` copies
+    them into the device tensors the schedule reads."""
+
+    __slots__ = ("work", "copies")
+
+    def __init__(self, work: Any, copies: list) -> None:
+        self.work, self.copies = work, copies
+
+    def wait(self, *args: Any) -> Any:
+        done = self.work.wait(*args)
+        for device_tensor, host in self.copies:
+            device_tensor.copy_(host)
+        self.copies = []
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextmanager
+def host_staged_transfers() -> "Iterator[None]":
+    """While open, a ``torch.distributed.pipelining`` schedule sends and receives its device tensors through host
+    copies. gloo (the backend of ranks that share one GPU) takes CUDA tensors for its collectives but sends and
+    receives a tensor's memory as host memory, and the schedules post every transfer through the module's private
+    ``_batch_p2p`` (looked up at each call): no public hook. A release without it is left as it is."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    post = getattr(schedules, "_batch_p2p", None)
+    if post is None:
+        yield
+        return
+
+    def staged(ops: list, *args: Any, **kwargs: Any) -> Any:
+        host_ops, copies = [], []
+        for op in ops:
+            if op.tensor.device.type == "cpu":
+                host_ops.append(op)
+                copies.append([])
+                continue
+            receives = op.op in (dist.irecv, dist.recv)
+            host = (torch.empty(op.tensor.shape, dtype=op.tensor.dtype) if receives
+                    else op.tensor.detach().cpu().contiguous())
+            host_ops.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
+            copies.append([(op.tensor, host)] if receives else [])
+        works = post(host_ops, *args, **kwargs)
+        if isinstance(works, list) and len(works) == len(ops):
+            return [_StagedReceive(work, pairs) if pairs else work for work, pairs in zip(works, copies)]
+        # Coalesced into fewer works: the receives land once every one of them is done.
+        for work in works if isinstance(works, list) else [works]:
+            work.wait()
+        for device_tensor, host in (pair for pairs in copies for pair in pairs):
+            device_tensor.copy_(host)
+        return works
+
+    schedules._batch_p2p = staged
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = post

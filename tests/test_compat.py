@@ -66,3 +66,64 @@ def test_pipeline_transfers_time_each_wait_of_a_schedule(monkeypatch) -> None:
     assert schedules._batch_p2p is one_work
     monkeypatch.undo()
     assert schedules._batch_p2p is original
+
+
+
+def test_host_staged_transfers_send_and_receive_device_tensors_through_host_copies(monkeypatch) -> None:
+    """Inside ``host_staged_transfers`` a schedule's send of a device tensor posts a host copy of it, a receive posts
+    a host buffer whose data lands in the device tensor when its work is waited on (or, where the works are
+    coalesced, once they are all done); host tensors pass as they are; outside, the schedules' own function is
+    back. (``meta`` tensors stand in for CUDA ones: the staging is by device type.)"""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from lightning_hetero._compat import host_staged_transfers
+
+    class Op:  # what the staging reads of a P2POp, and builds one with
+        def __init__(self, op: object, tensor: torch.Tensor, peer: int = 1, group: object = None, tag: int = 0):
+            self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+    class Work:
+        def __init__(self, ops: list) -> None:
+            self.ops, self.waited = ops, 0
+
+        def wait(self) -> bool:
+            for op in self.ops:
+                if op.op is dist.irecv:
+                    op.tensor.fill_(7.0)  # the peer's data arrives
+            self.waited += 1
+            return True
+
+    posted: list = []
+
+    def one_each(p2p_ops, desc=None):
+        posted.append(p2p_ops)
+        return [Work([op]) for op in p2p_ops]
+
+    def coalesced(p2p_ops, desc=None):
+        return Work(p2p_ops)
+
+    landed: list = []
+    monkeypatch.setattr(dist, "P2POp", Op)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src: landed.append((self.device.type, src.tolist())))
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: torch.full(self.shape, 5.0))
+    sent, received, host = torch.ones(2, device="meta"), torch.empty(3, device="meta"), torch.zeros(1)
+    monkeypatch.setattr(schedules, "_batch_p2p", one_each)
+    with host_staged_transfers():
+        works = schedules._batch_p2p([Op(dist.isend, sent), Op(dist.irecv, received), Op(dist.isend, host)],
+                                     desc="fwd_send_bwd_recv")
+        ops = posted[-1]
+        assert [op.tensor.device.type for op in ops] == ["cpu", "cpu", "cpu"] and ops[2].tensor is host
+        assert ops[0].tensor.tolist() == [5.0, 5.0] and ops[1].tensor.shape == (3,)
+        assert landed == []  # nothing lands before its work is waited on
+        assert [w.wait() for w in works] == [True, True, True]
+        assert landed == [("meta", [7.0, 7.0, 7.0])]
+        works[1].wait()
+        assert len(landed) == 1  # once
+    assert schedules._batch_p2p is one_each
+    monkeypatch.setattr(schedules, "_batch_p2p", coalesced)
+    with host_staged_transfers():
+        work = schedules._batch_p2p([Op(dist.isend, sent), Op(dist.irecv, received)])
+        assert work.waited == 1 and landed[-1] == ("meta", [7.0, 7.0, 7.0])
+    assert schedules._batch_p2p is coalesced

@@ -12,6 +12,10 @@ done for Lightning's ``DDPStrategy`` and ``FSDPStrategy`` with equal batches. Wh
 - **predicted**: the step time of the job (the ranks' phases composed with the modelled communication of the
   gradient path over the lab's link class), throughput and its ratio to the sum of the cards' solo rates.
 
+The hybrid layout (``HeteroHybridStrategy``), whose stage ranks pass activations to each other, is rehearsed with
+the lab's ranks together on this device instead (:mod:`~lightning_hetero.rehearse.together`): memory and the plan,
+no step time.
+
 Example::
 
     python -m lightning_hetero doctor --model configs/rehearse_gpt.yaml --lab "A100-80GB,RTX3090,RTX3090"
@@ -38,6 +42,16 @@ from lightning_hetero.rehearse.launch import launch_rank
 from lightning_hetero.rehearse.notes import notes, uneven_twins
 from lightning_hetero.rehearse.predict import predict
 from lightning_hetero.rehearse.report import ASSUMPTIONS, draw, format_rehearsal
+from lightning_hetero.rehearse.together import ASSUMPTIONS as TOGETHER_ASSUMPTIONS
+from lightning_hetero.rehearse.together import (
+    NOT_PREDICTED,
+    first_failure,
+    format_together,
+    is_hybrid,
+    pipelines_asked,
+    run_together,
+    together_notes,
+)
 
 
 def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: int = 6, out_dir: Optional[str] = None,
@@ -48,9 +62,6 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     memory on its card: the baselines are then not rehearsed). ``script``: the user's LightningCLI script the config
     belongs to; ``stream``: where the progress and the tables go (default stdout)."""
     stream = stream or sys.stdout
-    if strategy == "hetero_hybrid":
-        raise ValueError("`--strategy`='hetero_hybrid' cannot be rehearsed one rank at a time (a pipeline's stage "
-                         "ranks run together); `doctor --compare-layouts --params N --lab ...` says whether it fits.")
     if not os.path.isfile(config):
         raise ValueError(f"`--model`={config!r} is not a file.")
     if script is not None and not os.path.isfile(script):
@@ -75,6 +86,16 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     log_path = os.path.join(out_dir, "rehearsal.log")
     # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so the ranks' process groups are killed on the way out.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if is_hybrid(config, strategy):
+        with tempfile.TemporaryDirectory(prefix="hetero-rehearse-") as scratch, open(log_path, "w") as log:
+            results = run_together(config, lab, steps, scratch, log, timeout, entry(strategy).class_path if strategy
+                                   else None, accelerator, script, stream)
+        first = first_failure(results)
+        report.update(hetero=[asdict(r) for r in results], pipelines_asked=pipelines_asked(config),
+                      failed=failure([asdict(first)], log_path, script) if first else None,
+                      prediction={"step_seconds": None, "why": NOT_PREDICTED}, advice=None,
+                      assumptions=list(TOGETHER_ASSUMPTIONS), notes=together_notes(results, accelerator))
+        return _written(report, format_together(report), out_dir, log_path, stream)
     with tempfile.TemporaryDirectory(prefix="hetero-rehearse-") as scratch, open(log_path, "w") as log:
         modes = ("hetero", "ddp", "fsdp") if baselines else ("hetero",)
         if accelerator != "gpu":
@@ -106,7 +127,11 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     report["notes"] += notes(hetero, accelerator, report["prediction"])
     report["warnings"] += uneven_twins(hetero)
     report["advice"] = advise(hetero, sharded=any(r.memory_modes for r in hetero))
-    text = format_rehearsal(report)
+    return _written(report, format_rehearsal(report), out_dir, log_path, stream)
+
+
+def _written(report: dict[str, Any], text: str, out_dir: str, log_path: str, stream: TextIO) -> dict[str, Any]:
+    """``report`` and its ``text`` written to ``out_dir`` (and the text to ``stream`` unless a rank failed)."""
     with open(log_path, "a") as log:
         log.write("\n" + text + "\n")
     with open(os.path.join(out_dir, "rehearsal.json"), "w") as f:

@@ -98,6 +98,13 @@ class RankResult:
     # backward (the last timed step).
     bucket_bytes: list[int] = field(default_factory=list)
     bucket_ready: list[float] = field(default_factory=list)
+    # The hybrid layout: its pipelines (global ranks, stage order), this rank's stage (None: a data-parallel
+    # replica) and the micro-batches its pipeline's step runs; `share` is then its replica's (a pipeline's).
+    pipelines: Optional[list[list[int]]] = None
+    stage: Optional[int] = None
+    micro_batches: Optional[int] = None
+    # When the rank failed (`time.time`): of ranks run together, the first to fail tells why the others stopped.
+    failed_at: Optional[float] = None
 
     @property
     def step_time(self) -> Optional[float]:

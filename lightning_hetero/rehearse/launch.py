@@ -16,6 +16,10 @@ from lightning_hetero.rehearse.job import REAL_MODES, RankJob, RankResult
 
 # The longest error a rank's output gives its result (the whole output is in the log).
 ERROR_CHARS = 400
+# Ranks run together end within moments of each other: their collectives fail once one has gone. A rank that never
+# joined the process group (its rendezvous failed) leaves the others waiting for it, for as long as the group's
+# timeout (30 min): this long after the first rank has ended, the others are stopped.
+TOGETHER_GRACE_S = 120.0
 
 
 def rank_environment(job: RankJob) -> dict[str, str]:
@@ -43,14 +47,7 @@ def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[Rank
             outputs.append(open(job.out + ".log", "w+"))
             processes.append(subprocess.Popen(cmd, env=rank_environment(job), stdout=outputs[-1],
                                               stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        for process in processes:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
+        stopped = _wait_together(processes, jobs, timeout)
     finally:
         for process in processes:
             _kill_group(process)
@@ -63,8 +60,25 @@ def launch_ranks(jobs: Sequence[RankJob], timeout: float, log: Any) -> list[Rank
                 log.write(f"\n----- {job.mode} rank {job.rank} -----\n")
             log.write(texts[-1])
         log.flush()
-    return [_collect(job, process, text, timeout if timed_out else None)
-            for job, process, text in zip(jobs, processes, texts)]
+    return [_collect(job, process, text, stopped) for job, process, text in zip(jobs, processes, texts)]
+
+
+def _wait_together(processes: Sequence["subprocess.Popen[bytes]"], jobs: Sequence[RankJob], timeout: float
+                   ) -> Optional[str]:
+    """Wait for every process, at most ``timeout`` seconds, and :data:`TOGETHER_GRACE_S` after the first has ended;
+    why the ones still running then are stopped (``None``: every one ended)."""
+    deadline = time.monotonic() + timeout
+    stopped = f"timed out after {timeout:g} s"
+    while any(p.poll() is None for p in processes):
+        now = time.monotonic()
+        if now >= deadline:
+            return stopped
+        ended = next((job for job, p in zip(jobs, processes) if p.poll() is not None), None)
+        if ended is not None and now + TOGETHER_GRACE_S < deadline:
+            deadline = now + TOGETHER_GRACE_S
+            stopped = f"still running {TOGETHER_GRACE_S:g} s after rank {ended.rank} ended: stopped"
+        time.sleep(0.1)
+    return None
 
 
 def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
@@ -72,10 +86,9 @@ def launch_rank(job: RankJob, timeout: float, log: Any) -> RankResult:
     return launch_ranks([job], timeout, log)[0]
 
 
-def _collect(job: RankJob, process: "subprocess.Popen[bytes]", output: str, timed_out: Optional[float]
-             ) -> RankResult:
-    if timed_out is not None and process.returncode in (None, -signal.SIGKILL):
-        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=f"timed out after {timed_out:g} s")
+def _collect(job: RankJob, process: "subprocess.Popen[bytes]", output: str, stopped: Optional[str]) -> RankResult:
+    if stopped is not None and process.returncode in (None, -signal.SIGKILL):
+        return RankResult(job.mode, job.rank, card_label(job.lab[job.rank]), error=stopped)
     try:
         with open(job.out) as f:
             data = json.load(f)
@@ -116,8 +129,15 @@ def _kill_group(process: "subprocess.Popen[bytes]") -> None:
 
 
 def free_port() -> int:
+    """A free port whose next one is free too (ranks run together rendezvous on ``port + 1``)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s, socket.socket() as after:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            try:
+                after.bind(("127.0.0.1", port + 1))
+            except (OSError, OverflowError):  # taken, or past the last port
+                continue
+            return port

@@ -11,18 +11,7 @@ from lightning_hetero.rehearse.report import gib, step_ms
 def notes(hetero: Sequence[RankResult], accelerator: str, prediction: Optional[dict[str, Any]] = None) -> list[str]:
     """What the user must know about this rehearsal's figures: ranks the local device could not hold, caps it
     could not apply, shares a real run measures (with ``prediction``: the split of the speeds measured here)."""
-    out = []
-    for r in hetero:
-        smaller = r.local_memory_bytes is not None and r.card_memory_bytes is not None and \
-            r.local_memory_bytes < r.card_memory_bytes
-        if smaller:
-            out.append(f"rank {r.rank} ({r.card}): this device has {gib(r.local_memory_bytes)} GiB, the card "
-                       f"{gib(r.card_memory_bytes)} GiB: rehearsed with less memory than the card has"
-                       + (" (its OOM here does not prove an OOM on the card)" if r.oom else ""))
-    if hetero and all(r.oom for r in hetero):
-        reason = "; ".join(f"rank {r.rank}: {'OOM' if r.oom else r.error}" for r in hetero)
-        out.append(f"the local device ({accelerator}) could not hold even one rank of this lab ({reason}): rehearse "
-                   "on a device with at least the smallest card's memory, or lower the batch / choose a memory plan.")
+    out = device_notes(hetero, accelerator)
     measured = {r.capacities_asked for r in hetero if r.capacities_asked in PROFILED}
     profiled = (prediction or {}).get("profiled_split")
     if measured and hetero[0].capacity_source and profiled:
@@ -42,12 +31,32 @@ def notes(hetero: Sequence[RankResult], accelerator: str, prediction: Optional[d
                        f" ms of {r.step_time * 1e3:.1f} ms), so this step time is this machine's CPU speed, not the "
                        "card's: on the lab the host's CPU and load set it, and the prediction is no better than that")
     if accelerator != "gpu":
+        out.append("CPU: speeds are the emulator's CPU slowdowns, not the cards': their ratios are the cards' "
+                   "published ones")
+    return out
+
+
+def device_notes(hetero: Sequence[RankResult], accelerator: str) -> list[str]:
+    """What the local device could not show of the cards' memory: cards larger than it, a lab none of whose ranks it
+    held, and on CPU that no device memory is capped or measured."""
+    out = []
+    for r in hetero:
+        smaller = r.local_memory_bytes is not None and r.card_memory_bytes is not None and \
+            r.local_memory_bytes < r.card_memory_bytes
+        if smaller:
+            out.append(f"rank {r.rank} ({r.card}): this device has {gib(r.local_memory_bytes)} GiB, the card "
+                       f"{gib(r.card_memory_bytes)} GiB: rehearsed with less memory than the card has"
+                       + (" (its OOM here does not prove an OOM on the card)" if r.oom else ""))
+    if hetero and all(r.oom for r in hetero):
+        reason = "; ".join(f"rank {r.rank}: {'OOM' if r.oom else r.error}" for r in hetero)
+        out.append(f"the local device ({accelerator}) could not hold even one rank of this lab ({reason}): rehearse "
+                   "on a device with at least the smallest card's memory, or lower the batch / choose a memory plan.")
+    if accelerator != "gpu":
         out.append("CPU rehearsal: no device memory is capped or measured, so the memory columns cannot tell whether "
                    "a card holds its share (peaks n/a). They can tell the plan the strategy chose from each card's "
                    "memory (plan column, with its estimate where the strategy makes one) and the host RSS of each "
                    "rank's process, which holds the model, optimizer state and activations of the share on top of "
-                   "Python and its libraries. Speeds are the emulator's CPU slowdowns, not the cards': their ratios "
-                   "are the cards' published ones. Rehearse on a GPU for measured peaks")
+                   "Python and its libraries. Rehearse on a GPU for measured peaks")
     return out
 
 

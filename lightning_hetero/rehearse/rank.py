@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -23,7 +23,7 @@ from lightning_hetero.lab.emulation import PRESETS, Emulator, parse_emulate, sta
 from lightning_hetero.lab.rehearsal import host_device
 from lightning_hetero.observe.errors import user_message
 from lightning_hetero.plan.memory import GIB
-from lightning_hetero.registry import names
+from lightning_hetero.registry import entry, names
 from lightning_hetero.rehearse.cards import card_label
 from lightning_hetero.rehearse.job import LIGHTNING_MODES, RankJob, RankResult
 
@@ -31,6 +31,9 @@ from lightning_hetero.rehearse.job import LIGHTNING_MODES, RankJob, RankResult
 PROBE_SIDE = {"cuda": 4096, "cpu": 256}
 PROBE_REPEATS = 20
 PROBE_TRIALS = 3
+# Options a strategy rehearsed in place of the config's own (`--strategy`) needs and the config's has no word for:
+# the hybrid layout's pipelines, then the planner's choice.
+SUBSTITUTED_DEFAULTS: dict[str, dict[str, Any]] = {entry("hetero_hybrid").class_path: {"pipelines": "auto"}}
 
 
 class StepClock:
@@ -245,7 +248,7 @@ def rehearsed_config(job: RankJob, config: Any) -> None:
     strategy = trainer.get("strategy")
     if job.strategy is not None and not (isinstance(strategy, Namespace)
                                          and strategy.get("class_path") == job.strategy):
-        kept = carried_options(strategy, job.strategy)
+        kept = {**SUBSTITUTED_DEFAULTS.get(job.strategy, {}), **carried_options(strategy, job.strategy)}
         trainer.strategy = strategy = Namespace(class_path=job.strategy, init_args=Namespace(**kept))
     if not (isinstance(strategy, Namespace) and "Hetero" in str(strategy.get("class_path"))):
         raise ValueError(f"`trainer.strategy` of {job.config!r} is not a lightning_hetero strategy: give "
@@ -326,6 +329,59 @@ def fit_script(job: RankJob) -> None:
     runpy.run_path(job.script, run_name="__main__")
 
 
+def out_of_memory(err: BaseException) -> Optional[BaseException]:
+    """The out-of-memory error ``err`` is, or was raised from: a pipeline stage's forward (``torch.distributed.
+    pipelining``) raises its errors again as a ``RuntimeError``."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
+    """What the rank's strategy chose: its plan, split and share (ours: its memory plan, and under the hybrid layout
+    its part in it), or Lightning's equal batches."""
+    if job.mode in ("hetero", "shared", "solo", "real"):
+        plan = strategy.plan.as_dict()
+        result.split, result.capacity_source = plan["split"], plan["capacity_source"]
+        result.capacities_asked = strategy.plan.spec.source
+        result.global_batch = plan["global_batch_size"]
+        memory_plan = getattr(strategy, "memory_plan", None)
+        result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
+        result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
+        result.blocks = memory_plan[job.rank].blocks if memory_plan else None
+        result.estimate_source = memory_plan[job.rank].source if memory_plan else None
+        result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
+    else:
+        result.global_batch = (result.batch or 0) * len(job.lab)
+        result.plan = "replica" if LIGHTNING_MODES.get(job.mode) == "ddp" else "full shard"
+    if result.global_batch and result.batch:
+        result.share = (result.split[job.rank] if result.split else result.batch) / result.global_batch
+    if getattr(strategy, "layout", None) is not None:
+        record_layout(result, strategy)
+
+
+def record_layout(result: RankResult, strategy: Any) -> None:
+    """The hybrid layout's part of this rank (``strategy``: a fitted ``HeteroHybridStrategy``): the pipelines, and for
+    a stage rank its stage, its pipeline's share of the global batch and the micro-batches of its step."""
+    from lightning_hetero.plan.layout import micro_batch_count
+
+    layout = strategy.layout
+    result.pipelines = [list(p) for p in layout.pipelines]
+    pipeline = layout.pipeline_of(result.rank)
+    if pipeline is None or strategy.replica is None or not result.split or not result.global_batch:
+        return
+    samples = sum(result.split[r] for r in pipeline)
+    result.stage = strategy.replica.stage
+    result.share = samples / result.global_batch
+    result.micro_batches = micro_batch_count(samples, len(pipeline), strategy.replica.micro_batches)
+    result.plan = f"stage {result.stage} of pipeline {layout.pipelines.index(pipeline)}"
+
+
 def run_rank(job: RankJob) -> RankResult:
     """Build the config's Trainer as rank ``job.rank`` of the lab and train ``job.steps`` steps (in this process).
 
@@ -390,30 +446,21 @@ def run_rank(job: RankJob) -> RankResult:
             raise RuntimeError(f"`--script` {job.script!r} built no LightningCLI: the rehearsal needs one")
         trainer = clis[-1].trainer
         result.ok = True
-        strategy = trainer.strategy
-        if job.mode in ("hetero", "shared", "solo", "real"):
-            plan = strategy.plan.as_dict()  # type: ignore[attr-defined]
-            result.split, result.capacity_source = plan["split"], plan["capacity_source"]
-            result.capacities_asked = strategy.plan.spec.source  # type: ignore[attr-defined]
-            result.global_batch = plan["global_batch_size"]
-            memory_plan = getattr(strategy, "memory_plan", None)
-            result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
-            result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
-            result.blocks = memory_plan[job.rank].blocks if memory_plan else None
-            result.estimate_source = memory_plan[job.rank].source if memory_plan else None
-            result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
-        else:
-            result.global_batch = (result.batch or 0) * world
-            result.plan = "replica" if LIGHTNING_MODES.get(job.mode) == "ddp" else "full shard"
-        if result.global_batch and result.batch:
-            result.share = (result.split[job.rank] if result.split else result.batch) / result.global_batch
-    except torch.OutOfMemoryError as err:
-        result.oom, result.error = True, str(err).splitlines()[0]
+        record_plan(result, job, trainer.strategy)
     except Exception as err:  # reported per rank; the doctor goes on with the next one
-        import traceback
+        result.failed_at = time.time()
+        oom = out_of_memory(err)
+        if oom is not None:
+            result.oom, result.error = True, str(oom).splitlines()[0]
+            if clis:
+                # The plan was made before the step that ran out of memory: the report names the rank's part in it.
+                with suppress(Exception):
+                    record_plan(result, job, clis[-1].trainer.strategy)
+        else:
+            import traceback
 
-        traceback.print_exc()  # whole in the rank's log
-        result.error = f"{type(err).__name__}: {user_message(err)}"
+            traceback.print_exc()  # whole in the rank's log
+            result.error = f"{type(err).__name__}: {user_message(err)}"
     if device.type == "cuda":
         result.peak_allocated_bytes = torch.cuda.max_memory_allocated(0)
         result.peak_reserved_bytes = torch.cuda.max_memory_reserved(0)

@@ -46,12 +46,7 @@ def format_rehearsal(report: dict[str, Any]) -> str:
                      bound_label(r.host_bound), "ok" if r.ok else ("OOM" if r.oom else f"error: {r.error}")))
     lines += aligned(rows)
     if not cuda:
-        rss = ", ".join(f"rank {r.rank} {gib(r.host_rss_bytes)}" for r in hetero)
-        lines.append(f"  CPU: no device memory cap or peak (n/a); host-side peak RSS per rank process (GiB): {rss}")
-        if any(r.estimated_bytes for r in hetero):
-            estimates = ", ".join(f"rank {r.rank} {gib(r.estimated_bytes)} of {gib(r.card_memory_bytes)}"
-                                  for r in hetero)
-            lines.append(f"  the strategy's estimate of each card's memory under its plan (GiB): {estimates}")
+        lines += host_memory_lines(hetero)
     for name in ("ddp", "fsdp"):
         results = [RankResult(**r) for r in report[name]]
         if not results:
@@ -92,6 +87,17 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     lines += [f"NOTE: {n}" for n in report["notes"]]
     lines += [f"WARNING: {w}" for w in report.get("warnings", ())]
     return "\n".join(lines)
+
+
+def host_memory_lines(hetero: Sequence[RankResult]) -> list[str]:
+    """A CPU rehearsal's memory figures: each rank process's host RSS, and the strategy's estimates where it made
+    them."""
+    rss = ", ".join(f"rank {r.rank} {gib(r.host_rss_bytes)}" for r in hetero)
+    lines = [f"  CPU: no device memory cap or peak (n/a); host-side peak RSS per rank process (GiB): {rss}"]
+    if any(r.estimated_bytes for r in hetero):
+        estimates = ", ".join(f"rank {r.rank} {gib(r.estimated_bytes)} of {gib(r.card_memory_bytes)}" for r in hetero)
+        lines.append(f"  the strategy's estimate of each card's memory under its plan (GiB): {estimates}")
+    return lines
 
 
 def advice_lines(advice: Optional[dict[str, Any]]) -> list[str]:
@@ -155,6 +161,10 @@ def draw(report: dict[str, Any], path: str) -> Optional[str]:
             right.text(i, 0, "OOM", ha="center", va="bottom", color="red")
     right.set_ylabel("predicted samples/s")
     right.set_title("predicted throughput")
+    if not names:  # the ranks ran together on one device: no step time to predict from
+        right.text(0.5, 0.5, "not predicted", ha="center", va="center", transform=right.transAxes)
+        right.set_xticks([])
+        right.set_yticks([])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -159,6 +159,8 @@ class PipelinedReplica:
         self.timer: Optional[Any] = None  # the monitor's StageTimer (observe/stage_times.py)
         self.slowed: Optional[Callable[[], AbstractContextManager[None]]] = (
             emulator.slowed_in_place if emulator is not None else None)
+        # Ranks sharing one GPU (lightning_hetero.lab.shared_gpu) talk over gloo, which sends host memory only.
+        self.host_staged = device.type != "cpu" and dist.get_backend(group) == "gloo"
 
     @property
     def stages(self) -> int:
@@ -229,7 +231,7 @@ class PipelinedReplica:
         self._losses: list[Tensor] = []
         self._capture = LogCapture(self.module)
         timer = self.timer
-        with self._capture.patched():
+        with self._capture.patched(), _compat.host_staged_transfers() if self.host_staged else nullcontext():
             if timer is not None:
                 timer.begin()
             with _compat.pipeline_transfers(timer.posted, timer.waited) if timer is not None else nullcontext():
