@@ -256,7 +256,7 @@ class PipelinedReplica:
         inputs = tuple(a.contiguous() for a in forward_inputs(self.module, batch, batch_idx, step, step_args))
         count = micro_batch_count(inputs[0].shape[0], self.stages, self.micro_batches)
         schedule = self._schedule(inputs, count, forward_only=True)
-        with torch.no_grad():
+        with torch.no_grad(), _compat.host_staged_transfers() if self.host_staged else nullcontext():
             output = schedule.step(*inputs) if self.stage == 0 else schedule.step()
         if not self.is_last:
             return None, []
