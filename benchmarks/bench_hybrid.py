@@ -78,11 +78,7 @@ def _module_class(model: str) -> type:
             self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            gpt = self.gpt
-            x = gpt.tok(tokens) + gpt.pos[: tokens.shape[1]]
-            for block in gpt.blocks:
-                x = block(x)
-            return self.head(gpt.ln(x))
+            return self.head(self.gpt.hidden(tokens))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (tokens,) = batch
