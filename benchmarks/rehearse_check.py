@@ -29,6 +29,7 @@ from lightning_hetero.rehearse.command import rehearse  # noqa: E402
 from lightning_hetero.rehearse.job import RankJob, RankResult  # noqa: E402
 from lightning_hetero.rehearse.launch import free_port, launch_rank, launch_ranks  # noqa: E402
 from lightning_hetero.rehearse.report import aligned, bound_label, gib, step_ms  # noqa: E402
+from lightning_hetero.rehearse.together import is_hybrid  # noqa: E402
 
 # Prediction and measurement agree when within this fraction of each other.
 AGREEMENT = 0.10
@@ -51,6 +52,12 @@ def honesty_check(config: str, lab_text: str, steps: int = 6, out_dir: str = "re
     its card), and each card alone (emulated solo, its rehearsed batch): the rehearsed plan, shares and peak memory
     against the real run's, and each card's rehearsed step time against its solo step time. Differences beyond
     :data:`AGREEMENT` are named in ``report["disagreements"]``."""
+    if is_hybrid(config, strategy):
+        # Its rehearsal already runs the lab's ranks together and predicts no step: nothing to hold it against here.
+        raise ValueError("the honesty check compares a one-rank-at-a-time rehearsal with the ranks really run; the "
+                         "hybrid layout is rehearsed with its ranks together (`doctor --model CONFIG --lab ...` "
+                         "shows its roles, shares and memory): `--model` names a HeteroHybridStrategy config, or "
+                         "`--strategy` is hetero_hybrid.")
     report = rehearse(config, lab_text, strategy, steps=steps, out_dir=out_dir, baselines=False, timeout=timeout)
     lab = report["lab"]
     accelerator = report["accelerator"]

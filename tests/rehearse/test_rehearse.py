@@ -1,5 +1,6 @@
 """`doctor --lab`: the rehearsed plan and shares equal those of a real multi-process CPU run of the same job."""
 
+import os
 import tempfile
 
 import pytest
@@ -195,3 +196,13 @@ def test_a_step_that_waits_on_the_host_is_named_host_bound():
     table = format_check({"agreement": 0.1, "disagreements": differs, "rows": [row]})
     assert "150.0/120.0" in table and "device/host" in table and "DIFFERS (> 10%): rank 1" in table
     assert compare_rank(1, device, device, device, cuda=True)[1] == []  # the same runs agree
+
+
+def test_the_honesty_check_refuses_the_hybrid_layout_naming_its_rehearsal(tmp_path):
+    """The hybrid layout's rehearsal runs its ranks together and predicts no step: the one-rank-at-a-time check has
+    nothing to hold against the real run, and says which command rehearses it (before any rank starts)."""
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+    for name, strategy in (("rehearse_hybrid_cpu.yaml", None), ("rehearse_cpu.yaml", "hetero_hybrid")):
+        with pytest.raises(ValueError, match=r"rehearsed with its ranks together \(`doctor --model CONFIG --lab"):
+            honesty_check(os.path.join(configs, name), "A100-80GB,RTX3090,RTX3090", steps=2, out_dir=str(tmp_path),
+                          strategy=strategy)
