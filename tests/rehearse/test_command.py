@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from lightning_hetero.__main__ import main
 from lightning_hetero.rehearse.job import RankResult
+from tests.rehearse._doctor import run_doctor
 from tests.rehearse._user_script import MODEL_ERROR
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -29,14 +29,6 @@ def _config(tmp_path, fail: bool = False) -> str:
     return str(path)
 
 
-def _doctor(args: list, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exited:
-        main(["doctor", *args])
-        raise SystemExit(0)
-    said = capsys.readouterr()
-    return exited.value.code or 0, said.out, said.err
-
-
 @pytest.mark.parametrize(("args", "message"), [
     (["--lab", ""], "`--lab`='' must name at least two cards"),
     (["--lab", "A100-80GB,GTX9999"], "`--lab[1]`='GTX9999' is not a preset; known presets: ['A10', 'A100-40GB', "),
@@ -45,7 +37,7 @@ def _doctor(args: list, capsys) -> tuple[int, str, str]:
     (["--steps", "0"], "`--steps`=0 must be an integer >= 2"),  # the dry run, without --lab
 ])
 def test_a_bad_flag_is_refused_naming_it(tmp_path, capsys, args, message):
-    code, out, err = _doctor(["--model", _config(tmp_path), "--out", str(tmp_path / "out"), *args], capsys)
+    code, out, err = run_doctor(["--model", _config(tmp_path), "--out", str(tmp_path / "out"), *args], capsys)
     assert code == 2 and f"lightning-hetero doctor: error: {message}" in err, (code, err)
     assert not (tmp_path / "out" / "rehearsal.log").exists()  # refused before any rank started
 
@@ -93,7 +85,7 @@ def test_a_rank_that_exits_says_its_error_in_one_line():
 @pytest.mark.slow
 def test_a_users_script_is_rehearsed_and_json_is_all_of_stdout(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    code, out, err = _doctor(["--model", _config(tmp_path), "--script", SCRIPT, "--lab", LAB, "--steps", "4",
+    code, out, err = run_doctor(["--model", _config(tmp_path), "--script", SCRIPT, "--lab", LAB, "--steps", "4",
                               "--out", str(tmp_path / "out"), "--json"], capsys)
     assert code == 0, err[-3000:]
     report = json.loads(out)  # stdout is the report and nothing else
@@ -115,7 +107,7 @@ def test_a_users_script_is_rehearsed_and_json_is_all_of_stdout(tmp_path, capsys,
 @pytest.mark.slow
 def test_a_model_that_cannot_run_fails_loudly_before_the_baselines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    code, out, err = _doctor(["--model", _config(tmp_path, fail=True), "--script", SCRIPT, "--lab", LAB,
+    code, out, err = run_doctor(["--model", _config(tmp_path, fail=True), "--script", SCRIPT, "--lab", LAB,
                               "--steps", "4", "--out", str(tmp_path / "out")], capsys)
     assert code == 1, (out, err)
     assert f"lightning-hetero doctor: error: ValueError: {MODEL_ERROR} [rehearsed rank 0, A100-80GB" in err

@@ -8,11 +8,11 @@ from dataclasses import asdict
 
 import pytest
 
-from lightning_hetero.__main__ import main
 from lightning_hetero.plan.memory import GIB
 from lightning_hetero.rehearse.command import failure
 from lightning_hetero.rehearse.job import RankResult
 from lightning_hetero.rehearse.together import first_failure, format_together, is_hybrid, pipelines_asked
+from tests.rehearse._doctor import run_doctor
 from tests.rehearse._pipeline_model import MODEL_ERROR
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -29,14 +29,6 @@ def _config(tmp_path, text: str, name: str = "job.yaml") -> str:
     path = tmp_path / name
     path.write_text(text)
     return str(path)
-
-
-def _doctor(args: list, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exited:
-        main(["doctor", *args])
-        raise SystemExit(0)
-    said = capsys.readouterr()
-    return exited.value.code or 0, said.out, said.err
 
 
 def test_the_hybrid_layout_is_chosen_by_the_flag_or_by_the_configs_strategy(tmp_path):
@@ -119,7 +111,7 @@ def test_a_config_rehearsed_as_the_hybrid_layout_reports_each_ranks_part_as_json
     """A HeteroDDPStrategy config rehearsed with `--strategy hetero_hybrid` on a lab whose two small cards cannot
     hold a replica: the planner pairs them into a pipeline (pipelines="auto"), and every rank runs."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    code, out, err = _doctor(["--model", _config(tmp_path, MODEL % -1 + DDP), "--lab", LAB, "--strategy",
+    code, out, err = run_doctor(["--model", _config(tmp_path, MODEL % -1 + DDP), "--lab", LAB, "--strategy",
                               "hetero_hybrid", "--steps", "4", "--out", str(tmp_path / "out"), "--json"], capsys)
     assert code == 0, err[-3000:]
     report = json.loads(out)  # stdout is the report and nothing else
@@ -143,7 +135,7 @@ def test_a_config_rehearsed_as_the_hybrid_layout_reports_each_ranks_part_as_json
 @pytest.mark.slow
 def test_a_rank_that_fails_ends_the_hybrid_rehearsal_non_zero_with_its_error_first(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    code, out, err = _doctor(["--model", _config(tmp_path, MODEL % 2 + HYBRID), "--lab", "A100-80GB,RTX3090,RTX3090",
+    code, out, err = run_doctor(["--model", _config(tmp_path, MODEL % 2 + HYBRID), "--lab", "A100-80GB,RTX3090,RTX3090",
                               "--steps", "4", "--out", str(tmp_path / "out")], capsys)
     assert code == 1, (out, err)
     assert f"lightning-hetero doctor: error: ValueError: {MODEL_ERROR} [rehearsed rank 2, RTX3090" in err

@@ -553,16 +553,22 @@ def test_weights_tied_within_a_stage(tmp_path):
 
 
 class ValidationLoss(Callback):
-    """Per rank: the epoch's reduced ``val_loss`` after every validation run."""
+    """Per rank: the epoch's reduced ``val_loss`` after every validation run (``key``, saved as
+    ``{prefix}{rank}.pt``)."""
+
+    key, prefix = "val_loss", "val"
 
     def __init__(self, out_dir):
         self.out_dir, self.values = out_dir, []
 
+    def record(self, trainer):
+        self.values.append(float(trainer.callback_metrics[self.key]))
+
     def on_validation_end(self, trainer, pl_module):
-        self.values.append(float(trainer.callback_metrics["val_loss"]))
+        self.record(trainer)
 
     def teardown(self, trainer, pl_module, stage):
-        torch.save(self.values, os.path.join(self.out_dir, f"val{trainer.global_rank}.pt"))
+        torch.save(self.values, os.path.join(self.out_dir, f"{self.prefix}{trainer.global_rank}.pt"))
 
 
 @pytest.mark.slow
@@ -923,15 +929,16 @@ class EpochLogged(Chain):
         return loss
 
 
-class EpochLoss(Callback):
-    def __init__(self, out_dir):
-        self.out_dir, self.values = out_dir, []
+class EpochLoss(ValidationLoss):
+    """Per rank: the reduced ``train_epoch_loss`` at every training epoch's end."""
+
+    key, prefix = "train_epoch_loss", "epoch"
+
+    def on_validation_end(self, trainer, pl_module):
+        pass
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.values.append(float(trainer.callback_metrics["train_epoch_loss"]))
-
-    def teardown(self, trainer, pl_module, stage):
-        torch.save(self.values, os.path.join(self.out_dir, f"epoch{trainer.global_rank}.pt"))
+        self.record(trainer)
 
 
 @pytest.mark.slow
