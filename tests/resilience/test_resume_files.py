@@ -209,11 +209,14 @@ def _saved_pair(directory: Any) -> tuple[Any, Any]:
     return older, newer
 
 
-def _overwrite(path: Any, offset: int, data: bytes) -> None:
+def _flip_bytes(path: Any, offset: int, length: int = 1) -> None:
+    """Invert ``length`` bytes at ``offset``: always a change (writing a constant is none where the byte held it)."""
     stat = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(offset)
-        f.write(data)
+        data = f.read(length)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a silent bit rot keeps the mtime
 
 
@@ -222,14 +225,14 @@ def test_damaged_bytes_are_caught_and_resume_falls_back_to_the_older_checkpoint(
 
     older, newer = _saved_pair(tmp_path)
     assert (tmp_path / "step=6.ckpt.sha256").read_text().endswith("  step=6.ckpt\n")  # `sha256sum -c` reads it
-    _overwrite(newer, os.path.getsize(newer) // 2, os.urandom(256))  # inside the tensor data
+    _flip_bytes(newer, os.path.getsize(newer) // 2, 256)  # inside the tensor data
     assert zipfile.is_zipfile(newer)  # the zip directory is intact: only the checksum tells
     with pytest.warns(UserWarning, match="step=6.ckpt.*damaged"):
         assert newest_checkpoint([tmp_path]) == str(older)
     with pytest.raises(CheckpointError, match="damaged") as err:
         HeteroDDPStrategy().load_checkpoint(newer)
     assert "step=6.ckpt" in str(err.value)
-    _overwrite(older, 40, b"\x00")  # one byte of a local zip header
+    _flip_bytes(older, 40)  # one byte of a local zip header
     with pytest.warns(UserWarning, match="damaged"):
         assert newest_checkpoint([tmp_path]) is None
 
@@ -318,7 +321,7 @@ def test_directory_manifest_finds_changed_missing_and_added_files(tmp_path: Any)
     assert write_manifest(shards) == str(shards / "checksums.sha256")
     assert verify_manifest(shards) is None
     assert len((shards / "checksums.sha256").read_text().splitlines()) == 4
-    _overwrite(shards / "__1_0.distcp", 5000, b"\xff")
+    _flip_bytes(shards / "__1_0.distcp", 5000)
     assert "__1_0.distcp" in verify_manifest(shards) and "damaged" in verify_manifest(shards)
     write_manifest(shards)
     os.remove(shards / "sub" / ".metadata")
@@ -404,7 +407,7 @@ def test_resume_goes_on_from_the_most_progress_when_a_copy_scrambled_the_file_ti
     assert len(said) == 1 and "step=15.ckpt" in said[0] and "global step 15, epoch 1" in said[0], said
     assert "step=3.ckpt" in said[0] and "global step 3" in said[0]  # the most recently modified, and what it holds
 
-    _overwrite(copy / "step=15.ckpt", os.path.getsize(copy / "step=15.ckpt") // 2, os.urandom(64))
+    _flip_bytes(copy / "step=15.ckpt", os.path.getsize(copy / "step=15.ckpt") // 2, 64)
     with pytest.warns(UserWarning, match="skipping .*step=15.ckpt.*damaged"):
         assert newest_checkpoint([copy]) == str(copy / "step=12.ckpt")
     data = (copy / "step=12.ckpt").read_bytes()
@@ -426,7 +429,7 @@ def test_resume_goes_on_from_the_sharded_directory_with_the_most_progress_after_
     _copied_with_times_reversed(tmp_path / "saved", copy, [f"step={s}.ckpt" for s in STEPS])
     assert newest_checkpoint([copy]) == str(copy / "step=15.ckpt")
     shard = copy / "step=15.ckpt" / "__0_0.distcp"
-    _overwrite(shard, 5, b"\xff")
+    _flip_bytes(shard, 5)
     with pytest.warns(UserWarning, match="skipping .*step=15.ckpt.*__0_0.distcp"):
         assert newest_checkpoint([copy]) == str(copy / "step=12.ckpt")
 
