@@ -569,18 +569,11 @@ class Emulator:
             yield
             return
         self._depth += 1
-        stream = self._stream
-        outer = torch.cuda.current_stream(self.root_device) if stream is not None else None
         try:
-            if stream is not None:
-                stream.wait_stream(outer)  # the batch was copied on the outer stream
             slowed = self.device.slowdown > 1.0
             start = self._clock() if slowed else 0.0  # the clock synchronizes on CUDA: only when it is needed
             self._collective_cpu, self._bucket_cpu = 0.0, None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    yield
-            else:
+            with self.capped_stream():
                 yield
             if slowed:
                 elapsed = max(self._clock() - start - self._collective_cpu, 0.0)
@@ -592,9 +585,23 @@ class Emulator:
                 _pause((self.device.slowdown - 1.0) * elapsed)
                 self.slept_seconds += time.perf_counter() - begin
         finally:
-            if stream is not None:
-                outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
             self._depth -= 1
+
+    @contextmanager
+    def capped_stream(self) -> Iterator[None]:
+        """Run the enclosed work on the capped stream, as a step runs, but unslowed and uncounted: a trial step then
+        allocates what a step does (a stream's first matrix product allocates the kernels' workspace for it)."""
+        stream = self._stream
+        if stream is None:
+            yield
+            return
+        outer = torch.cuda.current_stream(self.root_device)
+        stream.wait_stream(outer)  # the batch was copied on the outer stream
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            outer.wait_stream(stream)  # what follows on the outer stream reads the step's results
 
     @property
     def slows_cpu(self) -> bool:

@@ -126,6 +126,10 @@ class LabSetup:
     def emulated_work(self) -> Any:
         return self.emulation.work() if self.emulation is not None else nullcontext()
 
+    def emulated_stream(self) -> Any:
+        """The stream a step runs on, without the emulation's slowdown (a trial step's memory is measured there)."""
+        return self.emulation.capped_stream() if self.emulation is not None else nullcontext()
+
     def restore(self) -> None:
         if self.emulation is not None:
             self.emulation.restore()

@@ -234,6 +234,7 @@ class RankMemory:
     # Where the step's bytes come from: "formula" (counted from the model's sizes and the policy), or measured by a
     # forward and backward at setup (:mod:`lightning_hetero.plan.activations`: "allocator", "live tensors").
     source: str = "formula"
+    resident: int = 0  # measured: what the device holds besides the model's state (buffers, kernel workspaces)
 
     @property
     def activations(self) -> int:
@@ -241,7 +242,7 @@ class RankMemory:
 
     @property
     def needed(self) -> int:
-        return self.shard + self.optimizer_state + self.gathered + self.activations
+        return self.shard + self.optimizer_state + self.gathered + self.activations + self.resident
 
     @property
     def fits(self) -> bool:
@@ -262,13 +263,18 @@ class RankMemory:
     def per_piece(self) -> str:
         return "" if self.micro_batches <= 1 else " (one micro-batch)"
 
+    @property
+    def resident_part(self) -> str:
+        return f", other resident {self.resident / GIB:.3g} GiB" if self.resident else ""
+
     def describe(self) -> str:
         return (
             f"rank {self.rank} ({self.device}, {self.mode}): parameters+gradients {self.shard / GIB:.3g} GiB, "
             f"optimizer state {self.optimizer_state / GIB:.3g} GiB, "
             f"{self.gathered_what} {self.gathered / GIB:.3g} GiB, "
             f"activations {self.activations_per_sample / 2**20:.3g} MiB/sample x {self.samples}{self.per_piece} = "
-            f"{self.activations / GIB:.3g} GiB; needs {self.needed / GIB:.3g} GiB of {self.budget / GIB:.3g} GiB free"
+            f"{self.activations / GIB:.3g} GiB{self.resident_part}; needs {self.needed / GIB:.3g} GiB of "
+            f"{self.budget / GIB:.3g} GiB free"
             f" ({'measured: ' + self.source if self.source != 'formula' else 'formula'}"
             f"{', within 2 % of its budget' if self.near_budget else ''})"
         )
@@ -285,7 +291,8 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     micro-batches (:func:`micro_batches`), which hold the whole model gathered and one micro-batch's activations.
     ``step``: the rank's step bytes measured under ``mode``
     (:func:`~lightning_hetero.plan.activations.measure_step_bytes`): they replace the counted activations, and the
-    gathered blocks with what the step holds whatever its batch. ``keep_gathered``: every block's parameters stay
+    gathered blocks with what the step holds whatever its batch; what the device held besides the model's state is
+    added (``resident``). ``keep_gathered``: every block's parameters stay
     gathered from its forward to its backward (:class:`MemoryPolicy`), the whole model's counted at fp32 size (a bound
     under bf16 collectives; a measured step holds them already)."""
     counts = parse_rule(mode)
@@ -305,15 +312,15 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
     gathered = max(2 * 2 * footprint.largest_block_bytes, micro_batch_gathered_bytes(footprint, pieces))
     if keep_gathered and pieces <= 1:
         gathered += footprint.parameter_bytes
-    source = "formula"
+    source, resident = "formula", 0
     if step is not None:
         # What the step holds over its resting state. The gradients `shard` counts are the last step's: alive through
         # the forward (Lightning frees them before the backward), when the peak is often reached. The trial ran one
         # piece with its blocks gathered one at a time: micro-batches add the whole model held gathered (a bound).
         gathered = step.fixed + micro_batch_gathered_bytes(footprint, pieces)
-        per_sample, source = step.per_sample, step.source
+        per_sample, source, resident = step.per_sample, step.source, step.resident
     return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
-                      piece_samples, budget, offload, checkpoint, n, pieces, source)
+                      piece_samples, budget, offload, checkpoint, n, pieces, source, resident)
 
 
 def micro_batches(samples: int, micro_limit: Optional[int]) -> tuple[int, int]:

@@ -73,7 +73,7 @@ from lightning_hetero.grad.sharding import (
     shard_module,
 )
 from lightning_hetero.grad.weighting import loss_weight, scaled
-from lightning_hetero.plan.activations import StepBytes, measure_step_bytes
+from lightning_hetero.plan.activations import StepBytes, measure_step_bytes, resident_bytes
 from lightning_hetero.plan.blocks import default_blocks, tied_parameters
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.memory import (
@@ -419,16 +419,19 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             return None
 
         def run(samples: int) -> None:
-            trial_step(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
-                       self.batch_to_device, batches(samples))
+            with self.core.lab.emulated_stream():  # the step's stream: the trial allocates the workspaces a step does
+                trial_step(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
+                           self.batch_to_device, batches(samples))
 
         # A rank that splits its share measures one micro-batch, as its forward/backward runs it.
         limits = self._micro_limits()
         # BatchNorm layers that train need two samples (torch refuses one) and the synced layer
         # synchronises only inside a step.
         batch_norm = any(isinstance(m, _compat.BatchNormBase) and m.training for m in module.modules())
+        resident = resident_bytes(self.root_device, module, self.optimizers)
         step = measure_step_bytes(run, micro_batches(share, limits[self.global_rank] if limits else None)[1],
                                   self.root_device, least=2 if batch_norm else 1)
+        step = replace(step, resident=resident)
         if self.world_size == 1:
             return [step]
         gathered: list[Optional[StepBytes]] = [None] * self.world_size

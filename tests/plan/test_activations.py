@@ -6,6 +6,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Optional
 
 import lightning.pytorch as pl
@@ -16,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks.lm import GPTModule, RandomTokens
 from lightning_hetero import HeteroFSDPStrategy
-from lightning_hetero.plan.activations import LiveBytes, StepBytes, measure_step_bytes, measured_samples
+from lightning_hetero.plan.activations import (LiveBytes, StepBytes, measure_step_bytes, measured_samples,
+                                               model_state_bytes, resident_bytes)
 from lightning_hetero.plan.memory import estimate
 from tests.helpers import one_process_fit
 
@@ -63,6 +65,21 @@ def test_measure_step_bytes_fits_a_linear_model():
     # Each sample keeps its input, the hidden layer and the ReLU's output (64 floats each) at least.
     assert large.per_sample >= 3 * 64 * 4
     assert abs(small.at(64) - large.at(64)) <= 0.25 * large.at(64)
+
+
+def test_model_state_and_resident_bytes_count_each_storage_once():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))  # 72 + 16 parameters; 8 + 8 + 1 buffer elements
+    optimizer = torch.optim.Adam(model.parameters())
+    assert model_state_bytes(CPU, model, [optimizer]) == 88 * 4
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    # Parameters, gradients and Adam's two moments (4 x 88 floats), and one step counter per parameter (4 tensors).
+    assert model_state_bytes(CPU, model, [optimizer]) == 4 * 88 * 4 + 4 * 4
+    assert model_state_bytes(torch.device("meta"), model, [optimizer]) == 0  # nothing on another device
+    model[0].weight.grad = model[0].weight.data  # a gradient that is its parameter's storage: counted once
+    assert model_state_bytes(CPU, model, [optimizer]) == 4 * 88 * 4 + 4 * 4 - 64 * 4  # the 8 x 8 weight's
+    # With no allocator to ask (CPU), what stays resident besides the model's state is the buffers.
+    assert resident_bytes(CPU, model, [optimizer]) == (8 + 8) * 4 + 8
 
 
 def _resting_bytes(module: nn.Module) -> int:
@@ -156,6 +173,10 @@ def test_a_measured_plan_near_its_budget_says_so():
     plan = estimate(footprint, "keep", device, 1, 4, 0, budget=10**6, step=step)
     # Parameters and gradients 8000, AdamW 8000, the measured step at 4 samples 6000.
     assert (plan.needed, plan.source, plan.near_budget) == (22000, "allocator", False)
+    # What the device held besides the model's state (buffers, kernel workspaces) is part of the need, and said.
+    resident = estimate(footprint, "keep", device, 1, 4, 0, budget=10**6, step=replace(step, resident=3000))
+    assert resident.needed == 25000 and "other resident" in resident.describe()
+    assert "other resident" not in plan.describe()
     tight = estimate(footprint, "keep", device, 1, 4, 0, budget=22100, step=step)
     assert tight.fits and tight.near_budget and "within 2 % of its budget" in tight.describe()
     assert not estimate(footprint, "keep", device, 1, 4, 0, budget=21000, step=step).fits
