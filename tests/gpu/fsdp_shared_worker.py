@@ -354,6 +354,11 @@ if __name__ == "__main__":
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the launcher's clean-up
     if args.worker:
+        import faulthandler
+
+        # A rank killed by a signal (both ranks of the exact phase once died of SIGSEGV on GPUs, between the first
+        # fit's end and the resumed fit's set-up) leaves its Python stack in its log.
+        faulthandler.enable(all_threads=True)
         _worker(args.worker, args.out, args.accelerator)
     else:
         res = run_all(args.out, args.accelerator, tuple(args.phases.split(",")))
