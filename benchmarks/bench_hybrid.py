@@ -43,6 +43,7 @@ import tempfile
 import sys
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -151,21 +152,23 @@ def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
     size, reps = (256, 20) if device.type == "cpu" else (4096, 50)
     a = torch.randn(size, size, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
 
-    def timed(context: Any) -> float:
-        with context:
+    def timed(context: Callable[[], Any]) -> float:
+        with context():
             for _ in range(3):
                 a @ a
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+        # The whole context is timed: on CPU the emulator pauses when the work ends, on leaving it.
+        start = time.perf_counter()
+        with context():
             for _ in range(reps):
                 a @ a
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return time.perf_counter() - start
+        return time.perf_counter() - start
 
-    plain = timed(nullcontext())
-    emulated = timed(emulator.work()) if emulator is not None else plain
+    plain = timed(nullcontext)
+    emulated = timed(emulator.work) if emulator is not None else plain
     expected = 1.0
     if emulator is not None:
         expected = emulator.device.slowdown if device.type == "cpu" else 1.0 / emulator.device.sm_share
