@@ -31,3 +31,29 @@ def test_hybridlate_is_hybrid_with_the_exchange_after_the_backward(config, overl
     strategy = bench_hybrid._strategy(config, args, 4, None)
     assert strategy.pipelines == [[2, 3]]
     assert strategy.overlap_stage_exchange is overlap
+
+
+def test_the_emulation_check_times_the_pause_of_a_slowed_cpu_rank():
+    """The check once timed the work inside the emulator's context and returned before the pause on leaving it: a rank
+    set to 3x measured 0.5-1.0x."""
+    import torch
+
+    from lightning_hetero.lab.devices import DeviceInfo
+    from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve
+    from tests.helpers import retry_timing
+
+    cpu = DeviceInfo(rank=0, host="h", type="cpu", name="cpu", capability=(0, 0), memory_bytes=8 * 2**30,
+                     multiprocessors=2)
+    emulator = Emulator(resolve(EmulationSpec(slowdown=3.0), cpu), torch.device("cpu"), "nvlink")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the emulator counts the calling thread's CPU time
+
+    def attempt(_: int) -> None:
+        check = bench_hybrid.verify_emulation(emulator, torch.device("cpu"))
+        assert check["expected_slowdown"] == 3.0
+        assert 1.8 <= check["measured_slowdown"] <= 4.5, check  # wall time: the host's load moves it
+
+    try:
+        retry_timing(3, attempt)
+    finally:
+        torch.set_num_threads(threads)
