@@ -15,7 +15,8 @@
 #                                          # $OUT gets goals.json, goals.txt, p1/p2/p3/p7 plots, logs.txt
 #   bash benchmarks/run_all_gpu.sh hybrid   # 4 GPUs, <= 560 s: the hybrid layout with the overlapped stage exchange
 #                                          # against one process over NCCL, the stage monitor test (3 GPUs), then
-#                                          # BERT-base late vs overlapped exchange with the monitor (exchange ms, MB)
+#                                          # BERT-base: late vs overlapped exchange, and profiled shares, with the
+#                                          # monitor (exchange ms, MB)
 #   bash benchmarks/run_all_gpu.sh rehearse # 2 GPUs: the rehearsal against the lab really run (the GPU suite's
 #                                          # check); with 4 GPUs then the four-card lab (needs jsonargparse)
 # Each step has its own time limit, so one hang cannot take the rest with it.
@@ -96,7 +97,7 @@ case "${1:-checks}" in
         step hybrid_exact 110 0,1,2,3 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_lab.py -k hybrid
         step stage_monitor 150 0,1,2 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_stage_monitor.py
         step hybrid_bert 280 0,1,2,3 python3 benchmarks/bench_hybrid.py --model bert --fast-card A100-80GB \
-            --configs hybridlate,hybrid --global-batch 160 --monitor --warmup 2 --steps 24 --timeout 120 \
+            --configs hybridlate,hybrid,hybridprofile --global-batch 160 --monitor --warmup 2 --steps 24 --timeout 90 \
             --out "$OUT/hybrid_bert"
         ;;
     rehearse)

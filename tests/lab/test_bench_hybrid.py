@@ -25,12 +25,16 @@ def test_bad_options_stop_before_anything_runs(tmp_path, capsys, argv, flag):
     assert not (tmp_path / "bench_hybrid.json").exists()
 
 
-@pytest.mark.parametrize(("config", "overlap"), [("hybrid", True), ("hybridlate", False)])
-def test_hybridlate_is_hybrid_with_the_exchange_after_the_backward(config, overlap):
-    args = bench_hybrid.argparse.Namespace(monitor=False, accelerator="cpu", fast_card=None, micro_batches=None)
+@pytest.mark.parametrize(("config", "overlap", "capacities"),
+                         [("hybrid", True, "list"), ("hybridlate", False, "list"),
+                          ("hybridprofile", True, "profile")])
+def test_hybrid_levers_change_one_thing_each(config, overlap, capacities):
+    args = bench_hybrid.argparse.Namespace(monitor=False, accelerator="cpu", fast_card=None, micro_batches=None,
+                                           profile_steps=4)
     strategy = bench_hybrid._strategy(config, args, 4, None)
     assert strategy.pipelines == [[2, 3]]
     assert strategy.overlap_stage_exchange is overlap
+    assert strategy.plan.spec.source == capacities
 
 
 def test_the_emulation_check_times_the_pause_of_a_slowed_cpu_rank():
