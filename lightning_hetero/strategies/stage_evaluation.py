@@ -24,10 +24,12 @@ no parameter is re-broadcast. Data-parallel ranks evaluate as before.
     class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP): ...
 """
 
+import inspect
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -123,7 +125,29 @@ class StageEvaluation:
         with evaluation_step("validation", "val_dataloaders", args, kwargs, runs=runs):
             with self.precision_plugin.val_step_context():  # type: ignore[attr-defined]
                 output, calls = replica.evaluate(joined, batch_idx, step_args)
-            for name, value, log_args, log_kwargs in share_logs(calls, replica.ranks[-1], replica.group,
-                                                                "validation_step"):
-                module.log(name, torch.tensor(value, device=device), *log_args, **{"batch_size": size, **log_kwargs})
+            shared = share_logs(calls, replica.ranks[-1], replica.group, "validation_step")
+            # Before the last stage the step is a padding step: a synced value counts on the last stage alone. An
+            # unsynced value is this rank's own view, the replica's: logged after the padding step with the joined
+            # batch's weight (discarded, its epoch mean would be 0 / 0, NaN, and EarlyStopping would stop the fit).
+            own_view = [call for call in shared if not _synced(call)] if any_real and not replica.is_last else []
+            for call in shared:
+                if call not in own_view:
+                    _log(module, call, size, device)
+        for call in own_view:
+            _log(module, call, size, device)
         return output
+
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def _synced(call: tuple[str, float, tuple, dict]) -> bool:
+    """Whether a ``self.log`` call reduces over ranks (``sync_dist=True``)."""
+    name, value, log_args, log_kwargs = call
+    return bool(_LOG_SIGNATURE.bind(None, name, value, *log_args, **log_kwargs).arguments.get("sync_dist", False))
+
+
+def _log(module: Any, call: tuple[str, float, tuple, dict], size: int, device: torch.device) -> None:
+    """``module.log`` of a pipeline's call, weighted by the joined batch's ``size`` unless the call names one."""
+    name, value, log_args, log_kwargs = call
+    module.log(name, torch.tensor(value, device=device), *log_args, **{"batch_size": size, **log_kwargs})

@@ -1,0 +1,83 @@
+"""Pipelined validation's logged values (``pipelined_evaluation=True``, lightning_hetero/strategies/stage_evaluation.py)
+as one device or each rank's own share gives them, for the ways a LightningModule logs: unsynced values, ``log_dict``,
+and values logged before the step's forward. Fits of 3 forked CPU ranks: rank 0 data-parallel, ranks 1 and 2 a
+2-stage pipeline."""
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping
+
+from tests.helpers import IndexedDataset
+from tests.strategies.test_hybrid import PipelineValidated, fit, hybrid
+
+WORLD, PIPELINES, CAPACITIES = 3, [[1, 2]], [2, 1, 1]
+
+
+class Metrics(Callback):
+    """Per rank: ``callback_metrics`` after every validation and training epoch, and the validation indices of the
+    last validation run, saved as ``metrics{rank}.pt``."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.validations, self.epochs, self.indices = out_dir, [], [], []
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        self.indices = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.indices.append([int(i) for i in batch[2]])
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def teardown(self, trainer, pl_module, stage):
+        torch.save({"validations": self.validations, "epochs": self.epochs, "indices": self.indices},
+                   os.path.join(self.out_dir, f"metrics{trainer.global_rank}.pt"))
+
+
+def metrics(out_dir):
+    return [torch.load(os.path.join(out_dir, f"metrics{r}.pt")) for r in range(WORLD)]
+
+
+class UnsyncedValidation(PipelineValidated):
+    """Logs its validation loss unsynced (Lightning's default ``sync_dist=False``) beside a synced one."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("val_own", loss)
+        self.log("val_loss", loss, sync_dist=True)
+
+
+@pytest.mark.slow
+def test_an_unsynced_validation_value_is_the_replicas_on_every_stage_rank(tmp_path):
+    """An unsynced value (``self.log(name, value)``) is each rank's own mean; a stage rank's own share is its
+    replica's: every stage rank's epoch value is the loss over the pipeline's samples, not 0 / 0 (NaN, which made
+    ``EarlyStopping(monitor=...)`` stop the fit after its first validation), and the synced mean stays one device's."""
+    seed_everything(0)
+    model = UnsyncedValidation(val_n=23, optimizer="sgd", n=24)
+    epochs = 2
+    records = fit(model, str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, pipelined_evaluation=True), epochs,
+                  callbacks=[Metrics(str(tmp_path)), EarlyStopping(monitor="val_own", patience=5)],
+                  default_root_dir=str(tmp_path))
+    steps_per_epoch = 2  # 24 samples, a global batch of 12
+    assert [r["steps"] for r in records] == [epochs * steps_per_epoch] * WORLD
+    logged = metrics(str(tmp_path))
+    dataset, probe = IndexedDataset(23, seed=1), PipelineValidated(val_n=23)
+    probe.load_state_dict(records[0]["final"], strict=False)  # the model the last validation ran
+
+    def loss_over(ranks):
+        indices = torch.tensor(sorted({i for r in ranks for batch in logged[r]["indices"] for i in batch}))
+        with torch.no_grad():
+            return float(probe.loss((dataset.x[indices], dataset.y[indices], indices)))
+
+    expected = {0: loss_over([0]), 1: loss_over(PIPELINES[0]), 2: loss_over(PIPELINES[0])}
+    everything = loss_over(range(WORLD))
+    for r in range(WORLD):
+        last = logged[r]["validations"][-1]
+        assert abs(last["val_own"] - expected[r]) <= 1e-5 * max(1.0, abs(expected[r])), (r, last, expected)
+        assert abs(last["val_loss"] - everything) <= 1e-5 * max(1.0, abs(everything)), (r, last, everything)
