@@ -64,7 +64,9 @@ def forward_inputs(module: nn.Module, batch: Any, batch_idx: int, step: str = "t
     def catch(*args: Any, **kwargs: Any) -> None:
         raise _Called(args, kwargs)
 
-    with _forward_replaced(module, catch):
+    # The step's `self.log` calls before its forward are silenced here: they run again where the pipeline's output
+    # is known (the last stage), and would count twice.
+    with _forward_replaced(module, catch), LogCapture(module).patched():
         try:
             getattr(module, step)(batch, batch_idx, *step_args)
         except _Called as called:
@@ -110,7 +112,10 @@ def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: d
     if dist.get_rank() == src:
         bad = [name for name, value, _, _ in calls
                if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
-        box = [[(name, float(value), args, kwargs) for name, value, args, kwargs in calls]] if not bad else [
+        # `log_dict` passes `batch_size=None`: left in, Lightning would weigh the value by this rank's own slice,
+        # not the replica's joined batch.
+        box = [[(name, float(value), args, {k: v for k, v in kwargs.items() if not (k == "batch_size" and v is None)})
+                for name, value, args, kwargs in calls]] if not bad else [
             f"`self.log({bad[0]!r}, ...)` in `{step}` on a pipelined replica: log a number or a one-element "
             "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
     dist.broadcast_object_list(box, src=src, group=group)

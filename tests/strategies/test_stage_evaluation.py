@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping
+from torch import nn
 
 from tests.helpers import IndexedDataset
 from tests.strategies.test_hybrid import PipelineValidated, fit, hybrid
@@ -81,3 +82,43 @@ def test_an_unsynced_validation_value_is_the_replicas_on_every_stage_rank(tmp_pa
         last = logged[r]["validations"][-1]
         assert abs(last["val_own"] - expected[r]) <= 1e-5 * max(1.0, abs(expected[r])), (r, last, expected)
         assert abs(last["val_loss"] - everything) <= 1e-5 * max(1.0, abs(everything)), (r, last, everything)
+
+
+class LoggedAnyWay(PipelineValidated):
+    """Logs each value twice (``self.log`` and ``self.log_dict``), and the mean label before the step's forward."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("train_y", batch[1].float().mean(), sync_dist=True, on_step=False, on_epoch=True)
+        loss = super().training_step(batch, batch_idx)  # the forward
+        self.log("train_epoch_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
+        self.log_dict({"train_epoch_loss_dict": loss}, sync_dist=True, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_y", y.float().mean(), sync_dist=True)
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log_dict({"val_loss_dict": loss}, sync_dist=True)
+
+
+@pytest.mark.slow
+def test_values_logged_by_log_dict_or_before_the_forward_are_one_devices(tmp_path):
+    """A pipeline's ``log_dict`` values are weighted by the replica's joined batch as its ``self.log`` values are (its
+    explicit ``batch_size=None`` had Lightning weigh them by the last stage's own slice), and a value logged before
+    the step's forward counts once (the stage-0 input's capture logged it a second time), in training and in the
+    pipelined validation: every rank's epoch means are one device's."""
+    seed_everything(0)
+    n, val_n = 24, 23
+    fit(LoggedAnyWay(val_n=val_n, optimizer="sgd", n=n), str(tmp_path), WORLD,
+        hybrid(PIPELINES, CAPACITIES, pipelined_evaluation=True), 1, callbacks=[Metrics(str(tmp_path))],
+        default_root_dir=str(tmp_path))
+    train_y = float(IndexedDataset(n).y.float().mean())
+    val_y = float(IndexedDataset(val_n, seed=1).y.float().mean())
+    for r, record in enumerate(metrics(str(tmp_path))):
+        epoch = record["epochs"][-1]
+        assert abs(epoch["train_y"] - train_y) <= 1e-6, (r, epoch, train_y)
+        assert abs(epoch["val_y"] - val_y) <= 1e-6, (r, epoch, val_y)
+        assert abs(epoch["train_epoch_loss_dict"] - epoch["train_epoch_loss"]) <= 1e-6 * abs(epoch["train_epoch_loss"]), (
+            r, epoch)
+        assert abs(epoch["val_loss_dict"] - epoch["val_loss"]) <= 1e-6 * abs(epoch["val_loss"]), (r, epoch)
