@@ -25,12 +25,14 @@ a slower card pauses for it (so the neighbour stage waits for it as for a slow c
 its transfers.
 """
 
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
@@ -122,6 +124,30 @@ def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: d
     if isinstance(box[0], str):
         raise ValueError(box[0])
     return box[0]
+
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def synced(call: tuple[str, float, tuple, dict]) -> bool:
+    """Whether a shared ``self.log`` call reduces over ranks (``sync_dist=True``)."""
+    name, value, args, kwargs = call
+    return bool(_LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments.get("sync_dist", False))
+
+
+def own_view(calls: Sequence[tuple[str, float, tuple, dict]], mirrors: bool) -> list[tuple[str, float, tuple, dict]]:
+    """The shared calls a stage rank logs after its step, not in it: where its step ``mirrors`` the replica's (a stage
+    before the last, on a real batch: a padding step, counting nowhere), its unsynced values, its own view of the
+    replica's step (discarded with the padding step, their epoch mean is 0 / 0, NaN, and ``EarlyStopping`` stops
+    the fit)."""
+    return [call for call in calls if not synced(call)] if mirrors else []
+
+
+def log_shared(module: nn.Module, calls: Sequence[tuple[str, float, tuple, dict]], size: int,
+               device: torch.device) -> None:
+    """``module.log`` of each shared call, weighted by the replica's joined batch (``size``) unless it names one."""
+    for name, value, args, kwargs in calls:
+        module.log(name, torch.tensor(value, device=device), *args, **{"batch_size": size, **kwargs})
 
 
 KEPT_SCHEDULES = 2  # a full batch's micro-batch shape and an epoch's short last one

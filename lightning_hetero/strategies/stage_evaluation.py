@@ -16,7 +16,8 @@ A pipelined validation step, on every rank of a pipeline alike:
    weighted by the joined batch's samples (``batch_size``, unless the user's call names one), the other stage ranks
    as a padding step (weight 0, :func:`~lightning_hetero.observe.metrics.discard_padding_step`). A ``sync_dist``
    mean is then one device's over the evaluation set, and every rank logs the same keys (no collective is left
-   unmatched).
+   unmatched). An unsynced value is each rank's own mean: on every stage rank the replica's (the other stage ranks
+   log it after the padding step, :func:`~lightning_hetero.strategies.pipelined.own_view`).
 
 Before validation, rank 0's buffers reach every rank, as for whole-model evaluation (no DDP wrapper re-syncs them);
 no parameter is re-broadcast. Data-parallel ranks evaluate as before.
@@ -24,12 +25,10 @@ no parameter is re-broadcast. Data-parallel ranks evaluate as before.
     class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP): ...
 """
 
-import inspect
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -38,7 +37,8 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero.grad.stage_sync import StageSync, broadcast_buffers
 from lightning_hetero.observe.metrics import evaluation_padding, step_indices
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
+from lightning_hetero.strategies.pipelined import (PipelinedReplica, gather_batch, log_shared, own_view,
+                                                   share_logs)
 
 
 class StageEvaluation:
@@ -126,28 +126,7 @@ class StageEvaluation:
             with self.precision_plugin.val_step_context():  # type: ignore[attr-defined]
                 output, calls = replica.evaluate(joined, batch_idx, step_args)
             shared = share_logs(calls, replica.ranks[-1], replica.group, "validation_step")
-            # Before the last stage the step is a padding step: a synced value counts on the last stage alone. An
-            # unsynced value is this rank's own view, the replica's: logged after the padding step with the joined
-            # batch's weight (discarded, its epoch mean would be 0 / 0, NaN, and EarlyStopping would stop the fit).
-            own_view = [call for call in shared if not _synced(call)] if any_real and not replica.is_last else []
-            for call in shared:
-                if call not in own_view:
-                    _log(module, call, size, device)
-        for call in own_view:
-            _log(module, call, size, device)
+            later = own_view(shared, mirrors=any_real and not replica.is_last)
+            log_shared(module, [call for call in shared if call not in later], size, device)
+        log_shared(module, later, size, device)
         return output
-
-
-_LOG_SIGNATURE = inspect.signature(LightningModule.log)
-
-
-def _synced(call: tuple[str, float, tuple, dict]) -> bool:
-    """Whether a ``self.log`` call reduces over ranks (``sync_dist=True``)."""
-    name, value, log_args, log_kwargs = call
-    return bool(_LOG_SIGNATURE.bind(None, name, value, *log_args, **log_kwargs).arguments.get("sync_dist", False))
-
-
-def _log(module: Any, call: tuple[str, float, tuple, dict], size: int, device: torch.device) -> None:
-    """``module.log`` of a pipeline's call, weighted by the joined batch's ``size`` unless the call names one."""
-    name, value, log_args, log_kwargs = call
-    module.log(name, torch.tensor(value, device=device), *log_args, **{"batch_size": size, **log_kwargs})

@@ -3,6 +3,7 @@ as one device or each rank's own share gives them, for the ways a LightningModul
 and values logged before the step's forward. Fits of 3 forked CPU ranks: rank 0 data-parallel, ranks 1 and 2 a
 2-stage pipeline."""
 
+import math
 import os
 
 import pytest
@@ -45,8 +46,13 @@ def metrics(out_dir):
     return [torch.load(os.path.join(out_dir, f"metrics{r}.pt")) for r in range(WORLD)]
 
 
-class UnsyncedValidation(PipelineValidated):
-    """Logs its validation loss unsynced (Lightning's default ``sync_dist=False``) beside a synced one."""
+class Unsynced(PipelineValidated):
+    """Logs its losses unsynced (Lightning's default ``sync_dist=False``), its validation loss beside a synced one."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_own", loss, on_step=False, on_epoch=True)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
@@ -55,12 +61,13 @@ class UnsyncedValidation(PipelineValidated):
 
 
 @pytest.mark.slow
-def test_an_unsynced_validation_value_is_the_replicas_on_every_stage_rank(tmp_path):
+def test_an_unsynced_value_is_the_replicas_on_every_stage_rank(tmp_path):
     """An unsynced value (``self.log(name, value)``) is each rank's own mean; a stage rank's own share is its
     replica's: every stage rank's epoch value is the loss over the pipeline's samples, not 0 / 0 (NaN, which made
-    ``EarlyStopping(monitor=...)`` stop the fit after its first validation), and the synced mean stays one device's."""
+    ``EarlyStopping(monitor=...)`` stop the fit after its first validation), and the synced mean stays one device's;
+    in training likewise (each stage rank logs the replica's epoch mean)."""
     seed_everything(0)
-    model = UnsyncedValidation(val_n=23, optimizer="sgd", n=24)
+    model = Unsynced(val_n=23, optimizer="sgd", n=24)
     epochs = 2
     records = fit(model, str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, pipelined_evaluation=True), epochs,
                   callbacks=[Metrics(str(tmp_path)), EarlyStopping(monitor="val_own", patience=5)],
@@ -79,6 +86,10 @@ def test_an_unsynced_validation_value_is_the_replicas_on_every_stage_rank(tmp_pa
     expected = {0: loss_over([0]), 1: loss_over(PIPELINES[0]), 2: loss_over(PIPELINES[0])}
     everything = loss_over(range(WORLD))
     for r in range(WORLD):
+        train_own = [epoch["train_own"] for epoch in logged[r]["epochs"]]
+        assert len(train_own) == epochs and all(math.isfinite(v) for v in train_own), (r, train_own)
+        if r == PIPELINES[0][0]:
+            assert train_own == [epoch["train_own"] for epoch in logged[PIPELINES[0][1]]["epochs"]]
         last = logged[r]["validations"][-1]
         assert abs(last["val_own"] - expected[r]) <= 1e-5 * max(1.0, abs(expected[r])), (r, last, expected)
         assert abs(last["val_loss"] - everything) <= 1e-5 * max(1.0, abs(everything)), (r, last, everything)
@@ -119,6 +130,6 @@ def test_values_logged_by_log_dict_or_before_the_forward_are_one_devices(tmp_pat
         epoch = record["epochs"][-1]
         assert abs(epoch["train_y"] - train_y) <= 1e-6, (r, epoch, train_y)
         assert abs(epoch["val_y"] - val_y) <= 1e-6, (r, epoch, val_y)
-        assert abs(epoch["train_epoch_loss_dict"] - epoch["train_epoch_loss"]) <= 1e-6 * abs(epoch["train_epoch_loss"]), (
-            r, epoch)
+        train_loss = epoch["train_epoch_loss"]
+        assert abs(epoch["train_epoch_loss_dict"] - train_loss) <= 1e-6 * abs(train_loss), (r, epoch)
         assert abs(epoch["val_loss_dict"] - epoch["val_loss"]) <= 1e-6 * abs(epoch["val_loss"]), (r, epoch)
