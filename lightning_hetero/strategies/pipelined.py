@@ -17,7 +17,8 @@ The stage-0 input is taken from the batch by the user's own ``training_step`` (i
 and the last stage computes each micro-batch's loss by running the user's ``training_step`` on that micro-batch with
 ``self(...)`` returning the stage's output, so the loss and every ``self.log`` stay the user's. Its ``self.log``
 calls are combined over micro-batches as micro-batching combines them
-(:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0.
+(:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0
+(an unsynced value, each rank's own, after the step with the replica's weight: :func:`own_view`).
 
 Each micro-batch's forward, backward and loss run through :meth:`PipelinedReplica.work`: there a CPU rank emulating
 a slower card pauses for it (so the neighbour stage waits for it as for a slow card), and the monitor's
