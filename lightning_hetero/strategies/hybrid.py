@@ -353,8 +353,9 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         # nowhere, their unsynced values logged after the step), as the pipelined validation does.
         size = extract_batch_size(joined)
         shared = timed(share_logs, calls, replica.ranks[-1], replica.group)
-        self._after_step = later, _ = own_view(shared, mirrors=any_real and not replica.is_last), size
+        later = own_view(shared, mirrors=any_real and not replica.is_last)
         log_shared(self.lightning_module, [call for call in shared if call not in later], size, self.root_device)
+        self._after_step = (later, size)
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
 
