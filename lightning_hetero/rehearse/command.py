@@ -23,6 +23,7 @@ Example::
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -144,6 +145,11 @@ def _written(report: dict[str, Any], text: str, out_dir: str, log_path: str, str
     return report
 
 
+# What jsonargparse names where the config gives the model or data no class path: the generic CLI's base classes (a
+# class path of the config's own, refusing its arguments, is no sign of a config for a script of the user's).
+_NO_CLASS_PATH = re.compile(r"class_path '[\w.]*\bLightning(Data)?Module'")
+
+
 def failure(hetero: Sequence[dict[str, Any]], log_path: str, script: Optional[str]) -> Optional[str]:
     """Why our strategy's ranks could not run, the first rank's own error first; ``None`` when every rank ran or
     ran out of memory on its card (an answer of the rehearsal, not a failure)."""
@@ -153,7 +159,7 @@ def failure(hetero: Sequence[dict[str, Any]], log_path: str, script: Optional[st
     first = failed[0]
     said = (f"{first['error']} [rehearsed rank {first['rank']}, {first['card']}; every rank's output: {log_path}; "
             "Lightning's strategies not rehearsed]")
-    if script is None and "class_path" in first["error"]:
+    if script is None and _NO_CLASS_PATH.search(first["error"]):
         said += (" (a config of your own LightningCLI script, without class paths, rehearses through it: "
                  "give `--script SCRIPT`)")
     return said

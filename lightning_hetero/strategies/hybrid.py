@@ -52,7 +52,7 @@ from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
+from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, log_shared, own_view, share_logs
 from lightning_hetero.strategies.stage_evaluation import StageEvaluation
 from lightning_hetero.strategies.stage_exchange import StageExchange
 from lightning_hetero.view import running_strategy
@@ -207,6 +207,8 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         self.split_points, self.stage_compression = split_points, stage_compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
+        # What a stage rank logs after its training step: its own view of the replica's (calls, joined batch size).
+        self._after_step: tuple[list, int] = ([], 0)
         # Measured capacities time a pipeline as one replica.
         self.core.profiler.measure = self._profile_layout
 
@@ -316,6 +318,14 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
         self.core.step.share = (replica if self.replica.is_last else 0, share[1])
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        # A stage rank's own view of its replica's step, logged after the padding step it is here (`own_view`).
+        (later, size), self._after_step = self._after_step, ([], 0)
+        log_shared(self.lightning_module, later, size, self.root_device)
+        return output
+
     def pipelined_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         replica, step = self.replica, self.core.step
         assert replica is not None and self.layout is not None
@@ -340,11 +350,12 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         for p, g in zip(params, held):
             p.grad = g
         # Logged for the replica's joined batch (an epoch mean weights each step by it; the other stage ranks count
-        # nowhere), as the pipelined validation does.
+        # nowhere, their unsynced values logged after the step), as the pipelined validation does.
         size = extract_batch_size(joined)
-        for name, value, args_, kw in timed(share_logs, calls, replica.ranks[-1], replica.group):
-            self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args_,
-                                      **{"batch_size": size, **kw})
+        shared = timed(share_logs, calls, replica.ranks[-1], replica.group)
+        later = own_view(shared, mirrors=any_real and not replica.is_last)
+        log_shared(self.lightning_module, [call for call in shared if call not in later], size, self.root_device)
+        self._after_step = (later, size)
         value = loss if loss is not None else torch.zeros((), device=self.root_device)
         return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
 

@@ -17,7 +17,8 @@ The stage-0 input is taken from the batch by the user's own ``training_step`` (i
 and the last stage computes each micro-batch's loss by running the user's ``training_step`` on that micro-batch with
 ``self(...)`` returning the stage's output, so the loss and every ``self.log`` stay the user's. Its ``self.log``
 calls are combined over micro-batches as micro-batching combines them
-(:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0.
+(:class:`~lightning_hetero.data.microbatch.LogCapture`) and the other stage ranks log the same values with weight 0
+(an unsynced value, each rank's own, after the step with the replica's weight: :func:`own_view`).
 
 Each micro-batch's forward, backward and loss run through :meth:`PipelinedReplica.work`: there a CPU rank emulating
 a slower card pauses for it (so the neighbour stage waits for it as for a slow card), and the monitor's
@@ -25,12 +26,14 @@ a slower card pauses for it (so the neighbour stage waits for it as for a slow c
 its transfers.
 """
 
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
@@ -64,7 +67,9 @@ def forward_inputs(module: nn.Module, batch: Any, batch_idx: int, step: str = "t
     def catch(*args: Any, **kwargs: Any) -> None:
         raise _Called(args, kwargs)
 
-    with _forward_replaced(module, catch):
+    # The step's `self.log` calls before its forward are silenced here: they run again where the pipeline's output
+    # is known (the last stage), and would count twice.
+    with _forward_replaced(module, catch), LogCapture(module).patched():
         try:
             getattr(module, step)(batch, batch_idx, *step_args)
         except _Called as called:
@@ -110,13 +115,40 @@ def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: d
     if dist.get_rank() == src:
         bad = [name for name, value, _, _ in calls
                if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
-        box = [[(name, float(value), args, kwargs) for name, value, args, kwargs in calls]] if not bad else [
+        # `log_dict` passes `batch_size=None`: left in, Lightning would weigh the value by this rank's own slice,
+        # not the replica's joined batch.
+        box = [[(name, float(value), args, {k: v for k, v in kwargs.items() if not (k == "batch_size" and v is None)})
+                for name, value, args, kwargs in calls]] if not bad else [
             f"`self.log({bad[0]!r}, ...)` in `{step}` on a pipelined replica: log a number or a one-element "
             "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
     dist.broadcast_object_list(box, src=src, group=group)
     if isinstance(box[0], str):
         raise ValueError(box[0])
     return box[0]
+
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def synced(call: tuple[str, float, tuple, dict]) -> bool:
+    """Whether a shared ``self.log`` call reduces over ranks (``sync_dist=True``)."""
+    name, value, args, kwargs = call
+    return bool(_LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments.get("sync_dist", False))
+
+
+def own_view(calls: Sequence[tuple[str, float, tuple, dict]], mirrors: bool) -> list[tuple[str, float, tuple, dict]]:
+    """The shared calls a stage rank logs after its step, not in it: where its step ``mirrors`` the replica's (a stage
+    before the last, on a real batch: a padding step, counting nowhere), its unsynced values, its own view of the
+    replica's step (discarded with the padding step, their epoch mean is 0 / 0, NaN, and ``EarlyStopping`` stops
+    the fit)."""
+    return [call for call in calls if not synced(call)] if mirrors else []
+
+
+def log_shared(module: nn.Module, calls: Sequence[tuple[str, float, tuple, dict]], size: int,
+               device: torch.device) -> None:
+    """``module.log`` of each shared call, weighted by the replica's joined batch (``size``) unless it names one."""
+    for name, value, args, kwargs in calls:
+        module.log(name, torch.tensor(value, device=device), *args, **{"batch_size": size, **kwargs})
 
 
 KEPT_SCHEDULES = 2  # a full batch's micro-batch shape and an epoch's short last one

@@ -16,7 +16,8 @@ A pipelined validation step, on every rank of a pipeline alike:
    weighted by the joined batch's samples (``batch_size``, unless the user's call names one), the other stage ranks
    as a padding step (weight 0, :func:`~lightning_hetero.observe.metrics.discard_padding_step`). A ``sync_dist``
    mean is then one device's over the evaluation set, and every rank logs the same keys (no collective is left
-   unmatched).
+   unmatched). An unsynced value is each rank's own mean: on every stage rank the replica's (the other stage ranks
+   log it after the padding step, :func:`~lightning_hetero.strategies.pipelined.own_view`).
 
 Before validation, rank 0's buffers reach every rank, as for whole-model evaluation (no DDP wrapper re-syncs them);
 no parameter is re-broadcast. Data-parallel ranks evaluate as before.
@@ -36,7 +37,8 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero.grad.stage_sync import StageSync, broadcast_buffers
 from lightning_hetero.observe.metrics import evaluation_padding, step_indices
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, share_logs
+from lightning_hetero.strategies.pipelined import (PipelinedReplica, gather_batch, log_shared, own_view,
+                                                   share_logs)
 
 
 class StageEvaluation:
@@ -123,7 +125,8 @@ class StageEvaluation:
         with evaluation_step("validation", "val_dataloaders", args, kwargs, runs=runs):
             with self.precision_plugin.val_step_context():  # type: ignore[attr-defined]
                 output, calls = replica.evaluate(joined, batch_idx, step_args)
-            for name, value, log_args, log_kwargs in share_logs(calls, replica.ranks[-1], replica.group,
-                                                                "validation_step"):
-                module.log(name, torch.tensor(value, device=device), *log_args, **{"batch_size": size, **log_kwargs})
+            shared = share_logs(calls, replica.ranks[-1], replica.group, "validation_step")
+            later = own_view(shared, mirrors=any_real and not replica.is_last)
+            log_shared(module, [call for call in shared if call not in later], size, device)
+        log_shared(module, later, size, device)
         return output

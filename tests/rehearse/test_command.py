@@ -78,6 +78,12 @@ def test_a_rank_that_exits_says_its_error_in_one_line():
     assert failure(ranks, "out/rehearsal.log", None).startswith("Parser key \"model\"")
     assert "give `--script SCRIPT`" in failure(ranks, "out/rehearsal.log", None)
     assert "--script" not in failure(ranks, "out/rehearsal.log", "train.py")
+    # A config's own class path refusing an argument (a strategy's option of the wrong type) is not pointed at --script.
+    wrong_type = ("Parser key \"trainer.strategy\": Problem with given class_path "
+                  "'lightning_hetero.HeteroHybridStrategy': Parser key \"pipelines\": (the rank's process exited with "
+                  "code 2)")
+    said = failure([dict(RankResult("shared", 0, "A100-80GB", error=wrong_type).__dict__)], "log", None)
+    assert said.startswith(wrong_type) and "--script" not in said
     assert failure([dict(RankResult("hetero", 0, "RTX3090", oom=True, error="CUDA out of memory").__dict__)],
                    "log", None) is None  # out of memory on a card is the rehearsal's answer, not a failure
 
