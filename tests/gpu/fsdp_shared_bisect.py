@@ -56,9 +56,9 @@ MARK = re.compile(r"^\[worker rank \d+\] (.*)$")
 
 
 def crash_report(log: str, lines: int = 80) -> Optional[str]:
-    """The crash report in a rank's log: from faulthandler's ``Fatal Python error`` (or Python's last ``Traceback``)
-    to at most ``lines`` lines on, without faulthandler's list of extension modules; ``None`` when there is
-    neither."""
+    """The Python part of the crash report in a rank's log: from faulthandler's ``Fatal Python error`` (or Python's
+    last ``Traceback``) to at most ``lines`` lines on, without faulthandler's list of extension modules; ``None`` when
+    there is neither."""
     text = [line for line in log.splitlines() if not line.startswith("Extension modules:")]
     for marker in ("Fatal Python error", "Traceback (most recent call last)"):
         found = [i for i, line in enumerate(text) if line.startswith(marker)]
@@ -66,6 +66,45 @@ def crash_report(log: str, lines: int = 80) -> Optional[str]:
             start = found[0] if marker.startswith("Fatal") else found[-1]
             return "\n".join(text[start:start + lines])
     return None
+
+
+NATIVE_HEADER = re.compile(r"^(SIG[A-Z]+)\((\d+)\), PID: \d+, Thread \d+:")
+NATIVE_FRAME = re.compile(r"^\s*frame #\d+: (.*?)(?: \+ 0x[0-9a-f]+)? \((?:0x[0-9a-f]+ in )?(.*)\)$")
+
+
+def native_report(log: str, lines: int = 120) -> Optional[str]:
+    """torch's fatal-signal report in a rank's log (every thread's C++ stack, the crashed thread first), at most
+    ``lines`` lines; ``None`` when there is none."""
+    text = log.splitlines()
+    found = [i for i, line in enumerate(text) if NATIVE_HEADER.match(line)]
+    if not found:
+        return None
+    end = next((i for i in range(found[0], len(text)) if text[i].startswith("Fatal Python error")), len(text))
+    return "\n".join(text[found[0]:min(end, found[0] + lines)])
+
+
+def _signal_in(report: Optional[str]) -> Optional[str]:
+    match = NATIVE_HEADER.match(report or "")
+    return match.group(1) if match else None
+
+
+def native_frames(report: Optional[str], count: int = 4) -> Optional[str]:
+    """The crashed thread's innermost ``count`` native frames below the signal handler, as ``function (library)``,
+    innermost first."""
+    if not report:
+        return None
+    frames = []
+    for line in report.splitlines()[1:]:
+        if NATIVE_HEADER.match(line):
+            break  # the next thread
+        match = NATIVE_FRAME.match(line)
+        if match:
+            frames.append((match.group(1), os.path.basename(match.group(2))))
+    # Below torch's handler: its own two frames, then the kernel's signal trampoline (in libc).
+    handler = max((i for i, (function, _) in enumerate(frames) if "FatalSignalHandler" in function), default=-1)
+    below = frames[handler + 2:] if handler >= 0 else frames
+    return " < ".join(f"{'?' if function.startswith('<unknown') else function} ({library})"
+                      for function, library in below[:count]) or None
 
 
 def _frame(line: str) -> str:
@@ -129,11 +168,14 @@ def run_variant(name: str, work: str, accelerator: str, timeout: float, wrap: tu
         for rank in range(2):
             with open(os.path.join(directory, f"exact_rank{rank}.log"), errors="replace") as f:
                 logs.append(f.read())
-        reports = [crash_report(log) for log in logs]
+        reports, natives = [crash_report(log) for log in logs], [native_report(log) for log in logs]
         entry = {
             "knobs": list(knobs), "returncodes": result["returncodes"], "seconds": time.perf_counter() - began,
             "last_mark": [last_mark(log) for log in logs], "crash_frame": [crash_frame(r) for r in reports],
-            "crash_report": reports, "log_tail": ["\n".join(log.splitlines()[-40:]) for log in logs],
+            "native_frames": [native_frames(r) for r in natives], "crash_report": reports, "native_report": natives,
+            # The signal a rank's handler reported, also where the handler then hung and the launch killed the rank.
+            "signal_in_log": [_signal_in(r) for r in natives],
+            "log_tail": ["\n".join(log.splitlines()[-40:]) for log in logs],
             "log_paths": [os.path.join(directory, f"exact_rank{rank}.log") for rank in range(2)],
         }
         if result["returncodes"] == [0, 0] and not NO_REFERENCE & set(knobs) and all(result["ranks"]):
@@ -151,10 +193,19 @@ def run_variant(name: str, work: str, accelerator: str, timeout: float, wrap: tu
             "ok": all(e["returncodes"] == [0, 0] for e in launches) and len(launches) == planned}
 
 
-def outcome(returncodes: list[Any]) -> str:
-    """``ok``, a signal's name or an exit code per rank (a name given already, as under gdb, stays)."""
-    return "/".join("ok" if c == 0 else "-" if c is None else c if isinstance(c, str) else SIGNALS.get(c, str(c))
-                    for c in returncodes)
+def outcome(returncodes: list[Any], signals: Optional[list[Optional[str]]] = None) -> str:
+    """``ok``, a signal's name or an exit code per rank (a name given already, as under gdb, stays); a rank killed
+    after its log reported a signal (its handler hung) shows that signal, ``(killed)``."""
+    signals = signals or [None] * len(returncodes)
+
+    def one(code: Any, signal_name: Optional[str]) -> str:
+        if code == 0:
+            return "ok"
+        if signal_name is not None and code in (None, -9):
+            return f"{signal_name}(killed)"
+        return "-" if code is None else code if isinstance(code, str) else SIGNALS.get(code, str(code))
+
+    return "/".join(one(c, s) for c, s in zip(returncodes, signals))
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -163,7 +214,7 @@ def table(results: list[dict[str, Any]]) -> str:
         for index, e in enumerate(r["launches"]):
             label = r["variant"] + (f" [{index + 1}/{r['planned']}]" if r["planned"] > 1 else "")
             diff = e.get("max_rel_diff")
-            rows.append((label, outcome(e["returncodes"]), f"{e['seconds']:.0f}",
+            rows.append((label, outcome(e["returncodes"], e.get("signal_in_log")), f"{e['seconds']:.0f}",
                          " | ".join(str(m) for m in e["last_mark"]), str(e["crash_frame"][0] or e["crash_frame"][1]),
                          "-" if diff is None else f"{diff:.2e}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -176,14 +227,15 @@ def verdict(results: list[dict[str, Any]]) -> str:
     """Which variants crashed like the first one (by signal) and which did not."""
     if not results:
         return "no variant ran"
-    first = results[0]["launches"][-1]["returncodes"]
+    last = results[0]["launches"][-1]
+    first = last["returncodes"]
     if all(c == 0 for c in first):
         return f"{results[0]['variant']} did not fail here: nothing to bisect"
     compared = [r for r in results[1:] if not r.get("debugger")]
     cleared = [r["variant"] for r in compared if r["ok"]]
     failing = [r["variant"] for r in compared if not r["ok"]]
-    return (f"{results[0]['variant']} failed ({outcome(first)}); passed with: {', '.join(cleared) or 'none'}; "
-            f"still failing with: {', '.join(failing) or 'none'}")
+    return (f"{results[0]['variant']} failed ({outcome(first, last.get('signal_in_log'))}); passed with: "
+            f"{', '.join(cleared) or 'none'}; still failing with: {', '.join(failing) or 'none'}")
 
 
 def bisect(out: str, accelerator: str, variants: tuple[str, ...], budget: float, timeout: float,
@@ -249,9 +301,10 @@ def _save(out: str, accelerator: str, results: list[dict[str, Any]], skipped: li
     for r in results:
         for index, e in enumerate(r["launches"]):
             for rank in range(2):
-                if e["crash_report"][rank]:
-                    reports.append(f"== {r['variant']} launch {index + 1} rank {rank} ({outcome(e['returncodes'])})"
-                                   f"\n{e['crash_report'][rank]}")
+                if e["crash_report"][rank] or e["native_report"][rank]:
+                    ended = outcome(e["returncodes"], e.get("signal_in_log"))
+                    reports.append(f"== {r['variant']} launch {index + 1} rank {rank} ({ended})"
+                                   f"\n{e['native_report'][rank] or ''}\n{e['crash_report'][rank] or ''}")
         for rank, stack in enumerate(r.get("gdb_stacks", [])):
             reports.append(f"== {r['variant']} rank {rank}: gdb\n{stack}")
     with open(os.path.join(out, "fsdp_shared_bisect.txt"), "w") as f:
@@ -282,9 +335,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in results[:1]:
         for index, e in enumerate(r["launches"]):
             for rank in range(2):
-                if e["crash_report"][rank]:
-                    print(f"== {r['variant']} rank {rank}: first lines of its crash report")
-                    print("\n".join(e["crash_report"][rank].splitlines()[:16]))
+                if e["crash_report"][rank] or e["native_report"][rank]:
+                    print(f"== {r['variant']} rank {rank}: native {e['native_frames'][rank]}; Python "
+                          f"{e['crash_frame'][rank]}")
     skipped = json.load(open(os.path.join(args.out, "fsdp_shared_bisect.json")))["skipped"]
     if skipped:
         print(f"skipped (budget): {', '.join(skipped)}")

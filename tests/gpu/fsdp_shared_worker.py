@@ -84,15 +84,23 @@ def _mark(text: str) -> None:
 
 
 def _arm_crash_report() -> None:
-    """faulthandler on: a rank killed by SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE prints every thread's Python stack.
-    Armed before each fit and at each mark: Lightning's teardown puts every signal's handler back as Python's
-    ``signal.getsignal`` saw it at set-up (``SIG_DFL`` for SIGSEGV, as faulthandler's is not a Python handler), so a
-    fit ends with faulthandler's handler gone and a crash in the next fit printed nothing."""
+    """A rank killed by SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE prints every thread's native stack (torch's fatal
+    signal handler: the C++ frames, gloo's and CUDA's threads too) and then every thread's Python stack
+    (faulthandler). Armed before each fit and at each mark: Lightning's teardown puts every signal's handler back as
+    Python's ``signal.getsignal`` saw it at set-up (``SIG_DFL`` for SIGSEGV: neither handler is a Python one), so a
+    fit ended with both gone and a crash in the next fit printed nothing."""
     import faulthandler
 
-    # `enable` does nothing while faulthandler thinks itself enabled: off first, then on installs the handlers anew.
+    # torch's handler has no public switch; a release without it leaves faulthandler's alone.
+    native = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    # Each does nothing while it thinks itself installed: off first, then on installs the handlers anew. torch's
+    # last, so that it runs first and then calls faulthandler's (which ends the process).
+    if native is not None:
+        native(False)
     faulthandler.disable()
     faulthandler.enable(all_threads=True)
+    if native is not None:
+        native(True)
 
 
 def check_knobs(knobs: Any) -> frozenset[str]:

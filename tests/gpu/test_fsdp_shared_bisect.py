@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_shared_bisect import bisect, crash_frame, crash_report, outcome, verdict  # noqa: E402
+from fsdp_shared_bisect import (  # noqa: E402
+    bisect,
+    crash_frame,
+    crash_report,
+    native_frames,
+    native_report,
+    outcome,
+    verdict,
+)
 from fsdp_shared_worker import check_knobs  # noqa: E402
 
 NATIVE_THREAD_CRASH = """Lightning's last line
@@ -47,8 +55,36 @@ def test_a_crash_in_the_main_thread_and_a_traceback() -> None:
     assert crash_report("no crash here\n") is None and crash_frame(None) is None
 
 
+NATIVE_CRASH = """LOCAL_RANK: 1 - CUDA_VISIBLE_DEVICES: [0,1]
+SIGSEGV(11), PID: 7, Thread 9:
+ frame #0: c10::FatalSignalHandler::stacktraceSignalHandler(bool) + 0x8f (0x7f in /t/lib/libc10.so)
+frame #1: c10::FatalSignalHandler::fatalSignalHandler(int, siginfo_t*) + 0x2da (0x7f in /t/lib/libc10.so)
+frame #2: <unknown function> + 0x3c050 (0x7f in /lib/libc.so.6)
+frame #3: gloo::transport::tcp::UnboundBuffer::send(int, unsigned long) + 0x1 (0x7f in /t/lib/libtorch_cpu.so)
+frame #4: c10d::ProcessGroupGloo::send(std::vector<at::Tensor>&, int, int) + 0x2 (0x7f in /t/lib/libtorch_cpu.so)
+<omitting python frames>
+frame #9: <unknown function> + 0x891f5 (0x7f in /lib/libc.so.6)
+
+SIGSEGV(11), PID: 7, Thread 8:
+ frame #0: c10::FatalSignalHandler::stacktraceSignalHandler(bool) + 0x8f (0x7f in /t/lib/libc10.so)
+frame #1: pthread_cond_wait + 0x1e8 (0x7f in /lib/libc.so.6)
+
+""" + NATIVE_THREAD_CRASH
+
+
+def test_the_native_report_names_the_crashed_threads_frames_below_the_handler() -> None:
+    report = native_report(NATIVE_CRASH)
+    assert report is not None and report.startswith("SIGSEGV(11)") and "Fatal Python error" not in report
+    assert native_frames(report, count=3) == (
+        "gloo::transport::tcp::UnboundBuffer::send(int, unsigned long) (libtorch_cpu.so)"
+        " < c10d::ProcessGroupGloo::send(std::vector<at::Tensor>&, int, int) (libtorch_cpu.so) < ? (libc.so.6)")
+    assert crash_frame(crash_report(NATIVE_CRASH)).startswith("a thread with no Python frame")
+    assert native_report(NATIVE_THREAD_CRASH) is None and native_frames(None) is None
+
+
 def test_outcomes_and_the_verdict() -> None:
     assert outcome([-11, 0, 1, None, "SIGSEGV"]) == "SIGSEGV/ok/1/-/SIGSEGV"
+    assert outcome([-9, -9], ["SIGSEGV", None]) == "SIGSEGV(killed)/SIGKILL"
     results: list[dict[str, Any]] = [
         {"variant": "base", "ok": False, "launches": [{"returncodes": [-11, -11]}]},
         {"variant": "no-measure", "ok": True, "launches": [{"returncodes": [0, 0]}]},
@@ -75,6 +111,9 @@ def test_a_crash_in_the_second_fit_is_caught_with_its_stack(tmp_path: Any) -> No
     assert crashed["returncodes"] == [-11, -11], crashed["log_tail"]
     assert crashed["last_mark"] == ["fit 2: start"] * 2
     assert all("in string_at" in (frame or "") for frame in crashed["crash_frame"]), crashed["crash_report"]
+    # torch's handler ran first: each rank's C++ frames, below the handler, in ctypes' call.
+    assert all("_ctypes" in (frames or "") for frames in crashed["native_frames"]), crashed["native_report"]
+    assert crashed["signal_in_log"] == ["SIGSEGV"] * 2
     # The knob reaches the strategy (the plan says it counted), and the phase stays exact.
     assert counted["returncodes"] == [0, 0] and counted["last_mark"] == ["end"] * 2, counted["log_tail"]
     assert "counted, not measured: `memory.measure` is off" in open(counted["log_paths"][0]).read()
