@@ -2,8 +2,9 @@
 fresh pair of processes with some of its parts switched off (the worker's ``KNOBS``), and what became of each rank.
 
 Per variant: the return codes, the seconds, the last mark each rank's log reached (``fit 2: start``, a Lightning hook
-with ``trace``), the first lines of each rank's crash report (``faulthandler``'s Python stack of every thread), the
-tail of each log and, where both fits ran to the end, the parameters against one process. A crash that goes away
+with ``trace``), each rank's crash report (torch's fatal-signal handler: every thread's C++ stack; then
+``faulthandler``: every thread's Python stack) with the crashed thread's innermost frames, the tail of each log and,
+where both fits ran to the end, the parameters against one process. A crash that goes away
 under a variant points at what that variant switched off. The variants run most informative first and stop before
 ``--budget`` seconds; each has ``--timeout`` seconds.
 
