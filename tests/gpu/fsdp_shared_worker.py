@@ -13,6 +13,9 @@ treats them as externally launched and each builds its own model (nothing large 
 
     python tests/gpu/fsdp_shared_worker.py --out DIR                      # all phases, a table last
     python tests/gpu/fsdp_shared_worker.py --out DIR --accelerator cpu    # gloo dry run of the code (tiny sizes)
+
+``--knobs`` switches parts of the exact phase off, one suspect at a time (:data:`KNOBS`; none: the test's run, which
+they leave as it is); ``tests/gpu/fsdp_shared_bisect.py`` runs the phase under each in turn.
 """
 
 import argparse
@@ -42,6 +45,24 @@ EXACT_PLAN = {"rank:0": "checkpoint:2", "rank:1": "offload:2,checkpoint:all"}
 EXACT_LR = 0.05
 EXACT_STEPS = 4  # 2 before the checkpoint, 2 after the resume
 
+# What the exact phase can leave out, each alone or together (the library's defaults are untouched: each knob is an
+# option given to the strategy or the trainer, or an instance of the worker's own strategy changed).
+KNOBS = {
+    "no-measure": "MemoryPolicy(measure=False): no trial forward/backward before the first step of either fit",
+    "measure-fit1": "trial steps in the first fit only (not after the resume)",
+    "no-preempt": "the pre-emption handler inert (no stop notes all-reduced, no non-blocking copy, Lightning's "
+                  "SIGTERM broadcast kept)",
+    "keep-sigterm-broadcast": "Lightning's per-batch SIGTERM broadcast kept (the handler otherwise as it is)",
+    "no-watchdog": "no fault watchdog thread (the RNG state still saved)",
+    "no-offload": "rank 1 plans 'checkpoint:all' (no FSDP2 CPU offload)",
+    "no-checkpoint": "no ModelCheckpoint; the second fit starts afresh (two fits in one process, no resume)",
+    "fit1-only": "the first fit only (2 steps and the checkpoint)",
+    "fit2-only": "the resumed fit only, from the checkpoint in --ckpt-dir (a fresh pair of processes)",
+    "no-state": "no whole-tensor state_dict() after the last fit (no gather of the shards)",
+    "trace": "print each Lightning hook as it starts (flushed), to place a crash",
+    "segv-at-fit2": "crash on purpose (SIGSEGV) as the second fit starts: checks that a crash is caught and shown",
+}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -54,7 +75,47 @@ def _token_data(n: int, seq: int, vocab: int) -> torch.Tensor:
 
 
 # -- worker side ------------------------------------------------------------------------------------------------------
-def _worker(phase: str, out: str, accelerator: str) -> None:
+def _mark(text: str) -> None:
+    """A line in this rank's log, written at once (a rank killed by a signal loses what Python still buffers); the
+    crash report armed again (see :func:`_arm_crash_report`)."""
+    _arm_crash_report()
+    sys.stderr.write(f"[worker rank {os.environ.get('RANK')}] {text}\n")
+    sys.stderr.flush()
+
+
+def _arm_crash_report() -> None:
+    """A rank killed by SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE prints every thread's native stack (torch's fatal
+    signal handler: the C++ frames, gloo's and CUDA's threads too) and then every thread's Python stack
+    (faulthandler). Armed before each fit and at each mark: Lightning's teardown puts every signal's handler back as
+    Python's ``signal.getsignal`` saw it at set-up (``SIG_DFL`` for SIGSEGV: neither handler is a Python one), so a
+    fit ended with both gone and a crash in the next fit printed nothing."""
+    import faulthandler
+
+    # torch's handler has no public switch; a release without it leaves faulthandler's alone.
+    native = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    # Each does nothing while it thinks itself installed: off first, then on installs the handlers anew. torch's
+    # last, so that it runs first and then calls faulthandler's (which ends the process).
+    if native is not None:
+        native(False)
+    faulthandler.disable()
+    faulthandler.enable(all_threads=True)
+    if native is not None:
+        native(True)
+
+
+def check_knobs(knobs: Any) -> frozenset[str]:
+    """``knobs`` (names of :data:`KNOBS`) as a set; ``ValueError`` naming the unknown ones."""
+    knobs = frozenset(knobs)
+    unknown = sorted(knobs - set(KNOBS))
+    if unknown:
+        raise ValueError(f"`knobs` {unknown} unknown; known: {sorted(KNOBS)}")
+    if {"fit1-only", "fit2-only"} <= knobs:
+        raise ValueError("`knobs`: 'fit1-only' and 'fit2-only' leave no fit; give one of them")
+    return knobs
+
+
+def _worker(phase: str, out: str, accelerator: str, knobs: frozenset[str] = frozenset(),
+            ckpt_dir: Optional[str] = None) -> None:
     import torch.distributed as dist
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -131,29 +192,73 @@ def _worker(phase: str, out: str, accelerator: str) -> None:
                            isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
 
-    result: dict[str, Any] = {"rank": rank}
+    class Trace(Callback):
+        """Each hook's name as it starts: the last one in a crashed rank's log is where it was."""
+
+    def _traced(name: str) -> Any:
+        return lambda self, *args, **kwargs: _mark(f"hook {name}")
+
+    for _hook in ("setup", "on_fit_start", "on_load_checkpoint", "on_train_start", "on_train_batch_start",
+                  "on_train_batch_end", "on_save_checkpoint", "on_train_end", "on_fit_end", "teardown"):
+        setattr(Trace, _hook, _traced(_hook))
+
+    def inert_preemption(strategy: HeteroFSDPStrategy) -> None:
+        # The handler is always added by the strategy; these two hooks are all it does in a run without a signal.
+        handler = strategy.core.resilience.preemption
+        handler.on_train_start = lambda trainer, pl_module: None
+        handler.on_train_batch_end = lambda *args, **kwargs: None
+
+    def no_watchdog(strategy: HeteroFSDPStrategy) -> None:
+        hooks = strategy.core.resilience
+        hooks.start_watchdog = lambda host, device_name: hooks.rank_states.register("rng", hooks.rng)
+
+    if "keep-sigterm-broadcast" in knobs:
+        import lightning_hetero._compat as compat
+
+        compat.skip_sigterm_broadcast = lambda trainer: (lambda: None)
+
+    result: dict[str, Any] = {"rank": rank, "knobs": sorted(knobs)}
     start = time.perf_counter()
     if phase == "exact":
-        ckpt_dir = os.path.join(out, "exact_ckpt")
+        ckpt_dir = ckpt_dir or os.path.join(out, "exact_ckpt")
         cfg = TWIN if gpu else TINY
+        plan = dict(EXACT_PLAN, **({"rank:1": "checkpoint:all"} if "no-offload" in knobs else {}))
+        checkpointing = "no-checkpoint" not in knobs
+        fits = [False] if "fit1-only" in knobs else [True] if "fit2-only" in knobs else [False, True]
         seen: list = []
-        for resume in (False, True):
-            strategy = HeteroFSDPStrategy(capacities=CAPACITIES, memory=EXACT_PLAN, parallel_devices=devices,
+        for resume in fits:
+            _mark(f"fit {2 if resume else 1}: start")
+            if resume and "segv-at-fit2" in knobs:
+                import ctypes
+
+                ctypes.string_at(0)  # SIGSEGV
+            measure = "no-measure" not in knobs and not (resume and "measure-fit1" in knobs)
+            memory = plan if measure else MemoryPolicy(rules=plan, measure=False)
+            strategy = HeteroFSDPStrategy(capacities=CAPACITIES, memory=memory, parallel_devices=devices,
                                           emulate=emulate, resilience={"timeout": 120})
+            if "no-preempt" in knobs:
+                inert_preemption(strategy)
+            if "no-watchdog" in knobs:
+                no_watchdog(strategy)
             model = GPTModule(cfg, "sgd", batch_size=4, n=4 * 2 * EXACT_STEPS)
-            checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)
+            callbacks: list = [Trace()] if "trace" in knobs else []
+            if checkpointing:
+                callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
             path = os.path.join(ckpt_dir, "epoch=0-step=2.ckpt")
-            trainer(strategy, "32-true", EXACT_STEPS if resume else 2, [checkpoint]).fit(
-                model, ckpt_path=path if resume else None)
+            trainer(strategy, "32-true", EXACT_STEPS if resume else 2, callbacks).fit(
+                model, ckpt_path=path if resume and checkpointing else None)
+            _mark(f"fit {2 if resume else 1}: done")
             seen += model.seen
             if not resume:
-                result["sharded_checkpoint"] = bool(is_sharded_checkpoint(path))
+                result["sharded_checkpoint"] = checkpointing and bool(is_sharded_checkpoint(path))
                 result["plan"] = [p.mode for p in strategy.memory_plan]
         result["seen"] = seen
         result["resumed_from_step"] = seen[2][0] if len(seen) > 2 else None
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # whole tensors after fit (every rank)
-        if rank == 0:
-            torch.save(state, os.path.join(out, "exact_params.pt"))
+        if "no-state" not in knobs:
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # whole tensors after fit (every rank)
+            _mark("whole-tensor state_dict: done")
+            if rank == 0:
+                torch.save(state, os.path.join(out, "exact_params.pt"))
     elif phase == "big":
         cfg = BIG if gpu else TINY
         per_sample, fraction = gpt_activation_bytes(GPTConfig(**cfg))
@@ -191,6 +296,7 @@ def _worker(phase: str, out: str, accelerator: str) -> None:
     _write(out, phase, rank, result)
     if dist.is_initialized():
         dist.barrier()
+    _mark("end")
 
 
 def _write(out: str, phase: str, rank: int, result: dict) -> None:
@@ -199,16 +305,25 @@ def _write(out: str, phase: str, rank: int, result: dict) -> None:
 
 
 # -- launcher side ----------------------------------------------------------------------------------------------------
-def launch(phase: str, out: str, accelerator: str, timeout: float = 400) -> dict[str, Any]:
+def launch(phase: str, out: str, accelerator: str, timeout: float = 400, knobs: Any = (),
+           ckpt_dir: Optional[str] = None, wrap: tuple[str, ...] = ()) -> dict[str, Any]:
     """Start the 2 ranks of ``phase``; once one fails, stop the other (it waits in a collective). Returns each rank's
-    JSON (or ``None``), the return codes and the tail of each log."""
+    JSON (or ``None``), the return codes and the tail of each log. ``knobs`` (:data:`KNOBS`), ``ckpt_dir`` and
+    ``wrap`` (a command that runs each rank, e.g. a debugger's) serve the bisection; the test gives none."""
     os.makedirs(out, exist_ok=True)
     port = str(_free_port())
     procs = []
     for rank in range(2):
+        # Unbuffered: a rank killed by a signal keeps every line it printed.
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, "--out", out, "--accelerator", accelerator]
+                   LOCAL_RANK=str(rank), NODE_RANK="0", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [*wrap, sys.executable, os.path.abspath(__file__), "--worker", phase, "--out", out, "--accelerator",
+               accelerator]
+        if knobs:
+            cmd += ["--knobs", ",".join(sorted(check_knobs(knobs)))]
+        if ckpt_dir is not None:
+            cmd += ["--ckpt-dir", ckpt_dir]
         log = open(os.path.join(out, f"{phase}_rank{rank}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline, failed_at = time.time() + timeout, None
@@ -351,15 +466,16 @@ if __name__ == "__main__":
     parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
     parser.add_argument("--phases", default="exact,big,baseline")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--knobs", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the launcher's clean-up
     if args.worker:
-        import faulthandler
-
         # A rank killed by a signal (both ranks of the exact phase once died of SIGSEGV on GPUs, between the first
         # fit's end and the resumed fit's set-up) leaves its Python stack in its log.
-        faulthandler.enable(all_threads=True)
-        _worker(args.worker, args.out, args.accelerator)
+        _arm_crash_report()
+        _worker(args.worker, args.out, args.accelerator, check_knobs(filter(None, args.knobs.split(","))),
+                args.ckpt_dir)
     else:
         res = run_all(args.out, args.accelerator, tuple(args.phases.split(",")))
         print(summary(res))
