@@ -13,6 +13,7 @@ A new strategy is one module (``strategies/<name>.py``, see docs/development.md)
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 # Registry name suffix → Lightning launcher start method.
 LAUNCHERS: tuple[tuple[str, str], ...] = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
@@ -60,3 +61,8 @@ def entry(name: str) -> StrategyEntry:
         if candidate.name == name:
             return candidate
     raise ValueError(f"strategy {name!r} is not one of {names()}.")
+
+
+def entry_of(name: str) -> Optional[StrategyEntry]:
+    """The entry whose name, or a launcher variant's (``"hetero_ddp_spawn"``), is ``name``; ``None`` if none."""
+    return next((e for e in STRATEGIES if any(variant == name for variant, _ in e.variants())), None)

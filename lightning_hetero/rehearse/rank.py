@@ -23,7 +23,7 @@ from lightning_hetero.lab.emulation import PRESETS, Emulator, parse_emulate, sta
 from lightning_hetero.lab.rehearsal import host_device
 from lightning_hetero.observe.errors import user_message
 from lightning_hetero.plan.memory import GIB
-from lightning_hetero.registry import entry, names
+from lightning_hetero.registry import entry, entry_of, names
 from lightning_hetero.rehearse.cards import card_label
 from lightning_hetero.rehearse.job import LIGHTNING_MODES, RankJob, RankResult
 
@@ -246,6 +246,9 @@ def rehearsed_config(job: RankJob, config: Any) -> None:
         (owner.init_args if isinstance(owner.get("init_args"), Namespace) else owner).batch_size = job.batch_size
     trainer = config.trainer
     strategy = trainer.get("strategy")
+    named = entry_of(strategy) if isinstance(strategy, str) else None
+    if named is not None:  # a registry name (`strategy: hetero_fsdp`): its class, with its defaults
+        trainer.strategy = strategy = Namespace(class_path=named.class_path, init_args=Namespace())
     if job.strategy is not None and not (isinstance(strategy, Namespace)
                                          and strategy.get("class_path") == job.strategy):
         kept = {**SUBSTITUTED_DEFAULTS.get(job.strategy, {}), **carried_options(strategy, job.strategy)}

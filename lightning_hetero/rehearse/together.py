@@ -21,7 +21,7 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from lightning_hetero.registry import entry
+from lightning_hetero.registry import entry, entry_of
 from lightning_hetero.rehearse.job import RankJob, RankResult
 from lightning_hetero.rehearse.launch import free_port, launch_ranks
 from lightning_hetero.rehearse.notes import device_notes
@@ -60,8 +60,14 @@ def _config_strategy(config: str) -> Any:
 
 
 def _names_hybrid(strategy: Any) -> bool:
+    """A config's strategy is the hybrid: by class path, class name or registry name (``strategy: hetero_hybrid``)."""
     class_path = strategy.get("class_path") if isinstance(strategy, dict) else strategy
-    return isinstance(class_path, str) and class_path.rpartition(".")[2] == HYBRID.class_path.rpartition(".")[2]
+    if not isinstance(class_path, str):
+        return False
+    named = entry_of(class_path)
+    if named is not None:
+        return named == HYBRID
+    return class_path.rpartition(".")[2] == HYBRID.class_path.rpartition(".")[2]
 
 
 def is_hybrid(config: str, strategy: Optional[str]) -> bool:

@@ -206,3 +206,22 @@ def test_the_honesty_check_refuses_the_hybrid_layout_naming_its_rehearsal(tmp_pa
         with pytest.raises(ValueError, match=r"rehearsed with its ranks together \(`doctor --model CONFIG --lab"):
             honesty_check(os.path.join(configs, name), "A100-80GB,RTX3090,RTX3090", steps=2, out_dir=str(tmp_path),
                           strategy=strategy)
+
+
+@pytest.mark.parametrize("name", ["hetero_fsdp", "hetero_ddp_spawn"])
+def test_a_config_naming_a_strategy_by_its_registry_name_is_rehearsed_as_that_class(name):
+    """``trainer.strategy: hetero_fsdp`` in a config (Lightning's registry spelling) was refused as "not a
+    lightning_hetero strategy"."""
+    from jsonargparse import Namespace
+
+    from lightning_hetero.registry import entry_of
+    from lightning_hetero.rehearse.job import RankJob
+    from lightning_hetero.rehearse.rank import rehearsed_config
+
+    job = RankJob("job.yaml", "hetero", 0, ["A100-80GB", "RTX3090"], 4, "rank0.json")
+    config = Namespace(trainer=Namespace(strategy=name), model=Namespace(batch_size=8))
+    rehearsed_config(job, config)
+    assert config.trainer.strategy.class_path == entry_of(name).class_path
+    assert config.trainer.strategy.init_args.emulate == ["A100-80GB", "RTX3090"]
+    with pytest.raises(ValueError, match="is not a lightning_hetero strategy"):
+        rehearsed_config(job, Namespace(trainer=Namespace(strategy="ddp"), model=Namespace(batch_size=8)))

@@ -38,6 +38,10 @@ def test_the_hybrid_layout_is_chosen_by_the_flag_or_by_the_configs_strategy(tmp_
     assert is_hybrid(hybrid, None) and is_hybrid(ddp, "hetero_hybrid") and is_hybrid(bare, "hetero_hybrid")
     assert not is_hybrid(ddp, None) and not is_hybrid(hybrid, "hetero_ddp")
     assert not is_hybrid(bare, None) and not is_hybrid(broken, None)  # the ranks then say what is wrong
+    # Lightning's registry spelling in the config: the name, or a launcher variant's.
+    by_name = [_config(tmp_path, MODEL % -1 + f"trainer: {{strategy: {name}}}\n", f"{name}.yaml")
+               for name in ("hetero_hybrid", "hetero_hybrid_spawn", "hetero_ddp")]
+    assert [is_hybrid(c, None) for c in by_name] == [True, True, False]
     # The pipelines asked: the config's own, or the planner's for a config of another strategy.
     assert pipelines_asked(hybrid) == [[1, 2]] and pipelines_asked(ddp) == "auto"
 
