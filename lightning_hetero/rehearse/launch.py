@@ -100,14 +100,14 @@ def _collect(job: RankJob, process: "subprocess.Popen[bytes]", output: str, stop
     return RankResult(**data)
 
 
-# jsonargparse's lines around the reasons of a union error: not reasons themselves.
-_UNION_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "- Expected a ",
-                "Given value type:", "Given value:")
+_UNION = "Does not validate against any of the Union subtypes"
 
 
 def exit_error(output: str) -> Optional[str]:
     """The error a process that ended without a result said last (``PROG: error: ...`` of argparse, jsonargparse or
-    :func:`~lightning_hetero.observe.errors.run_main`, with its indented lines), as one line."""
+    :func:`~lightning_hetero.observe.errors.run_main`, with its indented lines), as one line. Of jsonargparse's union
+    errors the reasons are kept; a union none of whose types gave one more than "Expected a <type>" says what it takes
+    and what it was given."""
     lines = output.rstrip().splitlines()
     starts = [i for i, line in enumerate(lines) if "error:" in line and not line.startswith((" ", "\t"))]
     if not starts:
@@ -115,7 +115,24 @@ def exit_error(output: str) -> Optional[str]:
     first = lines[starts[-1]]
     said = [first[first.index("error:") + len("error:"):].strip()]
     said += [line.strip() for line in lines[starts[-1] + 1:] if line.startswith((" ", "\t"))]
-    text = " ".join(part.removeprefix("- ") for part in said if part and not part.startswith(_UNION_NOISE))
+    parts: list[str] = []
+    unions: list[dict[str, Any]] = []  # the unions being read, innermost last (they nest in each other's reasons)
+    for part in said:
+        if part == _UNION:
+            unions.append({"takes": None, "reason": False})
+        elif part.startswith("Subtypes:") and unions:
+            unions[-1]["takes"] = part.removeprefix("Subtypes:").strip()
+        elif part.startswith("Given value:") and unions:
+            union = unions.pop()
+            if not union["reason"] and union["takes"]:
+                parts.append(f"expected one of {union['takes']}, given {part.removeprefix('Given value:').strip()}")
+        elif part.startswith("- ") and not part.startswith("- Expected a "):
+            for union in unions:
+                union["reason"] = True
+            parts.append(part.removeprefix("- "))
+        elif part and not part.startswith(("Errors:", "Given value type:", "- Expected a ")):
+            parts.append(part)
+    text = " ".join(parts)
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 

@@ -73,6 +73,18 @@ def test_a_rank_that_exits_says_its_error_in_one_line():
     assert said == ("Parser key \"model\": Problem with given class_path 'lightning.LightningModule': Option "
                     "'batch_size' is not accepted")
     assert exit_error("Traceback ...\nSegmentation fault\n") is None
+    # A union none of whose types takes the value: what it takes and what it got (it said "Parser key ...:" alone).
+    nested = ("error: Parser key \"trainer.strategy\":\n  Does not validate against any of the Union subtypes\n"
+              "  Subtypes: [<class 'str'>, <class 'Strategy'>]\n  Errors:\n    - Expected a <class 'str'>\n"
+              "    - Problem with given class_path 'x.HeteroHybridStrategy':\n        Parser key \"pipelines\":\n"
+              "          Does not validate against any of the Union subtypes\n"
+              "          Subtypes: [list[list[int]], typing.Literal['auto'], <class 'NoneType'>]\n          Errors:\n"
+              "            - Expected a <class 'list'>\n            - Expected a typing.Literal['auto']\n"
+              "          Given value type: <class 'int'>\n          Given value: 3\n"
+              "  Given value type: <class 'dict'>\n  Given value: {'class_path': 'x'}\n")
+    assert exit_error(nested) == ("Parser key \"trainer.strategy\": Problem with given class_path "
+                                  "'x.HeteroHybridStrategy': Parser key \"pipelines\": expected one of "
+                                  "[list[list[int]], typing.Literal['auto'], <class 'NoneType'>], given 3")
     # Without --script, a config that names no class path is pointed at --script.
     ranks = [dict(RankResult("hetero", 0, "A100-80GB", error=said).__dict__)]
     assert failure(ranks, "out/rehearsal.log", None).startswith("Parser key \"model\"")
