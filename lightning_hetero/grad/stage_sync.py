@@ -7,11 +7,12 @@ A data-parallel rank holds every stage and issues one all-reduce per stage group
 The same groups re-broadcast the trained parameters when every rank needs the whole model (evaluation, the end of
 training): a stage rank holds no values of the other stages' parameters.
 
-With ``wire="bf16"`` (or ``"fp16"``) the exchange that crosses hosts is compressed, as hierarchical sync does for
-the data-parallel strategy: each stage group sums in full precision inside every host, the hosts' leaders exchange
-their sums cast to ``wire`` (:func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook` with
-:func:`~lightning_hetero.grad.compress_hooks.cast_hook`), and each leader broadcasts the result inside its host. A
-stage group on one host stays exact.
+With ``compression`` (a cast, PowerSGD or top-k, :mod:`~lightning_hetero.grad.stage_compression`) the exchange that
+crosses hosts is compressed, as hierarchical sync does for the data-parallel strategy: each stage group sums in full
+precision inside every host, the hosts' leaders exchange their sums compressed
+(:func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook`, its inner hook one state per stage), and each
+leader broadcasts the result inside its host, so every holder of a stage gets the same bits. A stage group on one
+host stays exact.
 
 The exchange may overlap the backward that precedes an optimizer step (:meth:`StageSync.overlapped`; the strategy
 decides when, :mod:`~lightning_hetero.strategies.stage_exchange`): a data-parallel
@@ -43,8 +44,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hetero.grad.bucket_state import CommCounter, nbytes
-from lightning_hetero.grad.compress_hooks import (CastState, FlatBucket, HierarchicalState, cast_hook,
-                                                  hierarchical_hook)
+from lightning_hetero.grad.compress_hooks import FlatBucket, HierarchicalState, hierarchical_hook
+from lightning_hetero.grad.stage_compression import StageCompressionConfig, leaders_exchange
 from lightning_hetero.plan.layout import HybridLayout
 
 
@@ -56,18 +57,21 @@ class StageSync:
     """
 
     def __init__(self, layout: HybridLayout, rank: int, hosts: Optional[Sequence[str]] = None,
-                 wire: Optional[str] = None) -> None:
+                 compression: Optional[StageCompressionConfig] = None) -> None:
         self.layout = layout
         self.rank = rank
         self.groups = [dist.new_group(list(layout.stage_members(s))) for s in range(layout.stages)]
         self.partition: Optional[list[list[str]]] = None
         self.counter = CommCounter()
-        # Bytes this rank handed to the last step's exchange (its stage buffers, or the two-level hops' wire bytes).
+        # Bytes this rank handed to the last step's exchange (its stage buffers, or the two-level hops' wire bytes),
+        # in all and by hop ("all", "intra", "inter").
         self.bytes_last_step: Optional[int] = None
-        # Per stage: the two-level exchange's state where the stage group spans hosts and `wire` is set, else None.
+        self.bytes_by_hop_last_step: dict[str, int] = {}
+        # Per stage: the two-level exchange's state where the stage group spans hosts and `compression` is set,
+        # else None.
         self.hops: list[Optional[HierarchicalState]] = [None] * layout.stages
-        if wire is not None and hosts is not None:
-            self.hops = [self._hop(layout.stage_members(s), hosts, wire) for s in range(layout.stages)]
+        if compression is not None and hosts is not None:
+            self.hops = [self._hop(layout.stage_members(s), hosts, compression) for s in range(layout.stages)]
         # Whether this fit's exchanges may begin during the backward (the same on every rank: the strategy agrees
         # it); without, none is begun early and they run in ascending stage order.
         self.overlap = False
@@ -80,7 +84,8 @@ class StageSync:
         self._missing: dict[int, set[int]] = {}
         self._hooked: set[int] = set()
 
-    def _hop(self, members: Sequence[int], hosts: Sequence[str], wire: str) -> Optional[HierarchicalState]:
+    def _hop(self, members: Sequence[int], hosts: Sequence[str],
+             compression: StageCompressionConfig) -> Optional[HierarchicalState]:
         """The stage group's hosts, each a full-precision group, and its leaders' group (collective: every rank
         builds every group, in the same order)."""
         by_host: dict[str, list[int]] = {}
@@ -92,9 +97,9 @@ class StageSync:
         if self.rank not in members or len(leaders) < 2:
             return None
         mine = next(i for i, ranks in enumerate(by_host.values()) if self.rank in ranks)
-        inner = CastState(wire, leaders_group, self.counter, "inter")
+        hook, inner = leaders_exchange(compression, leaders_group, self.counter)
         return HierarchicalState(local[mine], leaders[mine], leaders_group if self.rank in leaders else None,
-                                 len(leaders), len(members), cast_hook, inner, self.counter)
+                                 len(leaders), len(members), hook, inner, self.counter)
 
     def share_partition(self, partition: Optional[list[list[str]]], module: nn.Module) -> None:
         """Every rank adopts the stage split of the first pipeline's first rank (a collective over all ranks); a
@@ -213,12 +218,13 @@ class StageSync:
                     self.counter.add("all", nbytes(flat))
                 else:
                     # The two-level hook averages over the group's ranks: times their count, the sum.
-                    flat = hierarchical_hook(hop, FlatBucket(flat)).wait().mul_(hop.world_size)
+                    flat = hierarchical_hook(hop, FlatBucket(flat, params)).wait().mul_(hop.world_size)
             _unflatten_into(flat, params, as_grad=True)
             for p, held in zip(params, flat[-len(params):].tolist()):
                 if held < 0.5:
                     p.grad = None
-        self.bytes_last_step = sum(self.counter.take().values())
+        self.bytes_by_hop_last_step = self.counter.take()
+        self.bytes_last_step = sum(self.bytes_by_hop_last_step.values())
 
     def grad_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
         """The 2-norm of the whole model's (exchanged) gradients, on every rank (a collective over all ranks): each

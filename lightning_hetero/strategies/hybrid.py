@@ -42,6 +42,7 @@ from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilien
                                      check_strategy_arguments, from_flat_arguments)
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
+from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
@@ -105,8 +106,10 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
             capacities the fastest of stages, 2 × and 4 × stages); the count used divides
             the replica's share (:func:`~lightning_hetero.plan.layout.micro_batch_count`).
         schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
-        stage_compression: ``"bf16"`` or ``"fp16"``: the per-stage gradient exchange between hosts in that dtype
-            (inside a host: full precision), :class:`~lightning_hetero.grad.stage_sync.StageSync`; ``None``: exact.
+        stage_compression: the per-stage gradient exchange between hosts compressed (inside a host: full
+            precision): ``"bf16"``, ``"fp16"``, ``"powersgd"``, ``"topk"`` or the config classes of
+            ``HeteroDDPStrategy(compression=...)`` with ``hierarchical=True``
+            (:mod:`~lightning_hetero.grad.stage_compression`); ``None``: exact.
         overlap_stage_exchange: begin each stage's gradient exchange during the backward, as soon as the stage's
             gradients are complete (``True``; exact on CPU, not yet checked on GPUs), or after the whole backward
             (``False``, the default). A LightningModule that
@@ -153,7 +156,7 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         pipelines: Union[list[list[int]], Literal["auto"], None] = None,
         micro_batches: Optional[int] = None,
         schedule: ScheduleName = "gpipe",
-        stage_compression: Optional[Literal["bf16", "fp16"]] = None,
+        stage_compression: Optional[StageCompressionArg] = None,
         overlap_stage_exchange: bool = False,
         pipelined_evaluation: bool = False,
         split_points: Optional[list[str]] = None,
@@ -179,8 +182,7 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         check("", "micro_batches", micro_batches, micro_batches is None or (
             isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
         check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
-        check("", "stage_compression", stage_compression, stage_compression in (None, "bf16", "fp16"),
-              "None, 'bf16' or 'fp16'")
+        compression = parse_stage_compression(stage_compression)
         check("", "overlap_stage_exchange", overlap_stage_exchange, isinstance(overlap_stage_exchange, bool),
               "True or False")
         check("", "pipelined_evaluation", pipelined_evaluation, isinstance(pipelined_evaluation, bool),
@@ -204,7 +206,7 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
-        self.split_points, self.stage_compression = split_points, stage_compression
+        self.split_points, self.stage_compression = split_points, compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
         # What a stage rank logs after its training step: its own view of the replica's (calls, joined batch size).
