@@ -119,3 +119,30 @@ def test_values_the_stage_exchange_cannot_take_are_named():
     assert HeteroHybridStrategy(pipelines=[[2, 3]], stage_compression="none").stage_compression is None
     assert HeteroHybridStrategy(pipelines=[[2, 3]], stage_compression="topk").stage_compression == TopKCompression(
         hierarchical=True)
+
+
+@pytest.mark.parametrize(
+    ("yaml_value", "expected"),
+    [
+        ("powersgd", PowerSGDCompression(hierarchical=True)),
+        ("{class_path: lightning_hetero.TopKCompression, init_args: {ratio: 0.05, hierarchical: true}}",
+         TopKCompression(ratio=0.05, hierarchical=True)),
+    ],
+)
+def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
+    pytest.importorskip("jsonargparse")
+    import sys
+
+    from lightning.pytorch.cli import LightningCLI
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "examples"))
+    from train_digits import DigitsClassifier, DigitsDataModule
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: lightning_hetero.HeteroHybridStrategy\n"
+        f"    init_args:\n      pipelines: [[2, 3]]\n      stage_compression: {yaml_value}\n"
+    )
+    cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False, args=["--config", str(config)])
+    assert cli.trainer.strategy.stage_compression == expected
