@@ -99,18 +99,7 @@ class GradientCompression:
 
     def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Warn when top-k's momentum correction and the optimizer would both apply momentum."""
-        if not isinstance(self.config, TopKCompression) or self.config.momentum == 0:
-            return
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                own = group.get("momentum") or (group.get("betas") or (0.0,))[0]
-                if own:
-                    rank_zero_warn(
-                        f"`TopKCompression.momentum`={self.config.momentum} applies momentum in the gradient hook, and "
-                        f"{type(optimizer).__name__} adds its own ({own}): momentum is applied twice. Use "
-                        "`SGD(momentum=0)` / `Adam(betas=(0, ...))`, or `TopKCompression(momentum=0)`."
-                    )
-                    return
+        warn_double_momentum(self.config, optimizers)
 
     def end_step(self) -> None:
         """Close the optimizer step's byte count (hooks fire only on synchronizing steps)."""
@@ -174,3 +163,19 @@ class GradientCompression:
             )
         out["buckets"] = buckets
         return out
+
+
+def warn_double_momentum(config: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Warn when top-k's momentum correction (``config``) and an optimizer would both apply momentum."""
+    if not isinstance(config, TopKCompression) or config.momentum == 0:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            own = group.get("momentum") or (group.get("betas") or (0.0,))[0]
+            if own:
+                rank_zero_warn(
+                    f"`TopKCompression.momentum`={config.momentum} applies momentum in the gradient hook, and "
+                    f"{type(optimizer).__name__} adds its own ({own}): momentum is applied twice. Use "
+                    "`SGD(momentum=0)` / `Adam(betas=(0, ...))`, or `TopKCompression(momentum=0)`."
+                )
+                return

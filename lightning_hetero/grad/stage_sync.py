@@ -63,6 +63,7 @@ class StageSync:
         self.groups = [dist.new_group(list(layout.stage_members(s))) for s in range(layout.stages)]
         self.partition: Optional[list[list[str]]] = None
         self.counter = CommCounter()
+        self.compression = compression
         # Bytes this rank handed to the last step's exchange (its stage buffers, or the two-level hops' wire bytes),
         # in all and by hop ("all", "intra", "inter").
         self.bytes_last_step: Optional[int] = None

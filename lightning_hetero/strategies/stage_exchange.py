@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hetero.grad.compression import warn_double_momentum
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.view import running_strategy
 
@@ -65,6 +66,7 @@ class StageExchange:
         super().setup(trainer)  # type: ignore[misc]
         if trainer.state.fn == TrainerFn.FITTING and self.stage_sync is not None:
             self.stage_sync.overlap = self._agree_overlap(trainer)
+            warn_double_momentum(self.stage_sync.compression, self.optimizers)  # type: ignore[attr-defined]
 
     @property
     def overlapping(self) -> bool:

@@ -4,6 +4,7 @@ value the stage exchange cannot take is refused naming ``stage_compression``."""
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -26,6 +27,22 @@ class HopBytes(Callback):
 
     def teardown(self, trainer, pl_module, stage):
         torch.save(self.steps, os.path.join(self.out_dir, f"hops{trainer.global_rank}.pt"))
+
+
+class SetUpWarnings(Callback):
+    """Per rank: the warnings from the strategy's set-up (a callback's `setup` runs before it) to the fit's start."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.caught = out_dir, None
+
+    def setup(self, trainer, pl_module, stage):
+        self._catching = warnings.catch_warnings(record=True)
+        self.caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module):
+        self._catching.__exit__(None, None, None)
+        torch.save([str(w.message) for w in self.caught], os.path.join(self.out_dir, f"warn{trainer.global_rank}.pt"))
 
 
 def full_loss(model, flat):
@@ -88,14 +105,16 @@ def test_compressed_stage_exchange_between_hosts(tmp_path, method):
 def test_a_stage_group_on_one_host_stays_exact(tmp_path):
     """Hosts a: ranks 0, 1, 2, b: rank 3. Stage 0's group (0, 1, 2) is on host a: one exact fp32 all-reduce of its
     buffer; stage 1's (0, 1, 3) spans both and goes through top-k between them. With the overlap on, the exact stage
-    still waits for the compressed one above it (the early exchanges are a top prefix of the stages)."""
+    still waits for the compressed one above it (the early exchanges are a top prefix of the stages). Top-k's
+    momentum correction beside SGD's momentum is warned about, as for the data-parallel strategy."""
     world, capacities, n = 4, [2, 1, 1, 1], 96
     seed_everything(0)
     model = Chain(optimizer="sgd", n=n)
-    strategy = hybrid([[2, 3]], capacities, stage_compression="topk", overlap_stage_exchange=True,
+    topk = TopKCompression(ratio=0.05, momentum=0.5, hierarchical=True)
+    strategy = hybrid([[2, 3]], capacities, stage_compression=topk, overlap_stage_exchange=True,
                       emulate=[{"host": h} for h in ["a", "a", "a", "b"]])
     records = fit(model, str(tmp_path), world, strategy, 1,
-                  callbacks=[HopBytes(str(tmp_path)), ExchangeOrder(str(tmp_path))])
+                  callbacks=[HopBytes(str(tmp_path)), ExchangeOrder(str(tmp_path)), SetUpWarnings(str(tmp_path))])
     final = records[0]["final"]
     for r in (1, 2, 3):
         for name in records[r]["owned"] or final:
@@ -109,6 +128,7 @@ def test_a_stage_group_on_one_host_stays_exact(tmp_path):
     order = torch.load(os.path.join(tmp_path, "order0.pt"))
     exact = [e for events in order for e in events if e[0] == "all_reduce" and e[1] == (0, 1, 2)]
     assert len(exact) == len(order) and not any(e[2] for e in exact)  # one a step, none begun in the backward
+    assert any("momentum is applied twice" in w for w in torch.load(os.path.join(tmp_path, "warn0.pt")))
 
 
 def test_values_the_stage_exchange_cannot_take_are_named():
