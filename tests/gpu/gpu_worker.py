@@ -6,6 +6,7 @@ that ``__main__``). Writes ``result.json`` to ``--out``; tests/gpu/test_gpu_lab.
     python tests/gpu/gpu_worker.py equivalence --out DIR --sharded     # the same under HeteroFSDPStrategy (FSDP2)
     python tests/gpu/gpu_worker.py hybrid --out DIR                    # 4 GPUs: 2 data-parallel + a 2-stage pipeline
     python tests/gpu/gpu_worker.py hybrid_eval --out DIR               # the same, validation through the pipeline
+    python tests/gpu/gpu_worker.py hybrid_compressed --out DIR --stage-compression topk   # hosts emulated 2 + 2
     python tests/gpu/gpu_worker.py cap --out DIR                       # 1 GPU: green-context cap on training steps
 """
 
@@ -236,9 +237,51 @@ def hybrid_eval(out: str, accelerator: str = "gpu") -> dict[str, Any]:
             "whole_model_bytes": sum(records[2]["bytes"].values())}
 
 
+def hybrid_compressed(out: str, method: str, accelerator: str = "gpu") -> dict[str, Any]:
+    """The hybrid case on two emulated hosts (ranks 0, 1 and 2, 3) with ``stage_compression`` PowerSGD or top-k
+    between them (NCCL, the two-level exchange on its side stream): every copy of a stage bit-identical, the
+    whole-dataset loss vs the exact run's, the bytes rank 0 hands the hop between hosts
+    (tests/strategies/test_hybrid_compression.py on GPUs)."""
+    from lightning_hetero import PowerSGDCompression, TopKCompression
+    from tests.strategies.test_hybrid import Chain, NamedRecorder
+    from tests.strategies.test_hybrid_compression import HopBytes, full_loss
+
+    config = {"powersgd": PowerSGDCompression(rank=1, start_iter=2, hierarchical=True),
+              "topk": TopKCompression(ratio=0.1, hierarchical=True)}[method]
+    world, pipelines, capacities, epochs = 4, [[2, 3]], [2.0, 1.0, 1.0, 1.0], 3
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=96, batch_size=4)
+    initial = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    reference = copy.deepcopy(model)
+    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
+                                    resilience={"timeout": 300}, observation={"print_table": False},
+                                    stage_compression=config, emulate=[{"host": h} for h in "aabb"])
+    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
+                      precision="32-true", callbacks=[NamedRecorder(out), HopBytes(out)], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
+    trainer.fit(model)
+    records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
+    hops = torch.load(os.path.join(out, "hops0.pt"))
+    ref_params, _ = reference_run(reference, world, capacities, epochs)
+    final = records[0]["final"]
+    steps = min(len(rec["params"]) for rec in records)
+    stages_equal = all(torch.equal(records[r]["params"][i][name], records[0]["params"][i][name])
+                       for r in (2, 3) for i in range(steps) for name in records[r]["owned"])
+    compressed = torch.cat([t.reshape(-1) for t in final.values()])
+    start, exact, lossy = (full_loss(reference, flat) for flat in (initial, ref_params[-1], compressed))
+    fp32 = (sum(t.numel() for t in final.values()) + len(final)) * 4
+    return {"method": method, "steps": steps, "reference_steps": len(ref_params),
+            "replicas_identical": all(torch.equal(records[1]["final"][n], t) for n, t in final.items()),
+            "stages_equal_replicas": stages_equal, "loss_start": start, "loss_exact": exact, "loss_compressed": lossy,
+            "loss_rel_to_exact": lossy / exact - 1, "inter_bytes_last_step": hops[-1].get("inter"),
+            "fp32_stage_bytes": fp32}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["equivalence", "hybrid", "hybrid_eval", "cap"])
+    parser.add_argument("case", choices=["equivalence", "hybrid", "hybrid_eval", "hybrid_compressed", "cap"])
+    parser.add_argument("--stage-compression", default="topk", choices=["topk", "powersgd"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--emulate", action="store_true")
     parser.add_argument("--micro", action="store_true")
@@ -252,6 +295,8 @@ def main() -> None:
         result = hybrid(args.out, args.accelerator)
     elif args.case == "hybrid_eval":
         result = hybrid_eval(args.out, args.accelerator)
+    elif args.case == "hybrid_compressed":
+        result = hybrid_compressed(args.out, args.stage_compression, args.accelerator)
     else:
         result = cap(args.out)
     with open(os.path.join(args.out, "result.json"), "w") as f:
