@@ -225,7 +225,8 @@ def advice(window: Mapping[str, Any], nvml_util: Sequence[float] = (), capacity_
         if exchange:  # the hybrid layout's stage exchange: its own levers
             how = (f"overlap_stage_exchange=True begins each stage's exchange during the backward (where it is off), "
                    f"stage_compression='bf16' halves the bytes between hosts, {_gain(saved, step_s)} where the "
-                   "link's bandwidth (not its latency) is the limit; or a larger global batch.")
+                   "link's bandwidth (not its latency) is the limit ('powersgd' or 'topk' send far less, lossy); or "
+                   "a larger global batch.")
         else:
             how = (f"compression='fp16'/'bf16' halves the bytes, {_gain(saved, step_s)} where the link's bandwidth "
                    "(not its latency) is the limit ('powersgd' sends far less on slow links); a larger "
