@@ -100,8 +100,8 @@ def leaders_hook(state: LeadersState, bucket: FlatBucket) -> torch.futures.Futur
 def leaders_exchange(config: StageCompressionConfig, group: Optional[dist.ProcessGroup],
                      counter: CommCounter) -> tuple[Callable, Any]:
     """The hook and state the leaders of a stage group spanning hosts run (the inner hook of
-    :func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook`): a cast of the whole buffer (small flag counts
-    are exact in it), or :func:`leaders_hook`."""
+    :func:`~lightning_hetero.grad.compress_hooks.hierarchical_hook`): a cast of the whole buffer (the presence flags
+    are rounded with it, scaled by L / W, but only read against 0.5), or :func:`leaders_hook`."""
     if isinstance(config, CastCompression):
         return cast_hook, CastState(config.dtype, group, counter, "inter")
     return leaders_hook, LeadersState(config, group, counter)
