@@ -161,7 +161,8 @@ def test_lightning_cli_yaml(tmp_path, yaml_value, expected):
 
     config = tmp_path / "c.yaml"
     config.write_text(
-        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: lightning_hetero.HeteroHybridStrategy\n"
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n"
+        "    class_path: lightning_hetero.HeteroHybridStrategy\n"
         f"    init_args:\n      pipelines: [[2, 3]]\n      stage_compression: {yaml_value}\n"
     )
     cli = LightningCLI(DigitsClassifier, DigitsDataModule, run=False, args=["--config", str(config)])
