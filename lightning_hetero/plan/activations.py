@@ -109,10 +109,13 @@ class LiveBytes(_compat.TorchDispatchMode):
         if any(getattr(t, "__name__", "") == "DTensor" for t in types):
             return NotImplemented  # DTensor first turns into its local tensors' operations, which are counted
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (a view, an in-place or `out=` operation) allocated nothing: a storage made
+        # before the block (a parameter, a buffer) is not counted as new when an operation writes or views it.
+        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs)) if not t.is_meta}
         for value in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(value, torch.Tensor) and value.device == self.device and not value.is_meta:
                 storage = value.untyped_storage()
-                if id(storage) not in self._sizes:
+                if id(storage) not in self._sizes and id(storage) not in inputs:
                     self._count(storage, storage.nbytes())
         return out
 
@@ -163,6 +166,18 @@ def resident_bytes(device: torch.device, module: torch.nn.Module, optimizers: Se
         return _storage_bytes(device, module.buffers())
     torch.cuda.synchronize(device)
     return max(0, torch.cuda.memory_allocated(device) - model_state_bytes(device, module, optimizers))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an operation's arguments (nested in tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 @contextmanager

@@ -95,7 +95,7 @@ from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, Checkpoin
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
-from lightning_hetero.strategies.trial_step import sample_batches, trial_step
+from lightning_hetero.strategies.trial_step import sample_batches, trial_steps
 
 
 _ROOT_REDIRECTION = _compat.ForwardRedirection()
@@ -418,19 +418,19 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             rank_zero_info(f"memory plan: counted, not measured: {no_batches}.")
             return None
 
-        def run(samples: int) -> None:
-            with self.core.lab.emulated_stream():  # the step's stream: the trial allocates the workspaces a step does
-                trial_step(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
-                           self.batch_to_device, batches(samples))
-
         # A rank that splits its share measures one micro-batch, as its forward/backward runs it.
         limits = self._micro_limits()
         # BatchNorm layers that train need two samples (torch refuses one) and the synced layer
         # synchronises only inside a step.
         batch_norm = any(isinstance(m, _compat.BatchNormBase) and m.training for m in module.modules())
         resident = resident_bytes(self.root_device, module, self.optimizers)
-        step = measure_step_bytes(run, micro_batches(share, limits[self.global_rank] if limits else None)[1],
-                                  self.root_device, least=2 if batch_norm else 1)
+        trials = trial_steps(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
+                             self.batch_to_device)
+        # On the step's stream: the trials allocate the kernel workspaces a step does.
+        with trials as trial, self.core.lab.emulated_stream():
+            step = measure_step_bytes(lambda samples: trial(batches(samples)),
+                                      micro_batches(share, limits[self.global_rank] if limits else None)[1],
+                                      self.root_device, least=2 if batch_norm else 1)
         step = replace(step, resident=resident)
         if self.world_size == 1:
             return [step]
