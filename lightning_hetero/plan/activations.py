@@ -83,7 +83,8 @@ def measured_samples(share: int, least: int = 1) -> tuple[int, int]:
 class LiveBytes(_compat.TorchDispatchMode):
     """The bytes of the tensor storages on ``device`` created inside it and still alive, and their peak: each output
     storage of an operation counted once, until it is freed or resized (FSDP frees and refills its gathered
-    parameters' storages by resizing them, which no operation reports)."""
+    parameters' storages by resizing them, which no operation reports). Sparse tensors (an embedding's sparse
+    gradient) are not counted."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -111,9 +112,9 @@ class LiveBytes(_compat.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place or `out=` operation) allocated nothing: a storage made
         # before the block (a parameter, a buffer) is not counted as new when an operation writes or views it.
-        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs)) if not t.is_meta}
+        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
         for value in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(value, torch.Tensor) and value.device == self.device and not value.is_meta:
+            if isinstance(value, torch.Tensor) and _has_storage(value) and value.device == self.device:
                 storage = value.untyped_storage()
                 if id(storage) not in self._sizes and id(storage) not in inputs:
                     self._count(storage, storage.nbytes())
@@ -142,7 +143,7 @@ def _storage_bytes(device: torch.device, tensors: Iterable[torch.Tensor]) -> int
     with torch.no_grad():
         for tensor in tensors:
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            if local.device == device:
+            if _has_storage(local) and local.device == device:
                 storage = local.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -168,10 +169,16 @@ def resident_bytes(device: torch.device, module: torch.nn.Module, optimizers: Se
     return max(0, torch.cuda.memory_allocated(device) - model_state_bytes(device, module, optimizers))
 
 
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """A dense tensor with data (a sparse tensor has no storage to read: its bytes are not counted)."""
+    return tensor.layout == torch.strided and not tensor.is_meta
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an operation's arguments (nested in tuples, lists and dicts)."""
+    """The dense tensors in an operation's arguments (nested in tuples, lists and dicts)."""
     if isinstance(value, torch.Tensor):
-        yield value
+        if _has_storage(value):
+            yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _tensors(item)

@@ -85,6 +85,14 @@ def test_live_bytes_count_no_new_storage_for_views_and_in_place_writes():
     del fresh
 
 
+def test_live_bytes_pass_over_sparse_tensors():
+    """A sparse gradient (``nn.Embedding(sparse=True)``) has no storage to read: it once stopped the measurement."""
+    embedding = nn.Embedding(100, 8, sparse=True)
+    with LiveBytes(CPU) as live:
+        embedding(torch.tensor([1, 2, 3])).sum().backward()
+    assert embedding.weight.grad.layout == torch.sparse_coo and live.peak > 0
+
+
 def test_model_state_and_resident_bytes_count_each_storage_once():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))  # 72 + 16 parameters; 8 + 8 + 1 buffer elements
     optimizer = torch.optim.Adam(model.parameters())
