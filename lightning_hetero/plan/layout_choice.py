@@ -113,9 +113,10 @@ def compare_layouts(parameter_bytes: int, optimizer_slots: int, cards: Sequence[
         # higher whenever both fit.
         return LayoutComparison(tuple(verdicts), "sharded", "both fit; the sharded layout has the higher rate "
                                 f"({fitting['sharded'].rate:.4g} against {fitting['hybrid'].rate:.4g}; a pipeline "
-                                "runs at its slowest card's speed less the bubble). Traffic is left out of both: on one "
-                                "host the sharded layout measured the faster; across hosts on a slow link its gathers "
-                                "cross it at every block, the hybrid's stage exchange once a step: measure both.")
+                                "runs at its slowest card's speed less the bubble). Traffic is left out of both: on "
+                                "one host the sharded layout measured the faster; across hosts on a slow link its "
+                                "gathers cross it at every block, the hybrid's stage exchange once a step: measure "
+                                "both.")
     if "hybrid" in fitting:
         return LayoutComparison(tuple(verdicts), "hybrid", "some cards cannot hold a replica or a shard, but "
                                 "pipelines of them can hold a stage.")

@@ -118,7 +118,8 @@ class ProfileResult:
             for r in state["ranks"]
         )
         caps = tuple(state["caps"]) if state.get("caps") else None
-        return cls(ranks, int(state["global_batch_size"]), tuple(state["capacities"]), caps, dict(state.get("extra", {})))
+        return cls(ranks, int(state["global_batch_size"]), tuple(state["capacities"]), caps,
+                   dict(state.get("extra", {})))
 
 
 def balanced_capacities(profiles: Sequence[RankProfile], global_batch_size: int) -> list[float]:
@@ -312,7 +313,8 @@ def gather_profiles(local: Optional[RankProfile]) -> list[Optional[RankProfile]]
             for g in gathered]
 
 
-def pool_by_class(profiles: Sequence[RankProfile], classes: Sequence[str], tolerance: float = 1.25) -> list[RankProfile]:
+def pool_by_class(profiles: Sequence[RankProfile], classes: Sequence[str],
+                  tolerance: float = 1.25) -> list[RankProfile]:
     """Ranks of one device class that measured alike (within ``tolerance``) share the class's mean cost model.
 
     Identical cards then get identical shares instead of splitting on timing noise; a card of the class that is
@@ -392,7 +394,8 @@ def profiled(module: nn.Module) -> Iterator[None]:
         yield
 
 
-def training_loss(module: nn.Module, step: Optional[Callable[..., Any]] = None) -> Callable[[Any], Optional[torch.Tensor]]:
+def training_loss(module: nn.Module,
+                  step: Optional[Callable[..., Any]] = None) -> Callable[[Any], Optional[torch.Tensor]]:
     """The loss ``module.training_step`` (or ``step``, the strategy's) returns (a tensor or ``{"loss": tensor}``), else
     ``None``."""
 
@@ -463,11 +466,13 @@ def profile_lightning_module(
     profiles = gather_profiles(local)
     if any(p is None for p in profiles):
         return None
-    result = combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
+    result = combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank,
+                     classes)  # type: ignore[arg-type]
     split = split_batch(global_batch_size, result.capacities, result.caps, min_share)
     far = [min(abs(b - s) for s in sizes) > 0.1 * b for b in split]
     # A latency-bound job is compared at the equal share, which every rank has timed: nothing to refine.
-    if lockstep or not any(far) or any(p.latency_bound() for p in profiles):  # identical on every rank: no collective needed
+    # Identical on every rank: no collective needed.
+    if lockstep or not any(far) or any(p.latency_bound() for p in profiles):
         return result
     assert local is not None
     refined = local
@@ -476,7 +481,8 @@ def profile_lightning_module(
         extra = timed([target])
         if extra is not None:
             near = min(range(len(local.sizes)), key=lambda i: abs(local.sizes[i] - target))
-            points = sorted([(local.sizes[near], local.seconds[near], local.peak_bytes[near] if local.peak_bytes else 0),
+            near_peak = local.peak_bytes[near] if local.peak_bytes else 0
+            points = sorted([(local.sizes[near], local.seconds[near], near_peak),
                              (target, extra.seconds[0], extra.peak_bytes[0] if extra.peak_bytes else 0)])
             refined = RankProfile(
                 sizes=tuple(p[0] for p in points),
@@ -486,7 +492,8 @@ def profile_lightning_module(
                 cost_s=local.cost_s + extra.cost_s,
             )
     profiles = gather_profiles(refined)
-    return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank, classes)  # type: ignore[arg-type]
+    return combine(profiles, global_batch_size, [reserve] * world, max_batch_per_rank,
+                   classes)  # type: ignore[arg-type]
 
 
 def table_columns(result: ProfileResult) -> dict[str, list[str]]:

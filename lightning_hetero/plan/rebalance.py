@@ -325,7 +325,8 @@ class ShareController:
         if self.view.global_rank == 0:
             rank_zero_info(decision.message())
             if trainer.logger is not None:
-                metrics = {f"hetero/share_rank{r}": b / sum(decision.new_split) for r, b in enumerate(decision.new_split)}
+                total = sum(decision.new_split)
+                metrics = {f"hetero/share_rank{r}": b / total for r, b in enumerate(decision.new_split)}
                 metrics["hetero/rebalance_moved"] = decision.moved
                 metrics["hetero/rebalance_gain"] = decision.gain
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
