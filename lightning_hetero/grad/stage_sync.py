@@ -85,6 +85,11 @@ class StageSync:
         self._missing: dict[int, set[int]] = {}
         self._hooked: set[int] = set()
 
+    @property
+    def compresses(self) -> bool:
+        """Whether this rank's exchange of some stage is compressed (its group spans hosts, ``compression`` set)."""
+        return any(hop is not None for hop in self.hops)
+
     def _hop(self, members: Sequence[int], hosts: Sequence[str],
              compression: StageCompressionConfig) -> Optional[HierarchicalState]:
         """The stage group's hosts, each a full-precision group, and its leaders' group (collective: every rank

@@ -66,7 +66,8 @@ class StageExchange:
         super().setup(trainer)  # type: ignore[misc]
         if trainer.state.fn == TrainerFn.FITTING and self.stage_sync is not None:
             self.stage_sync.overlap = self._agree_overlap(trainer)
-            warn_double_momentum(self.stage_sync.compression, self.optimizers)  # type: ignore[attr-defined]
+            if self.stage_sync.compresses:  # on one host every stage stays exact: no momentum correction runs
+                warn_double_momentum(self.stage_sync.compression, self.optimizers)  # type: ignore[attr-defined]
 
     @property
     def overlapping(self) -> bool:

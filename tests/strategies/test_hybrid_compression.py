@@ -131,6 +131,21 @@ def test_a_stage_group_on_one_host_stays_exact(tmp_path):
     assert any("momentum is applied twice" in w for w in torch.load(os.path.join(tmp_path, "warn0.pt")))
 
 
+@pytest.mark.slow
+def test_on_one_host_the_stage_exchange_stays_exact_and_warns_of_no_momentum(tmp_path):
+    """Every rank on one host: no stage crosses hosts, so top-k never runs and its momentum correction is not warned
+    about beside SGD's (it was, though nothing was compressed)."""
+    seed_everything(0)
+    topk = TopKCompression(ratio=0.05, momentum=0.5, hierarchical=True)
+    strategy = hybrid([[1, 2]], [2, 1, 1], stage_compression=topk)
+    records = fit(Chain(optimizer="sgd", n=48), str(tmp_path), 3, strategy, 1,
+                  callbacks=[HopBytes(str(tmp_path)), SetUpWarnings(str(tmp_path))])
+    assert not any("momentum is applied twice" in w for w in torch.load(os.path.join(tmp_path, "warn0.pt")))
+    assert all("inter" not in step for step in torch.load(os.path.join(tmp_path, "hops0.pt")))
+    for name in records[1]["owned"]:
+        assert torch.equal(records[1]["final"][name], records[0]["final"][name])
+
+
 def test_values_the_stage_exchange_cannot_take_are_named():
     for value in ("auto", "int8", AutoCompression(), TopKCompression(), CastCompression(dtype="bf16"),
                   PowerSGDCompression(hierarchical=True, group_by="class")):
