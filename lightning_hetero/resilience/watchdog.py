@@ -241,6 +241,9 @@ class Watchdog:
                 cause, strong = diagnose(record, self.board)
                 lost_since = None
                 if cause is not None:
+                    # Known here before rank 0 is told: once told, its store may go, and this rank's training
+                    # thread then reads the cause from the record (``on_exception``).
+                    record.fault, record.strong = cause, strong
                     acknowledge(record, self.board)
             except Exception as err:  # noqa: BLE001 - the store lives in rank 0's process
                 if record.stopped.is_set():
@@ -375,25 +378,37 @@ class FaultMonitor:
             return
         record.failed_at = time.monotonic()
         assert self._board is not None
-        # A fault already known (the watchdog ended this rank's loader workers, a peer failed) makes this a victim.
-        victim = diagnosis.is_peer_failure(error) or record.fault is not None
-        text = diagnosis.error_text(error)
-        record.phase = record.reader.phase_of(frames(tb=error.__traceback__)) or record.phase
-        said_already = False
+        # Rank 0 is told this rank knows of the fault only once this rank's line is decided: told by a watchdog beat
+        # meanwhile, rank 0 could end (its store with it) before this rank found its error recorded there.
+        telling = record.acked.acquire(blocking=False)
         try:
-            order = self._board.record(record.state(), "peer" if victim else "error", text)
-            said_already = not victim and self._board.recorded_before(text, order)
-        except Exception:  # noqa: BLE001 - the store may be gone with rank 0: the watchdog names rank 0
-            pass
-        if victim:
-            self._find_cause()
-            cause = record.fault or diagnosis.collective_failure(self.rank, record.state(), text)
-        else:
-            cause = diagnosis.own_failure(self.rank, record.state(), text)
-        if hasattr(error, "add_note"):  # Python >= 3.11; the line printed below says it on every version
-            error.add_note(f"lightning_hetero: {cause}")
-        if not said_already:  # the same error on every rank (a bad setting): the first rank to record it says it
-            say(self.rank, f"the job failed: {cause}")
+            # A fault already known (the watchdog ended this rank's loader workers, a peer failed) makes this a victim.
+            victim = diagnosis.is_peer_failure(error) or record.fault is not None
+            text = diagnosis.error_text(error)
+            record.phase = record.reader.phase_of(frames(tb=error.__traceback__)) or record.phase
+            said_already = False
+            try:
+                order = self._board.record(record.state(), "peer" if victim else "error", text)
+                said_already = not victim and self._board.recorded_before(text, order)
+            except Exception:  # noqa: BLE001 - the store may be gone with rank 0: the watchdog names rank 0
+                pass
+            # The watchdog read a peer's fault first (rank 0's store may be gone since it was told): where that cause
+            # holds this error's own words (a bad setting fails every rank alike), the peer said it.
+            fault = record.fault
+            if not diagnosis.is_peer_failure(error) and text and fault is not None and text in fault:
+                said_already = True
+            if victim:
+                self._find_cause()
+                cause = record.fault or diagnosis.collective_failure(self.rank, record.state(), text)
+            else:
+                cause = diagnosis.own_failure(self.rank, record.state(), text)
+            if hasattr(error, "add_note"):  # Python >= 3.11; the line printed below says it on every version
+                error.add_note(f"lightning_hetero: {cause}")
+            if not said_already:  # the same error on every rank (a bad setting): the first rank to record it says it
+                say(self.rank, f"the job failed: {cause}")
+        finally:
+            if telling:
+                record.acked.release()
         acknowledge(record, self._board)
 
     def stop(self) -> None:

@@ -81,3 +81,46 @@ def test_an_error_is_recorded_as_its_first_line():
     assert error_text(ValueError("bad\nsecond line")) == "ValueError: bad"
     assert error_text(KeyboardInterrupt()) == "KeyboardInterrupt:"
     assert len(error_text(RuntimeError("x" * 1000))) == 500
+
+
+class _GoneBoard:
+    """Rank 0's store, gone: every call fails (its process ended once every rank had told it of the fault)."""
+
+    def __getattr__(self, name):
+        def gone(*args, **kwargs):
+            raise ConnectionError("Broken pipe")
+
+        return gone
+
+
+class _Alive:
+    def is_alive(self):
+        return True
+
+
+def _monitor_with_store_gone(fault):
+    import threading
+
+    from lightning_hetero.resilience.watchdog import FaultMonitor
+
+    monitor = FaultMonitor(1, 2, "vm", "cpu", timeout=0.5)  # a short clock: the search for a cause gives up soon
+    monitor._board, monitor._thread = _GoneBoard(), _Alive()
+    monitor.record.fault = fault
+    assert isinstance(monitor.record.acked, type(threading.Lock()))
+    return monitor
+
+
+def test_a_bad_setting_said_by_a_peer_first_is_not_said_again_when_the_store_is_gone(capsys):
+    """The same error on both ranks: rank 1's watchdog read rank 0's record (and told rank 0, which ended with its
+    store); rank 1's own error then finds the store gone. It said its own line too (the message 3 times, not 2)."""
+    error = ValueError("`capacities` has 3 weights but the job has 2 ranks: give one per rank.")
+    peer = f"rank 0 (host vm, device cpu, pid 1) failed while in setup at step 0: {error_text(error)}"
+    _monitor_with_store_gone(peer).on_exception(error)
+    assert "the job failed" not in capsys.readouterr().err
+    # Another error than the peer's, or no peer's cause known: this rank says its own.
+    other = ValueError("`global_batch_size` must be positive")
+    _monitor_with_store_gone(peer).on_exception(other)
+    assert "the job failed" in capsys.readouterr().err
+    monitor = _monitor_with_store_gone(None)
+    monitor.on_exception(error)
+    assert "rank 1" in capsys.readouterr().err and not monitor.record.acked.acquire(blocking=False)  # told once
