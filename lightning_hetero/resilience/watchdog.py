@@ -206,8 +206,9 @@ def diagnose(record: RankRecord, board: FaultBoard) -> tuple[Optional[str], bool
 
 
 def acknowledge(record: RankRecord, board: FaultBoard) -> None:
-    """Tell rank 0 (once) that this rank knows of the fault."""
-    if record.acked.acquire(blocking=False):
+    """Tell rank 0 (once) that this rank knows of the fault. Rank 0 itself tells nobody: counted, its own word let
+    it end (and its store with it) at once on two ranks, before the other could read the fault there."""
+    if record.rank != 0 and record.acked.acquire(blocking=False):
         try:
             board.ack()
         except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell

@@ -124,3 +124,20 @@ def test_a_bad_setting_said_by_a_peer_first_is_not_said_again_when_the_store_is_
     monitor = _monitor_with_store_gone(None)
     monitor.on_exception(error)
     assert "rank 1" in capsys.readouterr().err and not monitor.record.acked.acquire(blocking=False)  # told once
+
+
+def test_rank_0_counts_only_the_other_ranks_word():
+    """Rank 0 waits (briefly) for every other rank to know of the fault before its store goes; its own failure
+    counted as one of those words, so on two ranks it never waited."""
+    from lightning_hetero.resilience.watchdog import FaultMonitor, acknowledge
+
+    class Board:
+        acks = 0
+
+        def ack(self):
+            Board.acks += 1
+
+    for rank in (0, 1):
+        acknowledge(FaultMonitor(rank, 2, "vm", "cpu", timeout=0.5).record, Board())
+    assert Board.acks == 1
+
