@@ -173,13 +173,8 @@ def hybrid(out: str, accelerator: str = "gpu") -> dict[str, Any]:
     model = Chain(optimizer="adamw", n=53, batch_size=4)
     reference = copy.deepcopy(model)
     # The overlapped stage exchange (async all-reduces begun from autograd's hooks): the path to check on CUDA streams.
-    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
-                                    resilience={"timeout": 300}, observation={"print_table": False},
-                                    overlap_stage_exchange=True)
-    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
-                      precision="32-true", callbacks=[NamedRecorder(out)], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(model)
+    _fit_hybrid(model, accelerator, world, pipelines, capacities, epochs, [NamedRecorder(out)],
+                {"overlap_stage_exchange": True})
     records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
     ref_params, ref_batches = reference_run(reference, world, capacities, epochs)
     flat = [[torch.cat([t.reshape(-1) for t in step.values()]) for step in rec["params"]] for rec in records]
@@ -208,14 +203,8 @@ def hybrid_eval(out: str, accelerator: str = "gpu") -> dict[str, Any]:
     seed_everything(0)
     model = PipelineValidated(val_n=val_n, optimizer="adamw", n=53, batch_size=4)
     reference = copy.deepcopy(model)
-    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
-                                    resilience={"timeout": 300}, observation={"print_table": False},
-                                    pipelined_evaluation=True)
-    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
-                      precision="32-true", callbacks=[NamedRecorder(out), ValidationHeld(out)], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=1)
-    trainer.fit(model)
+    _fit_hybrid(model, accelerator, world, pipelines, capacities, epochs, [NamedRecorder(out), ValidationHeld(out)],
+                {"pipelined_evaluation": True}, sanity_steps=1)
     records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
     validations = [torch.load(os.path.join(out, f"val{r}.pt"), map_location="cpu") for r in range(world)]
     ref_params, _ = reference_run(reference, world, capacities, epochs)
@@ -237,6 +226,17 @@ def hybrid_eval(out: str, accelerator: str = "gpu") -> dict[str, Any]:
             "whole_model_bytes": sum(records[2]["bytes"].values())}
 
 
+def _fit_hybrid(model: Any, accelerator: str, world: int, pipelines: list, capacities: list, epochs: int,
+                callbacks: list, options: dict[str, Any], sanity_steps: int = 0) -> None:
+    """One fp32 fit of ``model`` under ``HeteroHybridStrategy`` (spawned ranks, ``options`` its case's own)."""
+    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
+                                    resilience={"timeout": 300}, observation={"print_table": False}, **options)
+    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
+                      precision="32-true", callbacks=callbacks, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=sanity_steps)
+    trainer.fit(model)
+
+
 def hybrid_compressed(out: str, method: str, accelerator: str = "gpu") -> dict[str, Any]:
     """The hybrid case on two emulated hosts (ranks 0, 1 and 2, 3) with ``stage_compression`` PowerSGD or top-k
     between them (NCCL, the two-level exchange on its side stream): every copy of a stage bit-identical, the
@@ -253,14 +253,8 @@ def hybrid_compressed(out: str, method: str, accelerator: str = "gpu") -> dict[s
     model = Chain(optimizer="sgd", n=96, batch_size=4)
     initial = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
     reference = copy.deepcopy(model)
-    strategy = HeteroHybridStrategy(pipelines=pipelines, capacities=capacities, start_method="spawn",
-                                    resilience={"timeout": 300}, observation={"print_table": False},
-                                    stage_compression=config, emulate=[{"host": h} for h in "aabb"])
-    trainer = Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_epochs=epochs,
-                      precision="32-true", callbacks=[NamedRecorder(out), HopBytes(out)], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0)
-    trainer.fit(model)
+    _fit_hybrid(model, accelerator, world, pipelines, capacities, epochs, [NamedRecorder(out), HopBytes(out)],
+                {"stage_compression": config, "emulate": [{"host": h} for h in "aabb"]})
     records = [torch.load(os.path.join(out, f"rank{r}.pt"), map_location="cpu") for r in range(world)]
     hops = torch.load(os.path.join(out, "hops0.pt"))
     ref_params, _ = reference_run(reference, world, capacities, epochs)
