@@ -11,7 +11,7 @@ Example::
         return f"rank {view.global_rank} of {view.world_size} on {view.root_device}"
 """
 
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -53,6 +53,69 @@ class StrategyView(Protocol):
     def set_world_ranks(self) -> None: ...
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class ObservedStrategy(Protocol):
+    """What this package's callbacks (the monitor, the non-finite check, the rehearsal) read from a heterogeneous
+    strategy. A callback checks ``isinstance(trainer.strategy, ObservedStrategy)`` once and then reads typed members,
+    instead of probing attribute names: a renamed member fails the type check and the test that every strategy
+    satisfies this protocol, not a callback's feature silently. (Lightning's own strategies do not satisfy it: a
+    callback then runs without what only ours provide.)"""
+
+    @property
+    def train_step_size(self) -> Optional[float]:
+        """This rank's real samples (or token weight) in the current training batch."""
+
+    @property
+    def comm_bytes_last_step(self) -> Optional[int]:
+        """Bytes this rank handed to the last optimizer step's gradient collectives (None: nothing counts them)."""
+
+    @property
+    def holds_partial_gradients(self) -> bool:
+        """A rank holds some parameters' gradients only (a pipeline's stage): ranks agree before acting on them."""
+
+    @property
+    def pipeline_ranks(self) -> Optional[list[list[int]]]:
+        """Each pipelined replica's ranks in stage order (None: no pipelines)."""
+
+    @property
+    def capacity_source(self) -> str:
+        """Where the capacities in force came from."""
+
+    @property
+    def rebalancing(self) -> bool:
+        """Whether the shares follow measured speeds during the fit."""
+
+    @property
+    def sharded(self) -> bool:
+        """The model's parameters are sharded across ranks."""
+
+    @property
+    def emulation(self) -> Optional[Any]:
+        """This rank's lab emulator (:class:`~lightning_hetero.lab.emulation.Emulator`), if any."""
+
+    @property
+    def memory_plan(self) -> Optional[list[Any]]:
+        """Every rank's memory mode and estimate, where the strategy plans memory."""
+
+    @property
+    def owns_comm_hook(self) -> bool:
+        """Whether the strategy registered a DDP comm hook of its own."""
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """The monitor that times collectives issued inside a step (``None``: none)."""
+
+    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
+        """Call ``observer`` where a synchronizing backward ends; False: no hook to watch."""
+
+    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
+        """Time this rank's pipeline steps with ``timer`` (``None``: stop); False: no stage here."""
+
+
+def observed(strategy: object) -> Optional[ObservedStrategy]:
+    """``strategy`` as an :class:`ObservedStrategy`, or ``None`` (a Lightning strategy of its own)."""
+    return strategy if isinstance(strategy, ObservedStrategy) else None
 
 
 # The running strategy's name, for messages from the modules both strategies share (set in

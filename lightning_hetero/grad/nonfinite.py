@@ -40,6 +40,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hetero.view import observed
+
 NonFinite = Literal["stop", "skip", "ignore"]
 NONFINITE_MODES: tuple[str, ...] = get_args(NonFinite)
 
@@ -89,7 +91,8 @@ class NonFiniteCheck(Callback):
         # trained outside the module, or parameters DDP is told to ignore, are rank-local: not checked.)
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         finite = gradients_finite(grads)
-        if getattr(trainer.strategy, "holds_partial_gradients", False):
+        strategy = observed(trainer.strategy)
+        if strategy is not None and strategy.holds_partial_gradients:
             # A stage rank of the hybrid layout holds one stage's gradients: a non-finite one in another stage is not
             # in its view, so the ranks agree (one MIN over a flag) before any of them acts alone.
             flag = torch.tensor([float(finite)], device=pl_module.device)

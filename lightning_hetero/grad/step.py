@@ -61,7 +61,7 @@ class StepShare:
             self.logging_batch_size = None
             return None
         local, total = sampler.sizes_at(batch_idx)
-        self.share = (local, total)
+        self.share = (self._replica_share(batch_idx, local), total)
         self.step_weights = None
         # Micro-batch shares of the loss.
         if sampler.costs is not None and self.loaders.micro_limit is not None:
@@ -73,6 +73,17 @@ class StepShare:
         self.share_state.on_train_batch_start(batch_idx)
         self.shares.on_train_batch_start(batch_idx, work)
         return self.share
+
+    def _replica_share(self, batch_idx: int, local: float) -> float:
+        """This rank's samples as its replica counts them: a pipeline's last stage logs and weighs for the replica's
+        joined batch, its other stage ranks count nowhere (the plan's ``replicas``)."""
+        rank, replicas = self.view.global_rank, self.loaders.plan.replicas or ()
+        replica = next((r for r in replicas if rank in r), (rank,))
+        if len(replica) == 1:
+            return local
+        assert self.loaders.train_sampler is not None
+        sizes = self.loaders.train_sampler.rank_sizes_at(batch_idx)
+        return sum(sizes[r] for r in replica) if rank == replica[-1] else 0
 
     def train_step_size(self) -> Optional[float]:
         """This rank's real samples in the current training batch (the monitor's count)."""
@@ -87,6 +98,15 @@ class StepShare:
                 yield
         finally:
             self.logging_batch_size = None
+
+    @contextmanager
+    def weighing(self, weight: Optional[float]) -> Iterator[None]:
+        """Inside a step, `reduce` weights this rank's values by ``weight`` instead (0: they count nowhere)."""
+        before, self.logging_batch_size = self.logging_batch_size, weight
+        try:
+            yield
+        finally:
+            self.logging_batch_size = before
 
     # -- micro-batches ---------------------------------------------------------------------------------------------
     def micro_batch_sizes(self, batch_size: Optional[int]) -> Optional[list[int]]:

@@ -69,6 +69,7 @@ from lightning_hetero.observe.analysis import STEP_FIELDS, accumulate, advice, a
 from lightning_hetero.observe.nvml import NVML_FIELDS, nvml_handle, nvml_readings
 from lightning_hetero.observe.stage_times import NO_STAGE, STAGE_EVENT, StageTimer, merge_stage, stage_fields
 from lightning_hetero.plan.rebalance import when_backward_ends
+from lightning_hetero.view import ObservedStrategy, observed
 
 SIDECAR = "hetero_monitor.jsonl"
 
@@ -213,7 +214,7 @@ class HeteroMonitor(Callback):
     def _reset_run(self) -> None:
         self._running = False
         self._marks_from_hook = False  # the strategy's comm hook marks the backward's end (else a hook on the loss)
-        self._strategy: Any = None
+        self._strategy: Optional[ObservedStrategy] = None
         self._every = 1
         self._device = torch.device("cpu")
         self._events: list[tuple] = []  # this window's events (see _START ...), replayed on logging steps
@@ -282,18 +283,16 @@ class HeteroMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._running = True
-        self._strategy = trainer.strategy
+        strategy = self._strategy = observed(trainer.strategy)
         self._every = self.every_n_steps or max(1, trainer.log_every_n_steps)
         # HeteroDDPStrategy's comm hook marks the backward's end for free; other strategies: a hook on the loss.
-        observe = getattr(trainer.strategy, "observe_backward_end", None)
-        self._marks_from_hook = bool(observe is not None and observe(self._backward_ended))
-        if hasattr(trainer.strategy, "attach_monitor"):
-            trainer.strategy.attach_monitor(self)
-        # HeteroHybridStrategy: a stage rank of a pipelined replica times its schedule's steps.
-        pipelines = getattr(getattr(trainer.strategy, "layout", None), "pipelines", None)
-        self._pipelines = [list(p) for p in pipelines] if pipelines else None
-        if hasattr(trainer.strategy, "observe_pipeline_stage"):
-            trainer.strategy.observe_pipeline_stage(StageTimer(self._mark, self._push))
+        self._marks_from_hook = strategy is not None and strategy.observe_backward_end(self._backward_ended)
+        self._pipelines = None
+        if strategy is not None:
+            strategy.attach_monitor(self)
+            # HeteroHybridStrategy: a stage rank of a pipelined replica times its schedule's steps.
+            self._pipelines = strategy.pipeline_ranks or None
+            strategy.observe_pipeline_stage(StageTimer(self._mark, self._push))
         if self.nvml and self._device.type == "cuda":
             self._nvml_handle = nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
@@ -302,7 +301,7 @@ class HeteroMonitor(Callback):
             self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")  # written and flushed once a window
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        samples = getattr(self._strategy, "train_step_size", None)
+        samples = self._strategy.train_step_size if self._strategy is not None else None
         tokens = 0
         if samples is None or self._count_tokens:
             samples, tokens = self._counts(batch, samples)
@@ -343,7 +342,7 @@ class HeteroMonitor(Callback):
                            batch_idx: int) -> None:
         end = self._mark()
         if self._released:  # the strategy's byte count of the step's gradient collectives, where it keeps one
-            nbytes = getattr(self._strategy, "comm_bytes_last_step", None)
+            nbytes = self._strategy.comm_bytes_last_step if self._strategy is not None else None
             if nbytes is not None:
                 self._push((_BYTES, nbytes))
         self._push((_END, end))
@@ -378,13 +377,12 @@ class HeteroMonitor(Callback):
         self._stop_watching(trainer)
 
     def _stop_watching(self, trainer: Trainer) -> None:
-        if self._running:
+        strategy = observed(trainer.strategy)
+        if self._running and strategy is not None:
             if self._marks_from_hook:
-                trainer.strategy.observe_backward_end(self._backward_ended, observe=False)
-            if hasattr(trainer.strategy, "attach_monitor"):
-                trainer.strategy.attach_monitor(None)
-            if hasattr(trainer.strategy, "observe_pipeline_stage"):
-                trainer.strategy.observe_pipeline_stage(None)
+                strategy.observe_backward_end(self._backward_ended, observe=False)
+            strategy.attach_monitor(None)
+            strategy.observe_pipeline_stage(None)
         self._running, self._marks_from_hook, self._strategy = False, False, None
         if self._sidecar is not None:
             self._sidecar.close()
@@ -446,13 +444,11 @@ class HeteroMonitor(Callback):
     def _print_advice(self, trainer: Trainer) -> None:
         """What would pay off over all steps after warm-up (the summary's steps), printed once."""
         assert self.totals is not None
-        # The hetero strategies' share plan and controller, during fit.
-        plan = getattr(trainer.strategy, "plan", None)
-        shares = getattr(trainer.strategy, "share_controller", None)
+        strategy = observed(trainer.strategy)  # the hetero strategies' share plan, during fit
         found = advice(totals_window(self.totals, self._summary_steps), nvml_util=self._nvml_util,
-                       capacity_source=getattr(plan, "source", None),
-                       rebalance=getattr(shares, "rebalance", None),
-                       sharded=bool(getattr(getattr(trainer.strategy, "core", None), "sharded", False)))
+                       capacity_source=strategy.capacity_source if strategy is not None else None,
+                       rebalance=strategy.rebalancing if strategy is not None else None,
+                       sharded=strategy is not None and strategy.sharded)
         if found:
             print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
 

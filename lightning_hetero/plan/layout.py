@@ -226,17 +226,20 @@ def balanced_starts(blocks: int, weights: Sequence[float]) -> list[int]:
     return starts
 
 
-def micro_batch_count(share: int, stages: int, requested: Optional[int] = None) -> int:
+def micro_batch_count(share: int, stages: int, requested: Optional[int] = None, least: int = 1) -> int:
     """Micro-batches for a pipelined replica's share: the largest count up to ``requested`` (default 2 × stages, so
     the bubble is at most a third of a GPipe step) that divides the share, so every micro-batch has the same size
-    (a stage's receive buffers have one shape). 1 for an empty share.
+    (a stage's receive buffers have one shape), each of at least ``least`` samples where the share allows (2 while
+    BatchNorm layers train on per-micro-batch statistics). 1 for an empty share.
 
     Example::
 
         >>> micro_batch_count(12, 2), micro_batch_count(10, 2), micro_batch_count(7, 2)
         (4, 2, 1)
+        >>> micro_batch_count(2, 2, least=2), micro_batch_count(8, 2, least=3)
+        (1, 2)
     """
     if requested is not None and requested < 1:
         raise ValueError(f"`micro_batches`={requested} must be a positive integer or None.")
-    most = min(requested or 2 * stages, max(share, 1))
+    most = min(requested or 2 * stages, max(share // max(least, 1), 1))
     return next(m for m in range(most, 0, -1) if share % m == 0) if share > 0 else 1

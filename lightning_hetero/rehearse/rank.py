@@ -26,6 +26,7 @@ from lightning_hetero.plan.memory import GIB
 from lightning_hetero.registry import entry, entry_of, names
 from lightning_hetero.rehearse.cards import card_label
 from lightning_hetero.rehearse.job import LIGHTNING_MODES, RankJob, RankResult
+from lightning_hetero.view import observed
 
 # The fixed workload each rank times under its emulation before its first step (matrix side, repeats).
 PROBE_SIDE = {"cuda": 4096, "cpu": 256}
@@ -113,7 +114,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
         def on_train_start(self, trainer: Any, module: Any) -> None:
             # Before the first step: the rank's emulation (ours: the strategy's own emulator) times a fixed workload,
             # so that a run shows every rank emulated as its card.
-            emulated = emulator if emulator is not None else getattr(trainer.strategy, "emulation", None)
+            ours = observed(trainer.strategy)
+            emulated = emulator if emulator is not None or ours is None else ours.emulation
             result.emulated_speed, result.emulation_probe_seconds = emulation_probe(emulated, device)
             if emulated is not None and device.type == "cpu":
                 self.sleeper = emulated
@@ -124,7 +126,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             strategy = trainer.strategy
             # Ours registers a hook of its own only with compression, periodic sync or the CPU emulator; otherwise
             # DDP's built-in all-reduce runs, whose fake work carries no result on CUDA.
-            own_hook = getattr(strategy, "weighting", None) is not None
+            ours = observed(strategy)
+            own_hook = ours is not None and ours.owns_comm_hook
             ddp_wrapped = isinstance(strategy.model, DistributedDataParallel)
             if result.mode in ("ddp", "hetero") and ddp_wrapped and not own_hook:
                 strategy.model.register_comm_hook(self.buckets, local_gradients_hook)
@@ -208,13 +211,13 @@ def emulation_probe(emulator: Optional[Emulator], device: torch.device) -> tuple
     return speed, min(seconds)
 
 
-def carried_options(strategy: Any, target: str) -> dict[str, Any]:
+def carried_options(config: Any, target: str) -> dict[str, Any]:
     """The options of the config's own strategy (a ``class_path``/``init_args`` namespace) that ``target`` (an import
     path) also takes, e.g. ``capacities`` from a ``HeteroDDPStrategy`` config rehearsed as ``hetero_fsdp``."""
     import importlib
     import inspect
 
-    init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    init_args = config.get("init_args") if hasattr(config, "get") else None
     if not init_args:
         return {}
     module, _, name = target.rpartition(".")
@@ -353,7 +356,7 @@ def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
         result.split, result.capacity_source = plan["split"], plan["capacity_source"]
         result.capacities_asked = strategy.plan.spec.source
         result.global_batch = plan["global_batch_size"]
-        memory_plan = getattr(strategy, "memory_plan", None)
+        memory_plan = strategy.memory_plan
         result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
         result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
         result.blocks = memory_plan[job.rank].blocks if memory_plan else None
@@ -364,7 +367,8 @@ def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
         result.plan = "replica" if LIGHTNING_MODES.get(job.mode) == "ddp" else "full shard"
     if result.global_batch and result.batch:
         result.share = (result.split[job.rank] if result.split else result.batch) / result.global_batch
-    if getattr(strategy, "layout", None) is not None:
+    ours = observed(strategy)
+    if ours is not None and ours.pipeline_ranks is not None:
         record_layout(result, strategy)
 
 
@@ -381,7 +385,8 @@ def record_layout(result: RankResult, strategy: Any) -> None:
     samples = sum(result.split[r] for r in pipeline)
     result.stage = strategy.replica.stage
     result.share = samples / result.global_batch
-    result.micro_batches = micro_batch_count(samples, len(pipeline), strategy.replica.micro_batches)
+    replica = strategy.replica
+    result.micro_batches = micro_batch_count(samples, len(pipeline), replica.micro_batches, replica.least_micro_batch)
     result.plan = f"stage {result.stage} of pipeline {layout.pipelines.index(pipeline)}"
 
 

@@ -32,7 +32,6 @@ from lightning_hetero.config import (
     Rebalancing,
     Resilience,
     check_ddp_kwargs,
-    check_strategy_arguments,
     from_flat_arguments,
 )
 from lightning_hetero.grad.autocompress import resolve_compression
@@ -43,7 +42,7 @@ from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.weighting import WeightingState, loss_weight, scaled, weighted_allreduce_hook
 from lightning_hetero.lab.link_pacing import PacedState, paced_hook
 from lightning_hetero.plan.capacity import CapacitiesArg
-from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
+from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
@@ -157,14 +156,11 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.compression_request = parse_compression(compression)  # "auto" is resolved at setup, per fit
         if self.compression_request is not None and (ddp_comm_hook is not None or ddp_comm_wrapper is not None):
             raise ValueError("`compression` and `ddp_comm_hook`/`ddp_comm_wrapper` both own the gradient hook.")
-        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
-                                 cluster_environment, checkpoint_io, precision_plugin, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_wrapper=ddp_comm_wrapper, process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
+            **parallel_arguments(options, start_method, process_group_backend, accelerator, parallel_devices,
+                                 cluster_environment, checkpoint_io, precision_plugin, ddp_comm_hook,
+                                 ddp_comm_wrapper),
+            ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper,
             **check_ddp_kwargs(ddp_kwargs),
         )
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
@@ -307,6 +303,10 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         # Lightning's hint names its own DDPStrategy, which would drop this strategy: name the argument here.
         _compat.augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=unused_parameters_hint(self))
         super().on_exception(exception)
+
+    @property
+    def owns_comm_hook(self) -> bool:
+        return self.weighting is not None
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:

@@ -34,7 +34,6 @@ import importlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
@@ -58,7 +57,6 @@ from lightning_hetero.config import (
     Resilience,
     StartMethod,
     check,
-    check_strategy_arguments,
     from_flat_arguments,
 )
 from lightning_hetero.data.microbatch import micro_limits
@@ -91,8 +89,9 @@ from lightning_hetero.plan.memory import (
     resolve_memory,
 )
 from lightning_hetero.lab.shared_gpu import shared_device_backend
-from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO, CheckpointError, verify_manifest, write_manifest
+from lightning_hetero.resilience.checkpoint import CheckpointError, verify_manifest, write_manifest
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.trial_step import sample_batches, trial_steps
@@ -296,14 +295,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         options = from_flat_arguments(profiling, rebalance, data, resilience, observation, flat={})
         # Several ranks on one GPU (an emulation mode): gloo, and no device binding (lightning_hetero.lab.shared_gpu).
         process_group_backend = shared_device_backend(parallel_devices, process_group_backend)
-        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
-                                 cluster_environment, checkpoint_io, precision_plugin, None, None)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
-        )
+        super().__init__(**parallel_arguments(options, start_method, process_group_backend, accelerator,
+                                              parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin, sharded=self.sharded)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model

@@ -21,13 +21,13 @@ data-parallel replica holding the whole model. The composition, in the order a f
    trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
-from datetime import timedelta
 from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -39,7 +39,7 @@ from typing_extensions import override
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod, check, check_choice,
-                                     check_strategy_arguments, from_flat_arguments)
+                                     from_flat_arguments)
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
@@ -49,12 +49,14 @@ from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.layout import HybridLayout, balanced_starts, choose_pipelines
 from lightning_hetero.plan.memory import device_budget, optimizer_slots
-from lightning_hetero.resilience.checkpoint import AtomicCheckpointIO
+from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
-from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, log_shared, own_view, share_logs
+from lightning_hetero.strategies.pipelined import PipelinedReplica
+from lightning_hetero.strategies.pipelined_step import PipelinedStep
 from lightning_hetero.strategies.stage_evaluation import StageEvaluation
+from lightning_hetero.strategies.stage_memory import StageHolding
 from lightning_hetero.strategies.stage_exchange import StageExchange
 from lightning_hetero.view import running_strategy
 
@@ -66,6 +68,7 @@ class _UnwrappedDDP(DDPStrategy):
     on a stage rank is the pipeline's (inside the precision's autocast, as Lightning runs a step)."""
 
     replica: Optional[PipelinedReplica] = None
+    runner: Optional[PipelinedStep] = None  # a stage rank's step
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -77,20 +80,23 @@ class _UnwrappedDDP(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.replica is None:
+        if self.runner is None:
             return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self.pipelined_step(*args, **kwargs)
+        accumulate = _compat.trainer_of(self.lightning_module).accumulate_grad_batches
+        with self.precision_plugin.train_step_context():  # Lightning passes (batch, batch_idx) by position
+            return self.runner.run(self.lightning_module, args[0], args[1], accumulate)
 
-    def pipelined_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
 
-    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
-        """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
-        if self.replica is None:
-            return False
-        self.replica.timer = timer
-        return True
+class WholeModelAtTrainEnd(Callback):
+    """Before any other callback's ``on_train_end`` (Lightning's ``EMAWeightAveraging`` copies its average into the
+    parameters there), a stage rank's released parameters get storage again; the strategy's own ``on_train_end``,
+    which Lightning runs after the callbacks', then fills them from the ranks that train them."""
+
+    def __init__(self, holding: StageHolding) -> None:
+        self.holding = holding
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.holding.hold_whole()
 
 
 class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP):
@@ -195,24 +201,27 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
               "None with pipelines (a pipeline runs its share as its own micro-batches)")
         check("data", "loss_denominator", options.data.loss_denominator, options.data.loss_denominator == "samples",
               "'samples' with pipelines (a pipeline weights its micro-batches by their samples, not their tokens)")
-        check_strategy_arguments(start_method, process_group_backend, accelerator, parallel_devices,
-                                 cluster_environment, checkpoint_io, precision_plugin, None, None)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=float(options.resilience.timeout)), start_method=start_method,
-        )
+        super().__init__(**parallel_arguments(options, start_method, process_group_backend, accelerator,
+                                              parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
-        # What a stage rank logs after its training step: its own view of the replica's (calls, joined batch size).
-        self._after_step: tuple[list, int] = ([], 0)
         # Measured capacities time a pipeline as one replica.
         self.core.profiler.measure = self._profile_layout
+
+    @property
+    def pipeline_ranks(self) -> Optional[list[list[int]]]:
+        return [list(p) for p in self.layout.pipelines] if self.layout is not None else None
+
+    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
+        """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
+        if self.replica is None:
+            return False
+        self.replica.timer = timer
+        return True
 
     def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:
         return profile_layout(self, sampler, dataloader)
@@ -244,6 +253,8 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, self._split_points(module, pipeline), self.schedule,
                                             self.micro_batches, self.core.lab.emulation)
+            self.runner = PipelinedStep(self.replica, self.core.step, self.core.loaders, self.root_device,
+                                        len(layout.replicas))
 
     def _auto_pipelines(self) -> list[list[int]]:
         """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
@@ -273,7 +284,19 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
                              "bf16 or fp32 (`precision_policy`).")
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.layout is not None and self.layout.pipelines and (
+                not self.lightning_module.automatic_optimization):
+            raise ValueError("HeteroHybridStrategy: manual optimization (`automatic_optimization = False`) cannot "
+                             "drive a pipelined replica, whose step runs its own backward; use automatic "
+                             "optimization, or HeteroDDPStrategy / HeteroFSDPStrategy.")
         super().setup(trainer)
+        if self.replica is not None:
+            # A BatchNorm layer that trains on per-replica statistics gets them from at least `min_share` samples.
+            self.replica.least_micro_batch = self.plan.min_share
+        if fitting and self.replica is not None:
+            trainer.callbacks[:] = [WholeModelAtTrainEnd(self.replica.holding),
+                                    *(c for c in trainer.callbacks if not isinstance(c, WholeModelAtTrainEnd))]
         # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
         # are in host memory; NCCL sends device tensors, one at a time).
         parked = self.replica.holding.host_values() if self.replica is not None else {}
@@ -309,57 +332,15 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        share = self.core.step.share
-        if self.replica is None or share is None:
-            return
-        if self.replica.partition is not None:
-            # Evaluation gave this rank the whole model's weights: training needs its stage's alone.
-            self.replica.holding.keep_only(self.replica.partition[self.replica.stage], self.optimizers)
-        sizes = self.core.loaders.train_sampler.rank_sizes_at(batch_idx)
-        replica = sum(sizes[r] for r in self.replica.ranks)
-        # The last stage logs (and weighs) for the replica; the other stage ranks count nowhere.
-        self.core.step.share = (replica if self.replica.is_last else 0, share[1])
+        if self.runner is not None and self.core.step.share is not None:
+            self.runner.hold_stage(self.optimizers)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        # A stage rank's own view of its replica's step, logged after the padding step it is here (`own_view`).
-        (later, size), self._after_step = self._after_step, ([], 0)
-        log_shared(self.lightning_module, later, size, self.root_device)
+        if self.runner is not None:
+            self.runner.log_own_view(self.lightning_module)
         return output
-
-    def pipelined_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        replica, step = self.replica, self.core.step
-        assert replica is not None and self.layout is not None
-        sampler = self.core.loaders.train_sampler
-        total = sampler.rank_sizes_at(batch_idx) if sampler is not None else None
-        real = total is None or total[self.global_rank] > 0
-        # The pipeline's collectives are sync to the monitor, as the strategy's own are.
-        monitor = step.monitor
-        timed = monitor.timed_collective if monitor is not None else (lambda collective, *a: collective(*a))
-        joined, any_real = timed(gather_batch, batch, real, replica.group, self.root_device)
-        trainer = _compat.trainer_of(self.lightning_module)
-        weight = (1.0 / sum(total) if total else 1.0 / len(self.layout.replica_sizes([1] * self.world_size)))
-        weight = weight * float(any_real) / trainer.accumulate_grad_batches
-        params = replica.stage_parameters() if replica.partition is not None else []
-        held = [p.grad for p in params]  # earlier accumulation steps' gradients, set aside while the stage runs
-        for p in params:
-            p.grad = None
-        loss, calls = replica.step(joined, batch_idx, weight)
-        params = replica.stage_parameters()
-        held = held if len(held) == len(params) else [None] * len(params)
-        step.pending_grads = PendingGrads(params, [p.grad for p in params])
-        for p, g in zip(params, held):
-            p.grad = g
-        # Logged for the replica's joined batch (an epoch mean weights each step by it; the other stage ranks count
-        # nowhere, their unsynced values logged after the step), as the pipelined validation does.
-        size = extract_batch_size(joined)
-        shared = timed(share_logs, calls, replica.ranks[-1], replica.group)
-        later = own_view(shared, mirrors=any_real and not replica.is_last)
-        log_shared(self.lightning_module, [call for call in shared if call not in later], size, self.root_device)
-        self._after_step = (later, size)
-        value = loss if loss is not None else torch.zeros((), device=self.root_device)
-        return value.detach().clone().requires_grad_()  # Lightning's backward of it reaches no parameter
 
     def weigh_loss(self, loss: Tensor) -> Tensor:
         """A data-parallel rank's loss times b_r / G (the stage groups sum); a stage rank's is already weighted."""

@@ -68,7 +68,7 @@ def micro_batch_seconds(replica: PipelinedReplica, batch: Any, size: int, steps:
     run less efficiently: the fastest is measured, not guessed."""
     seconds: dict[int, float] = {}
     for requested in (replica.stages, 2 * replica.stages, 4 * replica.stages):
-        count = micro_batch_count(size, replica.stages, requested)
+        count = micro_batch_count(size, replica.stages, requested, replica.least_micro_batch)
         if count not in seconds:
             replica.micro_batches = count
             seconds[count] = time_pipeline(replica, {size: batch}, steps, step_context).seconds[0]

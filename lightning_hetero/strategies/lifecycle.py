@@ -32,6 +32,7 @@ from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.registry import entry
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
+from lightning_hetero.strategies.facade import HeteroFacade
 
 
 # What an evaluation step logs for where it runs a batch not its own (a pipeline's joined batch): whether that is a
@@ -47,7 +48,7 @@ def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[i
         return None
 
 
-class HeteroLifecycle:
+class HeteroLifecycle(HeteroFacade):
     """Lightning strategy overrides that call the :class:`HeteroCore` (``self.core``) at each lifecycle point.
 
     Mixed in before a Lightning parallel strategy: ``class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy)``. The
@@ -58,9 +59,6 @@ class HeteroLifecycle:
     core: HeteroCore
     # The name of the strategy's line in lightning_hetero/registry.py.
     strategy_name: str
-    # The model's parameters are sharded across ranks: its forward and backward issue collectives, and the options
-    # a sharded strategy refuses (`config.sharded_refusals`) are refused.
-    sharded: bool = False
 
     # -- what the parallelism supplies ------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -88,65 +86,6 @@ class HeteroLifecycle:
                 strategy_registry.register(name, cls, start_method=start_method,
                                            description=f"{listed.description}, start '{start_method}'")
 
-    # -- public, read-only views -------------------------------------------------------------------------------------
-    @property
-    def lab(self) -> HeteroLab:
-        """Ranks, devices and groups of this job (available after setup)."""
-        return self.core.lab.lab
-
-    @property
-    def plan(self) -> SharePlan:
-        """Capacities (and where they came from), memory caps, the split of the global batch and its changes."""
-        return self.core.plan
-
-    @property
-    def groups(self) -> LabGroups:
-        """This rank's process groups: by device class, by host, and the leaders across them."""
-        return self.core.lab.groups
-
-    @property
-    def train_batch_sampler(self) -> Optional[HeteroBatchSampler]:
-        return self.core.loaders.train_sampler
-
-    @property
-    def emulation(self) -> Optional[Emulator]:
-        """This rank's lab emulator (``None`` unless ``emulate`` gave it a profile)."""
-        return self.core.lab.emulation
-
-    @property
-    def share_controller(self) -> ShareController:
-        """Rebalancing decisions and the profiling record (the checkpointed share state is ``core.share_state``)."""
-        return self.core.shares
-
-    @property
-    def train_step_size(self) -> Optional[float]:
-        """This rank's real samples (or token weight) in the current training batch."""
-        return self.core.step.train_step_size()
-
-    def update_capacities(self, capacities: Sequence[float], source: str,
-                          split: Optional[Sequence[int]] = None) -> None:
-        """Adopt new capacities from the next global batch the training loader draws (call it on every rank at the
-        same batch). ``split`` is derived by the plan (accepted, not needed)."""
-        sampler, plan = self.core.loaders.train_sampler, self.core.plan
-        if sampler is None or plan.schedule is None:
-            plan.adopt(capacities, source, caps=plan.caps)
-            return
-        # Past the batches already drawn (their gradient weights are read off the split that cut them).
-        first_batch = max(sampler.batches_yielded, plan.schedule.latest.first_batch)
-        plan.adopt(capacities, source, caps=plan.caps, first_batch=first_batch, epoch=sampler.sampler.epoch)
-
-    def add_lab_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
-        """Extra per-rank columns for the lab table (e.g. measured samples/s, memory caps)."""
-        self.core.lab.add_columns(columns)
-
-    def attach_monitor(self, monitor: Any) -> None:
-        """The monitor that times collectives issued inside a step (``None``: none)."""
-        self.core.step.monitor = monitor
-
-    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
-        """Call ``observer`` where a synchronizing backward ends, from the gradient hook; False: no hook to watch."""
-        return False
-
     # -- launch and process group ------------------------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
@@ -171,9 +110,11 @@ class HeteroLifecycle:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
         trainer = _compat.trainer_of(self.lightning_module) if self.lightning_module is not None else None
-        if trainer is not None and trainer.predicting:
+        if trainer is not None and trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
             # Lightning's prediction sampler (replaced too) asserts that every rank has a sample: one sample on two
-            # ranks would fail there, before the batch sampler gives the sampleless rank a padding step.
+            # ranks would fail there, before the batch sampler gives the sampleless rank a padding step. And for a
+            # standalone validate / test it warns that a DistributedSampler replicates samples: not so here, the
+            # batch sampler evaluates each sample once.
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 

@@ -27,7 +27,8 @@ its transfers.
 """
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
@@ -37,12 +38,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.overrides import TorchFunctionMode
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
 from lightning_hetero.plan.layout import micro_batch_count
 from lightning_hetero.strategies.stage_memory import StageHolding
+from lightning_hetero.view import running_strategy
 
 
 class _Called(Exception):
@@ -82,6 +85,28 @@ def forward_inputs(module: nn.Module, batch: Any, batch_idx: int, step: str = "t
     return args
 
 
+def check_stage_parameters(module: nn.Module, partition: Sequence[Sequence[str]]) -> None:
+    """A ``ValueError`` naming a parameter that two stages use (a weight tied across stages, a module called again
+    in a later stage): a stage rank holds its own stage's parameters alone, so no stage could train it."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    names = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+    for stage, stage_names in enumerate(partition):
+        for name in stage_names:
+            if name in names and names[name] == name:
+                continue
+            if name in names:
+                raise ValueError(
+                    f"{running_strategy()}: the weight {names[name]!r} (tied as {name!r}) is used by more than one "
+                    "stage of the pipeline, but a stage rank holds its own stage's parameters alone: untie them, or "
+                    "choose `split_points` that keep both in one stage.")
+            called = re.sub(r"@\d+", "", name)  # torch's name for a module's later call in another stage
+            raise ValueError(
+                f"{running_strategy()}: the parameter {names.get(called, called)!r} is used by more than one stage "
+                f"of the pipeline (its module is called again in stage {stage}), but a stage rank holds its own "
+                "stage's parameters alone: choose `split_points` that keep its calls in one stage, or give the "
+                "later call a module of its own.")
+
+
 def gather_batch(batch: Any, real: bool, group: dist.ProcessGroup, device: torch.device) -> tuple[Any, bool]:
     """The pipelined replica's batch: its ranks' slices joined in stage order (a padding slice adds nothing);
     ``(own batch, False)`` when every slice is padding."""
@@ -108,23 +133,65 @@ def _concat(parts: Sequence[Any]) -> Any:
 
 
 def share_logs(calls: Sequence[tuple[str, Any, tuple, dict]], src: int, group: dist.ProcessGroup,
-               step: str = "training_step") -> list[tuple[str, float, tuple, dict]]:
+               step: str = "training_step", uncounted: Collection[str] = ()
+               ) -> tuple[list[tuple[str, float, tuple, dict]], frozenset[str]]:
     """The last stage's combined ``self.log`` calls (``src`` passes them) on every rank of the pipeline, each value a
-    float; a value that is no number (a torchmetrics ``Metric``) raises the same error on every rank, none waits."""
+    float, and the names among them that ``src`` computed from parameters it holds no values of (``uncounted``,
+    :class:`ForeignReads`); a value that is no number (a torchmetrics ``Metric``) raises the same error on every
+    rank, none waits."""
     box: list[Any] = [None]
     if dist.get_rank() == src:
         bad = [name for name, value, _, _ in calls
                if not (isinstance(value, (int, float)) or isinstance(value, Tensor) and value.numel() == 1)]
         # `log_dict` passes `batch_size=None`: left in, Lightning would weigh the value by this rank's own slice,
         # not the replica's joined batch.
-        box = [[(name, float(value), args, {k: v for k, v in kwargs.items() if not (k == "batch_size" and v is None)})
-                for name, value, args, kwargs in calls]] if not bad else [
+        box = [([(name, float(value), args, {k: v for k, v in kwargs.items() if not (k == "batch_size" and v is None)})
+                 for name, value, args, kwargs in calls], frozenset(uncounted))] if not bad else [
             f"`self.log({bad[0]!r}, ...)` in `{step}` on a pipelined replica: log a number or a one-element "
             "tensor (e.g. a metric's `compute()` or its update's value), not a torchmetrics Metric object."]
     dist.broadcast_object_list(box, src=src, group=group)
     if isinstance(box[0], str):
         raise ValueError(box[0])
     return box[0]
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class ForeignReads(TorchFunctionMode):
+    """Marks, while it is on, every tensor computed from ``foreign`` (parameters this rank holds no values of: other
+    stages'), so that a value the user logs from them (a weight norm) is known not to be this rank's to count.
+
+    Example::
+
+        with ForeignReads(other_stages) as reads:
+            norm = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).norm()
+        reads.read(norm)  # True
+    """
+
+    def __init__(self, foreign: Iterable[Tensor]) -> None:
+        super().__init__()
+        # Held while on: an id marked here belongs to no other tensor.
+        self.marked: dict[int, Tensor] = {id(t): t for t in foreign}
+
+    def read(self, value: Any) -> bool:
+        return isinstance(value, Tensor) and id(value) in self.marked
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(self.read(t) for t in _tensors((args, kwargs))):
+            self.marked.update((id(t), t) for t in _tensors(out))
+        return out
 
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -183,6 +250,9 @@ class PipelinedReplica:
         self.split_points = list(split_points)
         self.schedule_name = schedule
         self.micro_batches = micro_batches
+        # The fewest samples a micro-batch may hold (2 while BatchNorm trains on per-micro-batch statistics).
+        self.least_micro_batch = 1
+        self.last_micro_batch = 0  # the size of the last training step's micro-batches
         self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
         self._built: dict[tuple, Any] = {}
         self._built_forward: dict[tuple, Any] = {}  # evaluation's forward-only schedules, kept apart from training's
@@ -226,8 +296,9 @@ class PipelinedReplica:
                 raise ValueError(f"`split_points` {self.split_points} cut the model into {pipe.num_stages} stages "
                                  f"for a pipeline of {self.stages} ranks.")
             if self.partition is None:
-                self.partition = [[n for n, _ in pipe.get_stage_module(s).named_parameters()]
-                                  for s in range(self.stages)]
+                partition = [[n for n, _ in pipe.get_stage_module(s).named_parameters()] for s in range(self.stages)]
+                check_stage_parameters(self.module, partition)
+                self.partition = partition
             # The split is known: this stage's parameters on the device, the others' nowhere on this rank.
             self.holding.keep_only(self.partition[self.stage], self.optimizers)
             stage = pipe.build_stage(self.stage, self.device, group=self.group)
@@ -257,11 +328,13 @@ class PipelinedReplica:
         # (513, 1)). A copy of the input tokens; every micro-batch of a contiguous batch is contiguous.
         inputs = tuple(a.contiguous() for a in forward_inputs(self.module, batch, batch_idx))
         size = inputs[0].shape[0]
-        count = micro_batch_count(size, self.stages, self.micro_batches)
+        count = micro_batch_count(size, self.stages, self.micro_batches, self.least_micro_batch)
+        self.last_micro_batch = size // count
         schedule = self._schedule(inputs, count)
         self._batch, self._batch_idx, self._size, self._weight = batch, batch_idx, size, weight
         self._losses: list[Tensor] = []
         self._capture = LogCapture(self.module)
+        self.uncounted: set[str] = set()  # logged from other stages' parameters (`ForeignReads`)
         timer = self.timer
         with self._capture.patched(), _compat.host_staged_transfers() if self.host_staged else nullcontext():
             if timer is not None:
@@ -313,14 +386,21 @@ class PipelinedReplica:
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         return self.work(lambda: self._micro_batch_loss(output, index))
 
+    def _foreign(self) -> list[Tensor]:
+        """The parameters of the other stages (placeholders here)."""
+        assert self.partition is not None
+        own = set(self.partition[self.stage])
+        return [p for n, p in self.module.named_parameters() if n not in own]
+
     def _micro_batch_loss(self, output: Any, index: Tensor) -> Tensor:
         """The user's ``training_step`` on one micro-batch, its ``self(...)`` returning the last stage's output."""
         start, end = int(index[0]), int(index[-1]) + 1
         share = (end - start) / self._size
         self._capture.weight = share
         result = output[0] if isinstance(output, (tuple, list)) and len(output) == 1 else output
-        with _forward_replaced(self.module, lambda *args, **kwargs: result):
+        with _forward_replaced(self.module, lambda *args, **kwargs: result), ForeignReads(self._foreign()) as reads:
             loss = loss_of(self.module.training_step(slice_batch(self._batch, start, end, self._size),
                                                      self._batch_idx))
+        self.uncounted.update(name for name, calls in self._capture.calls.items() if reads.read(calls[-1][0]))
         self._losses.append(loss.detach().float() * share)
         return loss * (self._weight * (end - start))

@@ -125,7 +125,7 @@ class StageEvaluation:
         with evaluation_step("validation", "val_dataloaders", args, kwargs, runs=runs):
             with self.precision_plugin.val_step_context():  # type: ignore[attr-defined]
                 output, calls = replica.evaluate(joined, batch_idx, step_args)
-            shared = share_logs(calls, replica.ranks[-1], replica.group, "validation_step")
+            shared, _ = share_logs(calls, replica.ranks[-1], replica.group, "validation_step")
             later = own_view(shared, mirrors=any_real and not replica.is_last)
             log_shared(module, [call for call in shared if call not in later], size, device)
         log_shared(module, later, size, device)

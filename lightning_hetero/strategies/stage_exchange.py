@@ -118,14 +118,21 @@ class StageExchange:
             if sync.partition is None:
                 replica = self.replica  # type: ignore[attr-defined]
                 sync.share_partition(replica.partition if replica else None, module)
-            monitor = self.core.step.monitor  # type: ignore[attr-defined]
-            if monitor is None:
+            step = self.core.step  # type: ignore[attr-defined]
+            if step.monitor is None:
                 sync.all_reduce_grads(module)
             else:  # the rank's time blocked in the exchange
-                monitor.timed_exchange(sync.all_reduce_grads, module)
+                step.monitor.timed_exchange(sync.all_reduce_grads, module)
+            # The hooks that follow (`on_before_optimizer_step`) see the exchanged gradients: a data-parallel rank
+            # holds every stage's, a stage rank its own stage's alone (and placeholders for the other stages'
+            # weights), so what a stage rank logs there counts nowhere; the data-parallel ranks log for the model.
+            step.logging_batch_size = 1.0 if self.replica is None else 0.0  # type: ignore[attr-defined]
             return out
 
-        return super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
+        try:
+            return super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
+        finally:
+            self.core.step.logging_batch_size = None  # type: ignore[attr-defined]
 
     @property
     def comm_bytes_last_step(self) -> Optional[int]:

@@ -1,0 +1,57 @@
+"""The callbacks read a strategy through one typed protocol (:class:`~lightning_hetero.view.ObservedStrategy`), not
+by probing attribute names: every strategy satisfies it, and a renamed member fails here."""
+
+import ast
+import pathlib
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy
+from lightning_hetero.strategies.facade import HeteroFacade
+from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
+from lightning_hetero.view import ObservedStrategy, observed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "lightning_hetero"
+# The modules whose callbacks read the strategy.
+CALLBACK_MODULES = ["observe/monitor.py", "grad/nonfinite.py", "rehearse/rank.py"]
+MEMBERS = sorted(name for name in vars(ObservedStrategy) if not name.startswith("_"))
+
+
+@pytest.mark.parametrize("make", [HeteroDDPStrategy, HeteroFSDPStrategy, lambda: HeteroHybridStrategy([[1, 2]])],
+                         ids=["ddp", "fsdp", "hybrid"])
+def test_every_strategy_is_observed(make):
+    strategy = make()
+    assert observed(strategy) is strategy
+    assert isinstance(strategy, ObservedStrategy)
+
+
+def test_lightning_strategies_are_not():
+    assert observed(DDPStrategy()) is None
+
+
+def test_a_renamed_member_is_no_longer_observed():
+    """What a rename does: the strategy stops satisfying the protocol (so the tests above fail)."""
+    for name in MEMBERS:
+        renamed = type("Renamed", (HeteroDDPStrategy,), {name: property(lambda self: (_ for _ in ()).throw(
+            AttributeError(name)))})
+        assert not isinstance(renamed(), ObservedStrategy), name
+
+
+def test_the_facade_defines_every_member():
+    assert MEMBERS and all(name in dir(HeteroFacade) for name in MEMBERS)
+
+
+def _probes(path: pathlib.Path) -> list[str]:
+    """``getattr(x.strategy, ...)`` / ``hasattr(x.strategy, ...)`` / ``getattr(strategy, ...)`` calls in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            target = ast.unparse(node.args[0]) if node.args else ""
+            if target.endswith("strategy") or target.endswith("_strategy"):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_callback_probes_strategy_attributes():
+    assert not [p for module in CALLBACK_MODULES for p in _probes(ROOT / module)]
