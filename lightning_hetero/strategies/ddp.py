@@ -42,6 +42,7 @@ from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.weighting import WeightingState, loss_weight, scaled, weighted_allreduce_hook
 from lightning_hetero.lab.link_pacing import PacedState, paced_hook
 from lightning_hetero.plan.capacity import CapacitiesArg
+from lightning_hetero.grad.exchange import InBackward
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
@@ -169,6 +170,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.compression_config = self.compression_request  # the method in use ("auto" is resolved at setup)
         self.compression: Optional[GradientCompression] = None  # bytes per step, per-rank state (after setup)
         self.weighting: Optional[WeightingState] = None  # the comm hook's weights (None: weighted on the loss)
+        self.exchange = InBackward(self._hook_bytes)  # the comm hook runs in the backward
 
     # -- set-up: links and compression ------------------------------------------------------------------------------
     @override
@@ -308,7 +310,6 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     def owns_comm_hook(self) -> bool:
         return self.weighting is not None
 
-    @property
-    def comm_bytes_last_step(self) -> Optional[int]:
+    def _hook_bytes(self) -> Optional[int]:
         """Bytes this rank handed to gradient collectives in the last optimizer step (None: no hook counts them)."""
         return self.compression.bytes_last_step if self.compression is not None else None

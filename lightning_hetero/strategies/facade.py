@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 from lightning_hetero.data.sampler import HeteroBatchSampler
+from lightning_hetero.grad.exchange import GradExchange, InBackward
 from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.plan.rebalance import ShareController
@@ -27,6 +28,8 @@ class HeteroFacade:
     """Read-only views of the core, and the defaults of :class:`~lightning_hetero.view.ObservedStrategy`."""
 
     core: HeteroCore
+    # How the gradients cross ranks in a step (the lifecycle calls it in one place).
+    exchange: GradExchange = InBackward()
     # The model's parameters are sharded across ranks: its forward and backward issue collectives, and the options
     # a sharded strategy refuses (`config.sharded_refusals`) are refused.
     sharded: bool = False
@@ -82,7 +85,7 @@ class HeteroFacade:
     @property
     def comm_bytes_last_step(self) -> Optional[int]:
         """Bytes this rank handed to the last optimizer step's gradient collectives (None: nothing counts them)."""
-        return None
+        return self.exchange.bytes_last_step
 
     @property
     def owns_comm_hook(self) -> bool:

@@ -43,6 +43,7 @@ from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilien
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
+from lightning_hetero.grad.compression import warn_double_momentum
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
@@ -99,7 +100,7 @@ class WholeModelAtTrainEnd(Callback):
         self.holding.hold_whole()
 
 
-class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP):
+class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
@@ -156,6 +157,10 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
     """
 
     strategy_name = "hetero_hybrid"
+    # A stage rank holds one stage's gradients: the non-finite check agrees over every rank before it acts.
+    holds_partial_gradients = True
+    stage_sync: Optional[StageSync] = None
+    stage_exchange: Optional[StageExchange] = None
 
     def __init__(
         self,
@@ -246,7 +251,7 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
         hosts = [d.host for d in self.core.lab.lab.devices]
-        self.stage_sync = StageSync(layout, self.global_rank, hosts, self.stage_compression)
+        sync = self.stage_sync = StageSync(layout, self.global_rank, hosts, self.stage_compression)
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
             module = self.lightning_module
@@ -255,6 +260,8 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
                                             self.micro_batches, self.core.lab.emulation)
             self.runner = PipelinedStep(self.replica, self.core.step, self.core.loaders, self.root_device,
                                         len(layout.replicas))
+        self.exchange = self.stage_exchange = StageExchange(sync, self.replica, self.core.step,
+                                                            self.overlap_stage_exchange)
 
     def _auto_pipelines(self) -> list[list[int]]:
         """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
@@ -291,6 +298,10 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
                              "drive a pipelined replica, whose step runs its own backward; use automatic "
                              "optimization, or HeteroDDPStrategy / HeteroFSDPStrategy.")
         super().setup(trainer)
+        if fitting and self.stage_exchange is not None:
+            self.stage_exchange.agree_overlap(self.lightning_module, trainer.callbacks, self.root_device)
+            if self.stage_exchange.sync.compresses:  # on one host every stage stays exact: no momentum correction
+                warn_double_momentum(self.stage_exchange.sync.compression, self.optimizers)
         if self.replica is not None:
             # A BatchNorm layer that trains on per-replica statistics gets them from at least `min_share` samples.
             self.replica.least_micro_batch = self.plan.min_share
@@ -312,6 +323,17 @@ class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _Unw
             self.replica.optimizers = self.optimizers
         # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        """Lightning's clipping by norm, by the whole model's norm: a stage rank's own gradients are one stage's."""
+        assert self.stage_sync is not None
+        params = list(self.precision_plugin.main_params(optimizer))
+        self.stage_sync.clip_grad_norm(self.lightning_module, params, float(clip_val), self.root_device)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether this fit's stage exchanges begin during the backward (agreed at set-up by every rank)."""
+        return self.stage_sync is not None and self.stage_sync.overlap
 
     @override
     def model_to_device(self) -> None:

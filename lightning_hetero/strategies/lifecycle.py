@@ -59,6 +59,8 @@ class HeteroLifecycle(HeteroFacade):
     core: HeteroCore
     # The name of the strategy's line in lightning_hetero/registry.py.
     strategy_name: str
+    # Inside the optimizer step's closure, whose backward the step's exchange follows.
+    _stepping: bool = False
 
     # -- what the parallelism supplies ------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -186,18 +188,32 @@ class HeteroLifecycle(HeteroFacade):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         self.core.step.before_backward(closure_loss)
-        out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
-        self.core.step.after_backward()
+        # Only the backward inside the optimizer step's closure begins exchanges: an accumulation step's, or a
+        # closure a LightningModule.optimizer_step runs without stepping, is followed by no `finish`.
+        module = self.lightning_module
+        with self.exchange.during_backward(module) if self._stepping else nullcontext():
+            out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
+            self.core.step.after_backward()
         return out
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def exchanged() -> Any:  # the closure runs forward and backward; the step's exchange completes after it
+            self._stepping = True
+            try:
+                out = closure()
+            finally:
+                self._stepping = False
+            self.exchange.finish(self.lightning_module)
+            return out
+
+        step = self.core.step
+        weight = step.logging_batch_size  # an exchange may weigh the optimizer step's logs otherwise
         try:
-            # The closure runs forward and backward.
             with self.core.lab.emulated_work():
-                out = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+                out = super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
         finally:
-            self.core.step.pending_grads = None
+            step.pending_grads, step.logging_batch_size = None, weight
         self.core.step.after_optimizer_step()
         return out
 

@@ -22,7 +22,7 @@ A pipelined validation step, on every rank of a pipeline alike:
 Before validation, rank 0's buffers reach every rank, as for whole-model evaluation (no DDP wrapper re-syncs them);
 no parameter is re-broadcast. Data-parallel ranks evaluate as before.
 
-    class HeteroHybridStrategy(StageEvaluation, StageExchange, HeteroLifecycle, _UnwrappedDDP): ...
+    class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP): ...
 """
 
 from typing import Any, Optional
