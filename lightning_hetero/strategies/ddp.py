@@ -310,6 +310,5 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
     def owns_comm_hook(self) -> bool:
         return self.weighting is not None
 
-    def _hook_bytes(self) -> Optional[int]:
-        """Bytes this rank handed to gradient collectives in the last optimizer step (None: no hook counts them)."""
+    def _hook_bytes(self) -> Optional[int]:  # the last step's bytes on the wire, where a compression hook counts them
         return self.compression.bytes_last_step if self.compression is not None else None

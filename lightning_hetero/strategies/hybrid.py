@@ -32,7 +32,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -40,18 +39,16 @@ from typing_extensions import override
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod, check, check_choice,
                                      from_flat_arguments)
-from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
 from lightning_hetero.grad.compression import warn_double_momentum
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
-from lightning_hetero.plan.blocks import default_blocks, top_level_blocks
 from lightning_hetero.plan.capacity import CapacitiesArg
-from lightning_hetero.plan.layout import HybridLayout, balanced_starts, choose_pipelines
-from lightning_hetero.plan.memory import device_budget, optimizer_slots
+from lightning_hetero.plan.layout import HybridLayout
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.hybrid_plan import auto_pipelines, broadcast_start, split_points_for
 from lightning_hetero.strategies.hybrid_profile import profile_layout
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from lightning_hetero.strategies.pipelined import PipelinedReplica
@@ -237,7 +234,10 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
         super().setup_environment()
         assert self.pipelines is not None
         if self.pipelines == "auto":
-            self.pipelines = self._auto_pipelines()
+            choice = auto_pipelines(self.lightning_module, self.lab.devices, self.plan.capacities,
+                                    float(self.core.options.profiling.memory_headroom))
+            self.pipelines = [list(p) for p in choice.pipelines]
+            rank_zero_info(f"{running_strategy()} pipelines='auto': {self.pipelines}; " + "; ".join(choice.reasons))
         layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
         check("", "pipelines", self.pipelines, 0 in layout.data_parallel,
               "pipelines without rank 0: rank 0 is data-parallel (it writes checkpoints and is the source of buffers)")
@@ -255,36 +255,14 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
             module = self.lightning_module
+            split = self.split_points or split_points_for(module, [self.plan.capacities[r] for r in pipeline])
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
-                                            self.root_device, self._split_points(module, pipeline), self.schedule,
-                                            self.micro_batches, self.core.lab.emulation)
+                                            self.root_device, split, self.schedule, self.micro_batches,
+                                            self.core.lab.emulation)
             self.runner = PipelinedStep(self.replica, self.core.step, self.core.loaders, self.root_device,
                                         len(layout.replicas))
         self.exchange = self.stage_exchange = StageExchange(sync, self.replica, self.core.step,
                                                             self.overlap_stage_exchange)
-
-    def _auto_pipelines(self) -> list[list[int]]:
-        """``pipelines="auto"``: the cards that cannot hold a replica paired into pipelines
-        (:func:`~lightning_hetero.plan.layout.choose_pipelines`), on every rank alike (the lab is every rank's)."""
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        # Parameters, gradients and optimizer state (not built yet: Adam's two moments); activations must fit in
-        # the profiling headroom.
-        replica = sum(p.numel() * p.element_size() for p in params) * (2 + optimizer_slots(None))
-        headroom = float(self.core.options.profiling.memory_headroom)
-        weights = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
-        choice = choose_pipelines([device_budget(d, headroom) for d in self.core.lab.lab.devices],
-                                  list(self.plan.capacities), replica, weight_bytes=weights)
-        rank_zero_info(f"{running_strategy()} pipelines='auto': {[list(p) for p in choice.pipelines]}; "
-                       + "; ".join(choice.reasons))
-        return [list(p) for p in choice.pipelines]
-
-    def _split_points(self, module: torch.nn.Module, pipeline: tuple[int, ...]) -> list[str]:
-        if self.split_points is not None:
-            return list(self.split_points)
-        names = {id(m): n for n, m in module.named_modules()}
-        blocks = [names[id(b)] for b in top_level_blocks(module, default_blocks(module))]
-        starts = balanced_starts(len(blocks), [self.plan.capacities[r] for r in pipeline])
-        return [blocks[i] for i in starts]
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -308,17 +286,8 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
         if fitting and self.replica is not None:
             trainer.callbacks[:] = [WholeModelAtTrainEnd(self.replica.holding),
                                     *(c for c in trainer.callbacks if not isinstance(c, WholeModelAtTrainEnd))]
-        # No DDP wrapper broadcasts the initial model: every rank starts from rank 0's (a parked stage rank's values
-        # are in host memory; NCCL sends device tensors, one at a time).
         parked = self.replica.holding.host_values() if self.replica is not None else {}
-        module = self.lightning_module
-        # Each tensor once, by the name `parked` knows it by (`state_dict` also lists a tied weight's aliases).
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            tensor = parked.get(name, tensor.detach())
-            staged = tensor.to(self.root_device)
-            dist.broadcast(staged, src=0)
-            if staged is not tensor:
-                tensor.copy_(staged)
+        broadcast_start(self.lightning_module, parked, self.root_device)
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
         # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.

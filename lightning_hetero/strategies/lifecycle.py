@@ -20,15 +20,10 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.grad.batchnorm import sync_for_strategy, synced_statistics
-from lightning_hetero.lab.emulation import Emulator
 from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
-from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.observe.metrics import discard_padding_step, evaluation_padding, reduce_logged, step_indices
 from lightning_hetero.view import name_running_strategy
-from lightning_hetero.plan.rebalance import ShareController
-from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.registry import entry
 from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
 from lightning_hetero.strategies.core import HeteroCore
@@ -56,11 +51,8 @@ class HeteroLifecycle(HeteroFacade):
     :meth:`no_sync` (accumulation without gradient communication, for micro-batches).
     """
 
-    core: HeteroCore
-    # The name of the strategy's line in lightning_hetero/registry.py.
-    strategy_name: str
-    # Inside the optimizer step's closure, whose backward the step's exchange follows.
-    _stepping: bool = False
+    strategy_name: str  # the name of the strategy's line in lightning_hetero/registry.py
+    _stepping: bool = False  # inside the optimizer step's closure, whose backward the step's exchange follows
 
     # -- what the parallelism supplies ------------------------------------------------------------------------------
     def weigh_loss(self, loss: Tensor) -> Tensor:
@@ -188,10 +180,8 @@ class HeteroLifecycle(HeteroFacade):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         self.core.step.before_backward(closure_loss)
-        # Only the backward inside the optimizer step's closure begins exchanges: an accumulation step's, or a
-        # closure a LightningModule.optimizer_step runs without stepping, is followed by no `finish`.
-        module = self.lightning_module
-        with self.exchange.during_backward(module) if self._stepping else nullcontext():
+        # Only the stepping closure's backward begins the step's exchange (no `finish` follows any other).
+        with self.exchange.during_backward(self.lightning_module) if self._stepping else nullcontext():
             out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
             self.core.step.after_backward()
         return out
@@ -207,14 +197,13 @@ class HeteroLifecycle(HeteroFacade):
             self.exchange.finish(self.lightning_module)
             return out
 
-        step = self.core.step
-        weight = step.logging_batch_size  # an exchange may weigh the optimizer step's logs otherwise
+        step, weight = self.core.step, self.core.step.logging_batch_size  # an exchange may reweigh the step's logs
         try:
             with self.core.lab.emulated_work():
                 out = super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
         finally:
             step.pending_grads, step.logging_batch_size = None, weight
-        self.core.step.after_optimizer_step()
+        step.after_optimizer_step()
         return out
 
     @contextmanager

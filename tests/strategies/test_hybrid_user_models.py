@@ -26,14 +26,6 @@ class TiedAcrossStages(Chain):
         self.net[6].weight = self.net[2].weight
 
 
-@pytest.mark.slow
-def test_a_weight_tied_across_stages_is_refused_naming_the_tie(tmp_path):
-    seed_everything(0)
-    with pytest.raises(Exception, match=r"net\.2\.weight.*net\.6\.weight.*(untie|split_points)"):
-        fit(TiedAcrossStages(n=24), str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, split_points=["net.4"],
-                                                                  resilience={"timeout": 30}), 1, max_steps=1)
-
-
 class CalledTwice(Chain):
     """Chain whose second layer runs twice, once in each stage of a ``split_points=["net.4"]`` pipeline."""
 
@@ -44,11 +36,15 @@ class CalledTwice(Chain):
 
 
 @pytest.mark.slow
-def test_a_module_called_in_two_stages_is_refused_naming_its_parameter(tmp_path):
+@pytest.mark.parametrize(("model_class", "named"), [
+    (TiedAcrossStages, r"net\.2\.weight.*net\.6\.weight.*(untie|split_points)"),
+    (CalledTwice, r"net\.2\.weight.*more than one stage"),
+], ids=["tied across stages", "called in two stages"])
+def test_a_parameter_two_stages_use_is_refused_by_name(tmp_path, model_class, named):
     seed_everything(0)
-    with pytest.raises(Exception, match=r"net\.2\.weight.*more than one stage"):
-        fit(CalledTwice(n=24), str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, split_points=["net.4"],
-                                                            resilience={"timeout": 30}), 1, max_steps=1)
+    with pytest.raises(Exception, match=named):
+        fit(model_class(n=24), str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, split_points=["net.4"],
+                                                             resilience={"timeout": 30}), 1, max_steps=1)
 
 
 class Normalized(Chain):
