@@ -158,18 +158,24 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         points[str(sms)] = {"step_s": seconds, "samples_per_s": batch / seconds}
         print(f"{args.workload} {sms:4d} SMs  {seconds * 1e3:8.1f} ms/step  {batch / seconds:9.1f} samples/s",
               flush=True)
+        # Written after every point: a run stopped from outside keeps what it measured.
+        path = _write_sweep(args, host, batch, points, time.perf_counter() - began)
+    print(f"wrote {path} ({time.perf_counter() - began:.0f} s)")
+
+
+def _write_sweep(args: argparse.Namespace, host: DeviceInfo, batch: int, points: dict[str, dict[str, float]],
+                 seconds: float) -> Path:
     full = points[str(host.multiprocessors)]["samples_per_s"]
     relative = {s: p["samples_per_s"] / full for s, p in points.items()}
-    synthetic = device.type != "cuda"
+    synthetic = host is DRY_RUN_HOST
     if synthetic:  # no SMs to cap on CPU: a made-up curve, so that `fit` and `validate` have one to run on
         relative = {s: (int(s) / host.multiprocessors) ** _DRY_RUN_EXPONENTS[args.workload] for s in points}
     out = {"workload": args.workload, "host": host.name, "host_sms": host.multiprocessors, "batch": batch,
-           "synthetic": synthetic, "points": points, "relative": relative,
-           "seconds": time.perf_counter() - began}
+           "synthetic": synthetic, "points": points, "relative": relative, "seconds": seconds}
     path = Path(args.out) / f"sweep_{args.workload}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path} ({out['seconds']:.0f} s)")
+    return path
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
@@ -187,7 +193,8 @@ def cmd_fit(args: argparse.Namespace) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     workloads = [w for w in WORKLOADS if w in curves]
-    print(f"calibration of {host} ({host_sms} SMs) -> {args.out}" + ("  [SYNTHETIC dry run]" if out["synthetic"] else ""))
+    synthetic = "  [SYNTHETIC dry run]" if out["synthetic"] else ""
+    print(f"calibration of {host} ({host_sms} SMs) -> {args.out}{synthetic}")
     head = "".join(f" {'target ' + w:>12} {'curve':>6} {'d_' + w:>7}" for w in workloads)
     print(f"{'preset':<10} {'SMs':>4} {'d':>6} {'worst':>6}" + head)
     for preset, knob in table.presets:
@@ -216,17 +223,16 @@ def cmd_validate(args: argparse.Namespace) -> None:
         rows[preset] = {"samples_per_s": batch / seconds, "sms": emulator.device.num_sms or host.multiprocessors,
                         "dilation": emulator.device.dilation, "calibration": emulator.device.calibration,
                         "compute_s": emulator.compute_seconds, "dilated_s": emulator.slept_seconds}
-        print(f"{preset} {rows[preset]['samples_per_s']:.1f} samples/s ({emulator.summary()})", flush=True)
-    reference = rows[REFERENCE]["samples_per_s"]
-    for preset, row in rows.items():
-        row["emulated_ratio"] = row["samples_per_s"] / reference
+        row = rows[preset]
+        row["emulated_ratio"] = row["samples_per_s"] / rows[REFERENCE]["samples_per_s"]
         row["published_ratio"] = training_speed(preset, args.workload)
         row["error"] = row["emulated_ratio"] / row["published_ratio"] - 1.0
-    out = {"workload": args.workload, "knob": args.knob, "host": host.name, "calibration": args.calibration,
-           "dry_run": device.type != "cuda", "rows": rows, "seconds": time.perf_counter() - began}
-    path = Path(args.out) / f"validate_{args.workload}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+        print(f"{preset} {row['samples_per_s']:.1f} samples/s ({emulator.summary()})", flush=True)
+        out = {"workload": args.workload, "knob": args.knob, "host": host.name, "calibration": args.calibration,
+               "dry_run": device.type != "cuda", "rows": rows, "seconds": time.perf_counter() - began}
+        path = Path(args.out) / f"validate_{args.workload}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))  # after every preset: a run stopped from outside keeps them
     print_validation([out])
 
 

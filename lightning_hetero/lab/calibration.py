@@ -35,8 +35,8 @@ CALIBRATION_ENV = "LIGHTNING_HETERO_CALIBRATION"
 _PACKAGE_DIR = Path(__file__).with_name("calibrations")  # not "calibration": that is this module
 # Host GPU kinds with a shipped calibration file, matched by device-name substring.
 HOST_KINDS: dict[str, str] = {"H200": "h200.json"}
-HOST_STAND_IN = "H100"
-_FIT_TOLERANCE = 0.02  # |log error| within which two SM counts fit equally well  # the preset whose published speed the host's full GPU is taken to have
+HOST_STAND_IN = "H100"  # the preset whose published speed the host's full GPU is taken to have
+_FIT_TOLERANCE = 0.02  # |log error| within which two SM counts fit equally well
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Calibration:
         """``(SM count, dilation)`` of ``preset`` on ``workload`` (``None``: the default dilation)."""
         knobs = dict(self.presets)
         if preset not in knobs:
-            raise ValueError(f"calibration {self.path or self.host!r} has no preset {preset!r}; it has {sorted(knobs)}.")
+            raise ValueError(f"calibration {self.path or self.host!r} has no preset {preset!r}; "
+                             f"it has {sorted(knobs)}.")
         entry = knobs[preset]
         return entry.sms, entry.dilation(workload)
 
@@ -178,8 +179,8 @@ def fit_knob(curves: Mapping[str, Mapping[int, float]], targets: Mapping[str, fl
 
     For each SM count measured on every workload: with ``r_w = log(curve_w / target_w)``, a dilation ``d`` makes the
     error ``r_w - log d``; the worst ``|error|`` is least at ``log d = (max r + min r) / 2``, kept ``>= 0`` (a card is
-    never sped up). Among the SM counts within 2 % of the least worst error, the one needing the least dilation wins. The
-    per-workload dilations make each workload exact at that SM count where the slice is fast enough.
+    never sped up). Among the SM counts within 2 % of the least worst error, the one needing the least dilation wins.
+    The per-workload dilations make each workload exact at that SM count where the slice is fast enough.
 
     Example::
         >>> fit_knob({"bert": {8: 0.1, 16: 0.3, 132: 1.0}}, {"bert": 0.25}).sms

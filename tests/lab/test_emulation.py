@@ -14,7 +14,13 @@ from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
 from lightning_hetero.lab.cards import training_speed
-from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
+from lightning_hetero.lab.devices import (
+    CAPABILITY_OVERRIDE_ENV,
+    NAME_OVERRIDE_ENV,
+    PEAK_TFLOPS,
+    DeviceInfo,
+    peak_tflops,
+)
 from lightning_hetero.lab.emulation import (
     PRESETS,
     EmulationSpec,
