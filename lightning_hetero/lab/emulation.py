@@ -788,8 +788,8 @@ def start_emulation(
         spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link / hosts
     device = resolve(spec, host, specs)
     if device.calibration.startswith("published ratio"):
-        warnings.warn(f"Emulating {spec.preset} on {host.name}: {device.calibration} (run "
-                      "benchmarks/calibrate_presets.py to measure one); the SM share is the published speed ratio.")
+        warnings.warn(f"Emulating {spec.preset} on {host.name}: {device.calibration} "
+                      "(benchmarks/calibrate_presets.py measures one).")
     emulator = Emulator(device, root_device, link, hosts=hosts, inter_host_gbit=job_inter_host_gbit(specs))
     emulator.apply_env()
     return emulator
@@ -804,8 +804,9 @@ def lab_warning(strategy_name: str, device_type: str, summaries: Sequence[str]) 
         >>> lab_warning("HeteroFSDPStrategy", "cpu", ["slowdown 3.00x, gloo (link not emulated)", "real device"])
     """
     if device_type == "cuda":
-        how = ("SM shares are green-context caps on the host GPU, memory a cap on its allocator, links NCCL's "
-               "transport settings; NCCL kernels are not capped")
+        how = ("SM shares are green-context caps on the host GPU (with a time dilation after each step where the "
+               "calibration asks for one), memory a cap on its allocator, links NCCL's transport settings; NCCL "
+               "kernels are not capped")
     else:
         how = ("a rank's slowdown is a pause of (slowdown - 1) x its step's CPU time; the link between ranks is not "
                "emulated")
