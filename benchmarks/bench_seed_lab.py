@@ -295,7 +295,7 @@ class Launch:
             return "timeout"
 
     def end(self) -> None:
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:

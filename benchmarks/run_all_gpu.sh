@@ -113,10 +113,10 @@ case "${1:-checks}" in
         fi
         ;;
     seed)
-        # The driver's deadline leaves room for its last layout's kill (10 s + 5 s) and its report; the step's limit
+        # The driver's deadline leaves room for its last layout's kill (5 s + 5 s) and its report; the step's limit
         # is a backstop above it. SIGTERM at the limit still writes what was measured.
         workloads=${SEED_WORKLOADS:-bert}
-        deadline=290 limit=325
+        deadline=290 limit=325 TAIL=70  # the tail holds both tables of two workloads
         [ "$workloads" = bert ] || { deadline=500 limit=535; }
         if [ -n "${SEED_CPU:-}" ]; then
             cpu="--accelerator cpu --tiny --warmup 1 --steps 2 --layout-s 200" deadline=1500 limit=1600
