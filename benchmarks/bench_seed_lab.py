@@ -475,7 +475,7 @@ def _emulation_cell(row: dict[str, Any]) -> str:
 
 
 def tables(result: dict[str, Any]) -> str:
-    lines, ratio_lines = [], []
+    lines, ratio_lines, notes = [], [], []
     for work in result["workloads"]:
         for layout, row in work["layouts"].items():
             if layout == "solo":
@@ -495,11 +495,12 @@ def tables(result: dict[str, Any]) -> str:
             ratio_lines.append([work["workload"], layout] + [
                 "-" if entry[k] is None else f"{entry[k]:.2f}" for k in ("vs_pair", "vs_ideal", "ours_vs_lightning")]
                 + ["<- fastest" if layout == r["fastest"] else ""])
-        ratio_lines.append([work["workload"], "ideal", "-", f"{r['ideal']}" if r["ideal"] else "-", "-",
-                            r["ideal_means"]])
+        ideal = f"{r['ideal']:.1f} samples/s" if r["ideal"] else "unknown"
+        notes.append(f"{work['workload']}: ideal {ideal} = {r['ideal_means']}; measured fastest: {r['fastest']}")
     return (format_table(["workload", "layout", "samples/s", "step ms", "peak GiB per rank",
                           "emulation per rank (measured/expected slowdown)", "error"], lines) + "\n\n"
-            + format_table(["workload", "layout", "/pair", "/ideal", "ours/Lightning", ""], ratio_lines))
+            + format_table(["workload", "layout", "/pair", "/ideal", "ours/Lightning", ""], ratio_lines) + "\n"
+            + "\n".join(notes))
 
 
 def plot(result: dict[str, Any], path: str) -> Optional[str]:
