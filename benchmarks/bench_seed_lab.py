@@ -92,7 +92,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def lab_list(args: argparse.Namespace) -> list[str]:
-    return [card for card in args.lab.split(",")]
+    return args.lab.split(",")
 
 
 def calibration_identity() -> dict[str, Any]:
@@ -238,6 +238,8 @@ def run_solo(args: argparse.Namespace) -> None:
     work, lab = next(iter(workloads(args))), parse_emulate(lab_list(args))
     cuda = args.accelerator != "cpu"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if not cuda:  # the cores shared as Lightning shares them among 4 ranks (oversubscribed threads spin for ages)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))
     spec = alone(lab[args.card], lab, device.type)
     emulator = start_emulation([spec], 0, 1, describe_device(device, 0), device)
     if emulator is not None:
@@ -410,7 +412,8 @@ def slow_solo_rate(rows: dict[str, Any], slow_card: str, fallback_batch: int) ->
 
 
 def ratios(work: Workload, rows: dict[str, Any], lab: list[str]) -> dict[str, Any]:
-    """Each layout ÷ pair, ÷ ideal, ours ÷ Lightning, and the measured fastest of the multi-card layouts."""
+    """Each layout ÷ pair, ÷ ideal, ours ÷ Lightning (ddp4 ÷ Lightning's DDP, fsdp4 ÷ its FSDP, hybrid4 ÷ the
+    faster of the two), and the measured fastest layout (the pair included)."""
     rate = {k: r.get("samples_per_s") for k, r in rows.items() if r.get("samples_per_s")}
     slow, how = slow_solo_rate(rows, lab[2], work.global_batch // 4)
     slow_count = sum(1 for card in lab if card == lab[2])
