@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_hybrid import XL, emulated_lightning, verify_emulation, workload  # noqa: E402
 from bench_lab import Stopped, _commit, _timer_class, format_table, stop_on_sigterm  # noqa: E402
 from models import BertConfig, Block, EncoderLayer, GPTConfig  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from plotting import pyplot, save  # noqa: E402
 
 for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -522,9 +522,7 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
         ax.set_title(f"{work['workload']} (global batch {work['global_batch']})")
         ax.set_ylabel("samples/s (0: did not run or fit)")
         ax.tick_params(axis="x", rotation=35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, path)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

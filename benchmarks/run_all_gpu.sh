@@ -124,7 +124,7 @@ case "${1:-checks}" in
             [ "$gpus" -ge 4 ] || { echo "seed needs 4 GPUs (found $gpus)"; exit 1; }
             cpu="--warmup 2 --steps 10"
         fi
-        step seed "$limit" 0,1,2,3 python3 benchmarks/bench_seed_lab.py --workloads "$workloads" $cpu \
+        step "seed_${workloads//[,.]/}" "$limit" 0,1,2,3 python3 benchmarks/bench_seed_lab.py --workloads "$workloads" $cpu \
             --deadline-s "$deadline" --out "$OUT/seed"
         ;;
     goals)
