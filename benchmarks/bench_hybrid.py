@@ -160,30 +160,36 @@ def emulate_specs(args: argparse.Namespace, world: int, replica_bytes: Optional[
 
 
 def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
-    """Seconds of a fixed matmul loop plain and under this rank's emulation; the measured and expected slowdown."""
-    size, reps = (256, 20) if device.type == "cpu" else (4096, 50)
+    """Seconds of a fixed matmul loop plain and under this rank's emulation; the measured and expected slowdown.
+
+    The loop runs as steps (each inside one ``emulator.work()``, as a training step does), so a GPU time dilation,
+    which idles after each step in proportion to the fastest recent step, is counted once its window has a step.
+    """
+    size, reps = (256, 4) if device.type == "cpu" else (4096, 10)
     a = torch.randn(size, size, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
 
     def timed(context: Callable[[], Any]) -> float:
-        with context():
-            for _ in range(3):
-                a @ a
+        def step() -> None:
+            with context():
+                for _ in range(reps):
+                    a @ a
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        # The whole context is timed: on CPU the emulator pauses when the work ends, on leaving it.
+                torch.cuda.synchronize(device)  # the step's events complete: the next step's dilation can read them
+
+        for _ in range(3):
+            step()
+        # Whole steps are timed: on CPU the emulator pauses when the work ends, on GPU the dilation's idle follows.
         start = time.perf_counter()
-        with context():
-            for _ in range(reps):
-                a @ a
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        for _ in range(5):
+            step()
         return time.perf_counter() - start
 
     plain = timed(nullcontext)
     emulated = timed(emulator.work) if emulator is not None else plain
     expected = 1.0
     if emulator is not None:
-        expected = emulator.device.slowdown if device.type == "cpu" else 1.0 / emulator.device.sm_share
+        expected = (emulator.device.slowdown if device.type == "cpu"
+                    else emulator.device.dilation / emulator.device.sm_share)
     return {"measured_slowdown": round(emulated / plain, 2), "expected_slowdown": round(expected, 2)}
 
 
