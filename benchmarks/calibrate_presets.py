@@ -54,19 +54,25 @@ _DRY_RUN_EXPONENTS = {"bert": 0.6, "resnet": 0.5, "gpt": 0.7}
 Step = Callable[[], None]
 
 
-def build_step(workload: str, device: torch.device, tiny: bool) -> tuple[Step, int]:
-    """A closure running one training step of ``workload`` (forward, backward, AdamW) and its batch size."""
+# Batches large enough that a step on a whole H200 is bound by the GPU, not by the host launching its kernels (at
+# BERT-base batch 32 a step took 29.6 ms on all 132 SMs and 28.6 ms on 64: the host's pace, not the GPU's).
+GPU_BOUND_BATCH = {"bert": 128, "resnet": 128, "gpt": 16}
+
+
+def build_step(workload: str, device: torch.device, tiny: bool, batch: int = 0) -> tuple[Step, int]:
+    """A closure running one training step of ``workload`` (forward, backward, AdamW) and its batch size (``0``: the
+    workload's :data:`GPU_BOUND_BATCH`)."""
     torch.manual_seed(0)
+    batch = 4 if tiny else (batch or GPU_BOUND_BATCH[workload])
     if workload == "bert":
         cfg = BertConfig.tiny() if tiny else BertConfig(seq=128)
-        batch = 4 if tiny else 32
         model: torch.nn.Module = Bert(cfg)
         inputs, labels = (t.to(device) for t in mlm_batch(cfg, batch))
 
         def loss() -> torch.Tensor:
             return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=-100)
     elif workload == "resnet":
-        batch, size = (4, 32) if tiny else (64, 224)
+        size = 32 if tiny else 224
         model = tiny_resnet() if tiny else resnet50()
         images = torch.randn(batch, 3, size, size, device=device)
         classes = torch.randint(0, 10 if tiny else 1000, (batch,), device=device)
@@ -75,7 +81,6 @@ def build_step(workload: str, device: torch.device, tiny: bool) -> tuple[Step, i
             return F.cross_entropy(model(images), classes)
     elif workload == "gpt":
         cfg = GPTConfig.tiny() if tiny else GPTConfig.gpt2_small(seq=512)
-        batch = 4 if tiny else 8
         model = GPT(cfg)
         tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), device=device)
 
@@ -145,26 +150,59 @@ def _device(name: str) -> torch.device:
 def cmd_sweep(args: argparse.Namespace) -> None:
     device = _device(args.device)
     host = _host(device)
-    step, batch = build_step(args.workload, device, args.tiny)
+    step, batch = build_step(args.workload, device, args.tiny, args.batch)
     points: dict[str, dict[str, float]] = {}
     began = time.perf_counter()
-    for sms in sweep_counts(host.multiprocessors, args.sms_step):
+    counts = [args.only] if args.only else sweep_counts(host.multiprocessors, args.sms_step)
+    path = None
+    for sms in counts:
         if time.perf_counter() - began > args.time_cap:
             print(f"time cap {args.time_cap:.0f} s reached: {sms} SMs and fewer not measured", flush=True)
             break
-        emulator = _emulator(EmulationSpec(sm_share=sms / host.multiprocessors), host, device)
-        small = sms <= 16  # slow points: fewer steps
-        seconds = time_steps(emulator, step, device, warmup=2 if small else 3, timed=3 if small else 5)
-        points[str(sms)] = {"step_s": seconds, "samples_per_s": batch / seconds}
-        print(f"{args.workload} {sms:4d} SMs  {seconds * 1e3:8.1f} ms/step  {batch / seconds:9.1f} samples/s",
-              flush=True)
-        # Written after every point: a run stopped from outside keeps what it measured.
-        path = _write_sweep(args, host, batch, points, time.perf_counter() - began)
+        if args.fresh and not args.only:
+            # cuDNN keeps the kernels it planned under another SM count, and ResNet-50's then fail
+            # (CUDNN_STATUS_EXECUTION_FAILED at the first point after the whole GPU): one process per point.
+            point = _point_in_child(args, sms)
+            if point is None:
+                continue
+        else:
+            emulator = _emulator(EmulationSpec(sm_share=sms / host.multiprocessors), host, device)
+            small = sms <= 16  # slow points: fewer steps
+            seconds = time_steps(emulator, step, device, warmup=2 if small else 3, timed=3 if small else 5)
+            point = {"step_s": seconds, "samples_per_s": batch / seconds}
+        points[str(sms)] = point
+        print(f"{args.workload} {sms:4d} SMs  {point['step_s'] * 1e3:8.1f} ms/step  {point['samples_per_s']:9.1f} "
+              "samples/s", flush=True)
+        if args.only or str(host.multiprocessors) in points:
+            # Written after every point: a run stopped from outside keeps what it measured.
+            path = _write_sweep(args, host, batch, points, time.perf_counter() - began)
     print(f"wrote {path} ({time.perf_counter() - began:.0f} s)")
+
+
+def _point_in_child(args: argparse.Namespace, sms: int) -> "dict[str, float] | None":
+    """One SM count measured by a fresh process of this script (``sweep --only``)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, os.path.abspath(__file__), "sweep", "--workload", args.workload, "--out", folder,
+                   "--device", args.device, "--only", str(sms), "--batch", str(args.batch)] + (["--tiny"] if args.tiny
+                                                                                             else [])
+        done = subprocess.run(command, capture_output=True, text=True)
+        found = list(Path(folder).glob("point_*.json"))
+        if done.returncode != 0 or not found:
+            print(f"{args.workload} {sms:4d} SMs  failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}",
+                  flush=True)
+            return None
+        return json.loads(found[0].read_text())
 
 
 def _write_sweep(args: argparse.Namespace, host: DeviceInfo, batch: int, points: dict[str, dict[str, float]],
                  seconds: float) -> Path:
+    if args.only:  # a child of `--fresh`: its one point, for the parent to read
+        path = Path(args.out) / f"point_{args.only}.json"
+        path.write_text(json.dumps(points[str(args.only)]))
+        return path
     full = points[str(host.multiprocessors)]["samples_per_s"]
     relative = {s: p["samples_per_s"] / full for s, p in points.items()}
     synthetic = host is DRY_RUN_HOST
@@ -209,7 +247,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
     host = _host(device)
     if load_calibration(host.name) is None:
         raise SystemExit(f"{args.calibration} cannot be read")
-    step, batch = build_step(args.workload, device, args.tiny)
+    step, batch = build_step(args.workload, device, args.tiny, args.batch)
     workload = None if args.knob == "default" else args.workload
     presets = [REFERENCE] + [p for p in PUBLISHED if p != REFERENCE]
     rows: dict[str, dict[str, Any]] = {}
@@ -267,6 +305,11 @@ def main(argv: "list[str] | None" = None) -> None:
         p.add_argument("--device", default="cuda", help="'cuda' (the visible GPU) or 'cpu' (a dry run)")
         p.add_argument("--tiny", action="store_true", help="tiny shapes (dry runs)")
         p.add_argument("--time-cap", type=float, default=130.0, help="stop starting new points after this many s")
+    for name in ("sweep", "validate"):
+        sub.choices[name].add_argument("--batch", type=int, default=0,
+                                       help="samples per step (0: the workload's GPU-bound batch)")
+    sub.choices["sweep"].add_argument("--fresh", action="store_true", help="each SM count in a fresh process")
+    sub.choices["sweep"].add_argument("--only", type=int, default=0, help=argparse.SUPPRESS)
     sub.choices["sweep"].add_argument("--sms-step", type=int, default=8,
                                       help="SM counts measured: multiples of this (8: the granularity on 9.x)")
     sub.choices["validate"].add_argument("--calibration", required=True, help="the file `fit` wrote")
