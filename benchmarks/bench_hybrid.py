@@ -127,14 +127,23 @@ def _bert_module_class() -> type:
 
 def model_and_data(args: argparse.Namespace, samples: int) -> tuple[Any, Any]:
     """The ``--model``'s LightningModule (tiny with ``--tiny``) and ``samples`` random training samples."""
+    if args.model == "bert":
+        return workload(BertConfig.tiny() if args.tiny else BertConfig(), samples)
+    return workload(GPTConfig.tiny() if args.tiny else XL, samples)
+
+
+def workload(cfg: Any, samples: int) -> tuple[Any, Any]:
+    """The LightningModule of ``cfg`` (a :class:`BertConfig`: masked LM; a :class:`GPTConfig`: untied-head GPT) and
+    ``samples`` random training samples for it.
+
+        module, dataset = workload(GPTConfig.gpt2_small(), 64)
+    """
     from torch.utils.data import TensorDataset
 
-    if args.model == "bert":
-        cfg = BertConfig.tiny() if args.tiny else BertConfig()
+    if isinstance(cfg, BertConfig):
         return _module_class("bert")(cfg), TensorDataset(*mlm_batch(cfg, samples))
-    gpt = GPTConfig.tiny() if args.tiny else XL
-    tokens = torch.randint(0, gpt.vocab, (samples, gpt.seq + 1), generator=torch.Generator().manual_seed(0))
-    return _module_class("gpt")(gpt), TensorDataset(tokens)
+    tokens = torch.randint(0, cfg.vocab, (samples, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
+    return _module_class("gpt")(cfg), TensorDataset(tokens)
 
 
 def emulate_specs(args: argparse.Namespace, world: int, replica_bytes: Optional[int] = None) -> list[Any]:
@@ -151,30 +160,36 @@ def emulate_specs(args: argparse.Namespace, world: int, replica_bytes: Optional[
 
 
 def verify_emulation(emulator: Any, device: torch.device) -> dict[str, Any]:
-    """Seconds of a fixed matmul loop plain and under this rank's emulation; the measured and expected slowdown."""
-    size, reps = (256, 20) if device.type == "cpu" else (4096, 50)
+    """Seconds of a fixed matmul loop plain and under this rank's emulation; the measured and expected slowdown.
+
+    The loop runs as steps (each inside one ``emulator.work()``, as a training step does), so a GPU time dilation,
+    which idles after each step in proportion to the fastest recent step, is counted once its window has a step.
+    """
+    size, reps = (256, 4) if device.type == "cpu" else (4096, 10)
     a = torch.randn(size, size, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
 
     def timed(context: Callable[[], Any]) -> float:
-        with context():
-            for _ in range(3):
-                a @ a
+        def step() -> None:
+            with context():
+                for _ in range(reps):
+                    a @ a
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        # The whole context is timed: on CPU the emulator pauses when the work ends, on leaving it.
+                torch.cuda.synchronize(device)  # the step's events complete: the next step's dilation can read them
+
+        for _ in range(3):
+            step()
+        # Whole steps are timed: on CPU the emulator pauses when the work ends, on GPU the dilation's idle follows.
         start = time.perf_counter()
-        with context():
-            for _ in range(reps):
-                a @ a
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        for _ in range(5):
+            step()
         return time.perf_counter() - start
 
     plain = timed(nullcontext)
     emulated = timed(emulator.work) if emulator is not None else plain
     expected = 1.0
     if emulator is not None:
-        expected = emulator.device.slowdown if device.type == "cpu" else 1.0 / emulator.device.sm_share
+        expected = (emulator.device.slowdown if device.type == "cpu"
+                    else emulator.device.dilation / emulator.device.sm_share)
     return {"measured_slowdown": round(emulated / plain, 2), "expected_slowdown": round(expected, 2)}
 
 
@@ -212,12 +227,21 @@ def _emulated_fsdp(emulate: list[Any], block: type) -> Any:
     """Lightning's FSDPStrategy, each step under this rank's emulation (its compute and memory caps)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
+    return emulated_lightning(FSDPStrategy, emulate, {"auto_wrap_policy": {block}, "state_dict_type": "sharded"})
+
+
+def emulated_lightning(base: type, emulate: list[Any], options: Optional[dict[str, Any]] = None) -> Any:
+    """Lightning's strategy ``base(**options)``, each training and optimizer step under this rank's entry of
+    ``emulate`` (its compute and memory caps; ``strategy.emulator``), started when the rank's device is known.
+
+        strategy = emulated_lightning(DDPStrategy, ["A100-80GB", "RTX3090"])
+    """
     from lightning_hetero.lab.devices import describe_device
     from lightning_hetero.lab.emulation import parse_emulate, start_emulation
 
     from bench_lab import emulated_steps
 
-    class EmulatedFSDP(emulated_steps(FSDPStrategy)):  # type: ignore[misc]
+    class Emulated(emulated_steps(base)):  # type: ignore[misc]
         def setup_environment(self) -> None:
             super().setup_environment()
             rank, device = self.global_rank, self.root_device
@@ -226,7 +250,8 @@ def _emulated_fsdp(emulate: list[Any], block: type) -> Any:
             if self.emulator is not None:
                 self.emulator.activate()
 
-    return EmulatedFSDP(auto_wrap_policy={block}, state_dict_type="sharded")
+    Emulated.__name__ = f"Emulated{base.__name__}"
+    return Emulated(**(options or {}))
 
 
 def run(config: str, args: argparse.Namespace) -> None:

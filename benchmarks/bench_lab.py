@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import GPT, GPTConfig, resnet50, tiny_resnet  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from plotting import pyplot, save  # noqa: E402
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     # one GPU at a quarter of the SMs with 24 GiB, on a PCIe-class link
@@ -626,9 +626,7 @@ def plot(lines: list[dict[str, Any]], path: str) -> Optional[str]:
         ax.set_title(f"{scenario} / {model} (median, min-max)")
         ax.set_ylabel("samples/s (solo = ideal sum)")
         ax.tick_params(axis="x", rotation=35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, path)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -12,3 +12,10 @@ def pyplot() -> Optional[Any]:
     except ImportError:
         return None
     return plt
+
+
+def save(fig: Any, path: str) -> str:
+    """``fig`` laid out and written to ``path`` (a PNG at 120 dpi); the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path

@@ -173,7 +173,10 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
                "peak_bytes": [mine.peak_allocated_bytes, theirs.peak_allocated_bytes],
                "estimate_bytes": theirs.estimated_bytes, "estimate_source": theirs.estimate_source,
                "step_seconds": [mine.step_time, theirs.step_time], "errors": [mine.error, theirs.error],
-               "phase_seconds": [_phases(mine), _phases(theirs)], "emulation": emulation[r]}
+               "phase_seconds": [_phases(mine), _phases(theirs)], "emulation": emulation[r],
+               "host_phase_seconds": [mine.host_phases, theirs.host_phases],
+               "host_bound": [mine.host_bound, theirs.host_bound], "peak_reached": [mine.peak_reached,
+                                                                                    theirs.peak_reached]}
         row["peak_error"] = _relative(mine.peak_allocated_bytes, theirs.peak_allocated_bytes)
         row["estimate_error"] = _relative(theirs.estimated_bytes, theirs.peak_allocated_bytes)
         ranks.append(row)
@@ -182,7 +185,9 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
             differs.append(f"{where}: {mine.error or theirs.error}")
         if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_AGREEMENT:
             differs.append(f"{where}: rehearsed peak {gib(mine.peak_allocated_bytes)} GiB vs real "
-                           f"{gib(theirs.peak_allocated_bytes)} ({row['peak_error']:+.1%})")
+                           f"{gib(theirs.peak_allocated_bytes)} ({row['peak_error']:+.1%}); reached: rehearsed "
+                           f"{mine.peak_reached or '?'}, real {theirs.peak_reached or '?'}; set-up peaks "
+                           f"{gib(mine.setup_peak_bytes)} / {gib(theirs.setup_peak_bytes)} GiB")
         if row["estimate_error"] is not None and abs(row["estimate_error"]) > ESTIMATE_AGREEMENT:
             differs.append(f"{where}: plan estimate {gib(theirs.estimated_bytes)} GiB ({theirs.estimate_source}) vs "
                            f"real peak {gib(theirs.peak_allocated_bytes)} ({row['estimate_error']:+.1%})")
@@ -290,18 +295,23 @@ def peak_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("run", "rank", "batch", "forward / backward / rest ms: rehearsed", "really run", "real start skew ms",
-             "real period ms")]
+    rows = [("run", "rank", "batch", "forward / backward / rest ms: rehearsed", "really run",
+             "on the host: rehearsed", "really run", "host-bound", "real start skew ms", "real period ms")]
     for run in results["runs"]:
         for row in run["ranks"]:
             mine, theirs = row.get("phase_seconds") or (None, None)
+            host_mine, host_theirs = row.get("host_phase_seconds") or (None, None)
+            bound = "/".join({True: "yes", False: "no"}.get(b, "-") for b in row.get("host_bound") or (None, None))
             first = row["rank"] == 0
-            rows.append((run["run"], str(row["rank"]), str(row["batch"][1]),
-                         " / ".join(_ms(p) for p in mine) if mine else "-",
-                         " / ".join(_ms(p) for p in theirs) if theirs else "-",
+            rows.append((run["run"], str(row["rank"]), str(row["batch"][1]), _phase_text(mine),
+                         _phase_text(theirs), _phase_text(host_mine), _phase_text(host_theirs), bound,
                          _ms(run.get("start_skew_seconds")) if first else "",
                          _ms(run.get("period_seconds")) if first else ""))
     return rows
+
+
+def _phase_text(phases: Optional[Sequence[float]]) -> str:
+    return " / ".join(_ms(p) for p in phases) if phases else "-"
 
 
 def step_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:

@@ -19,6 +19,10 @@
 #                                          # monitor (exchange ms, MB)
 #   bash benchmarks/run_all_gpu.sh rehearse # 2 GPUs: the rehearsal against the lab really run (the GPU suite's
 #                                          # check); with 4 GPUs then the four-card lab (needs jsonargparse)
+#   bash benchmarks/run_all_gpu.sh seed     # 4 GPUs: the seed's table (2x A100-80GB + 2x RTX3090 emulated), every
+#                                          # layout; SEED_WORKLOADS=bert (default, <= 330 s) or gpt124m,gpt1.6b
+#                                          # (<= 540 s); $OUT/seed gets the JSON, the plot and each layout's log;
+#                                          # SEED_CPU=1: tiny shapes on 4 CPU ranks (a check of the arguments)
 # Each step has its own time limit, so one hang cannot take the rest with it.
 set -u
 cd "$(dirname "$0")/.."
@@ -107,6 +111,21 @@ case "${1:-checks}" in
                 --lab A100-80GB,A100-80GB,RTX3090,RTX3090 --real-gpus --runs hetero_ddp,hetero_fsdp:keep,ddp,fsdp \
                 --steps 10 --timeout 120 --out "$OUT/rehearse_four"
         fi
+        ;;
+    seed)
+        # The driver's deadline leaves room for its last layout's kill (5 s + 5 s) and its report; the step's limit
+        # is a backstop above it. SIGTERM at the limit still writes what was measured.
+        workloads=${SEED_WORKLOADS:-bert}
+        deadline=290 limit=325 TAIL=70  # the tail holds both tables of two workloads
+        [ "$workloads" = bert ] || { deadline=500 limit=535; }
+        if [ -n "${SEED_CPU:-}" ]; then
+            cpu="--accelerator cpu --tiny --warmup 1 --steps 2 --layout-s 200" deadline=1500 limit=1600
+        else
+            [ "$gpus" -ge 4 ] || { echo "seed needs 4 GPUs (found $gpus)"; exit 1; }
+            cpu="--warmup 2 --steps 10"
+        fi
+        step "seed_${workloads//[,.]/}" "$limit" 0,1,2,3 python3 benchmarks/bench_seed_lab.py --workloads "$workloads" $cpu \
+            --deadline-s "$deadline" --out "$OUT/seed"
         ;;
     goals)
         # Two lanes of two GPUs, then all four. Each step's limit is a backstop above its --deadline-s (rounds that

@@ -427,3 +427,11 @@ def host_staged_transfers() -> "Iterator[None]":
         yield
     finally:
         schedules._batch_p2p = post
+
+
+def cuda_spin(cycles: int) -> None:
+    """Queue a kernel that spins ``cycles`` GPU clock cycles on the current stream (the emulator's time dilation):
+    torch has no public GPU-side sleep; ``torch.cuda._sleep`` is what its own stream tests use."""
+    import torch
+
+    torch.cuda._sleep(int(cycles))

@@ -28,10 +28,14 @@ device, unchanged). On CUDA a profile applies:
   rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
   would add is not modelled. Works on CPU (gloo) too.
 
-SM shares are calibrated from published dense rates (:data:`lightning_hetero.lab.devices.PEAK_TFLOPS`): share = the
-preset's bf16 rate (its fp16 rate on cards without bf16) / the host's bf16 rate, rounded to the green-context
-granularity (multiples of 8 SMs on compute capability 9.x). A card slower than one granule is clamped up to it, and a
-card as fast as the host (or faster) runs uncapped; the summary says so.
+Presets are calibrated by *measurement* (:mod:`lightning_hetero.lab.calibration`): the host GPU's calibration file
+gives each preset an SM count and a time dilation (the GPU idles ``(d - 1) x`` each step's compute time, see
+:mod:`lightning_hetero.lab.dilation`) that make the host train like the card, per workload family (profile key
+``"workload"``: ``"bert"``, ``"resnet"`` or ``"gpt"``; else the default fit). Targets are published training speeds
+(:mod:`lightning_hetero.lab.cards`). A host without a calibration file gets the published speed ratio as its SM share
+(a warning says so); ``{"preset": ..., "calibration": "peak_tflops"}`` keeps the old share of dense bf16 rates. SM
+counts are rounded to the green-context granularity (multiples of 8 on compute capability 9.x); a card slower than
+one granule is clamped up to it, a card as fast as the host runs uncapped; the summary says so.
 
 On CPU there are no SMs: a profile's ``slowdown`` makes the rank pause ``(slowdown - 1) ×`` the CPU time its
 training thread spent in each step (Lightning's launchers give each CPU rank cores / ranks intra-op threads; with
@@ -63,6 +67,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -70,6 +75,8 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from lightning_hetero.lab.calibration import HOST_KINDS, HOST_STAND_IN, load_calibration
+from lightning_hetero.lab.cards import WORKLOADS, card_of, device_speed, training_speed
 from lightning_hetero.lab.devices import (
     CAPABILITY_OVERRIDE_ENV,
     HOST_OVERRIDE_ENV,
@@ -77,6 +84,7 @@ from lightning_hetero.lab.devices import (
     DeviceInfo,
     peak_tflops,
 )
+from lightning_hetero.lab.dilation import GpuDilation, measure_spin_rate
 
 LinkClass = Literal["nvlink", "pcie", "ethernet"]
 LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "ethernet")  # fastest first
@@ -120,7 +128,10 @@ PRESETS: dict[str, Preset] = {
 """The cards ``emulate=[...]`` accepts by name: reported name, memory, compute capability and link class of each."""
 
 _PROFILE_KEYS = ("preset", "name", "sm_share", "memory_gib", "memory_fraction", "capability", "link", "slowdown",
-                 "host", "inter_host_gbit")
+                 "host", "inter_host_gbit", "workload", "calibration")
+# How a preset's speed is set on a GPU: "measured" (the host's calibration file; without one, the published training
+# speed ratio as SM share) or "peak_tflops" (SM share = dense bf16 rate ratio, the old calibration).
+CALIBRATIONS: tuple[str, ...] = ("measured", "peak_tflops")
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,8 @@ class EmulationSpec:
     slowdown: Optional[float] = None  # CPU analogue of the SM share
     host: Optional[str] = None  # emulated host name
     inter_host_gbit: Optional[float] = None  # paced bandwidth between emulated hosts, Gbit/s
+    workload: Optional[str] = None  # "bert" | "resnet" | "gpt": the preset's calibration for that family
+    calibration: Optional[str] = None  # one of CALIBRATIONS; None: "measured"
 
     def __post_init__(self) -> None:
         # Built directly (not from a YAML dict through `parse_emulate`): the same checks, naming the field.
@@ -169,6 +182,8 @@ class EmulatedDevice:
     host: Optional[str] = None  # emulated host name (None: the real one)
     inter_host_gbit: Optional[float] = None
     host_capability: Optional[tuple[int, int]] = None  # the real GPU's (its green-context granularity); CPU: None
+    dilation: float = 1.0  # GPU: each step is followed by an idle of (dilation - 1) x its compute time
+    calibration: str = ""  # where the preset's speed came from, for the lab table ("" without a preset)
 
     @property
     def sm_share(self) -> float:
@@ -185,8 +200,12 @@ class EmulatedDevice:
             parts[-1] += f" (calibration wants {self.wanted_sms:.1f}: clamped)"
         if self.memory_bytes is not None:
             parts.append(f"{self.memory_bytes / 2**30:.0f} GiB cap")
+        if self.dilation > 1.0:
+            parts.append(f"dilation {self.dilation:.2f}x")
         if self.slowdown > 1.0:
             parts.append(f"slowdown {self.slowdown:.2f}x")
+        if self.calibration:
+            parts.append(f"calibration: {self.calibration}")
         if self.host is not None:
             parts.append(f"host {self.host}")
         parts.append(self.link)
@@ -241,6 +260,15 @@ def _fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     host = entry.get("host")
     if host is not None and (not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host)):
         raise ValueError(f"`{where}.host`={host!r} must be a non-empty host name without spaces.")
+    workload = entry.get("workload")
+    if workload is not None and workload not in WORKLOADS:
+        raise ValueError(f"`{where}.workload`={workload!r} must be one of {WORKLOADS}.")
+    calibration = entry.get("calibration")
+    if calibration is not None and calibration not in CALIBRATIONS:
+        raise ValueError(f"`{where}.calibration`={calibration!r} must be one of {CALIBRATIONS}.")
+    if (workload is not None or calibration is not None) and preset is None:
+        raise ValueError(f"`{where}` sets `workload` or `calibration` without a `preset`: they choose how a preset "
+                         "is calibrated.")
     return dict(
         preset=preset,
         name=name,
@@ -252,6 +280,8 @@ def _fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
         slowdown=_number(entry.get("slowdown"), f"{where}.slowdown", low=1.0, inclusive_low=True),
         host=host,
         inter_host_gbit=_number(entry.get("inter_host_gbit"), f"{where}.inter_host_gbit", low=0.0),
+        workload=workload,
+        calibration=calibration,
     )
 
 
@@ -309,10 +339,34 @@ def preset_tflops(preset: Preset) -> float:
 
 
 def lab_slowdown(preset: str, lab_specs: Sequence[Optional[EmulationSpec]]) -> float:
-    """A CPU rank's slowdown as ``preset`` in the lab ``lab_specs``: the lab's fastest preset's rate over this one's."""
-    rates = [preset_tflops(PRESETS[s.preset]) for s in lab_specs if s is not None and s.preset]
-    own = preset_tflops(PRESETS[preset])
+    """A CPU rank's slowdown as ``preset`` in the lab ``lab_specs``: the lab's fastest preset's published training
+    speed (:func:`~lightning_hetero.lab.cards.training_speed`, the default over workloads) over this one's."""
+    rates = [training_speed(s.preset) for s in lab_specs if s is not None and s.preset]
+    own = training_speed(preset)
     return max(rates + [own]) / own
+
+
+def preset_knob(spec: EmulationSpec, host: DeviceInfo) -> tuple[float, float, str]:
+    """A preset's ``(wanted SM count, dilation, calibration label)`` on the GPU ``host``.
+
+    The host's calibration file when it has one; else the published training-speed ratio of the preset to the host
+    (an H200 taken as the H100 the calibration treats it as) as SM share; ``calibration="peak_tflops"``: the dense
+    bf16 rate ratio.
+    """
+    preset = spec.preset
+    assert preset is not None
+    if spec.calibration == "peak_tflops":
+        host_rate = peak_tflops(host, torch.bfloat16) or preset_tflops(PRESETS[preset])
+        return preset_tflops(PRESETS[preset]) / host_rate * host.multiprocessors, 1.0, "peak_tflops"
+    table = load_calibration(host.name)
+    if table is not None:
+        sms, dilation = table.knob(preset, spec.workload)
+        label = f"measured {os.path.basename(table.path)} ({spec.workload or 'default'})"
+        return sms * host.multiprocessors / table.host_sms, dilation, label
+    host_card = card_of(host.name) or (HOST_STAND_IN if any(k in host.name for k in HOST_KINDS) else None)
+    host_speed = training_speed(host_card, spec.workload) if host_card else device_speed(host, spec.workload)
+    share = training_speed(preset, spec.workload) / host_speed if host_speed else 1.0
+    return share * host.multiprocessors, 1.0, f"published ratio as SM share, no calibration file for {host.name!r}"
 
 
 def alone(spec: Optional[EmulationSpec], lab_specs: Sequence[Optional[EmulationSpec]],
@@ -351,13 +405,13 @@ def resolve(
     wanted: Optional[float] = None
     clamped = False
     slowdown = spec.slowdown or 1.0
+    dilation, calibration = 1.0, ""
     if host.type == "cuda":
-        share = spec.sm_share
-        if share is None and preset is not None:
-            host_rate = peak_tflops(host, torch.bfloat16)
-            share = preset_tflops(preset) / host_rate if host_rate else None
-        if share is not None:
-            wanted = share * host.multiprocessors
+        if spec.sm_share is not None:
+            wanted = spec.sm_share * host.multiprocessors
+        elif preset is not None:
+            wanted, dilation, calibration = preset_knob(spec, host)
+        if wanted is not None:
             num_sms = round_sms(wanted, host.multiprocessors, host.capability)
             granted = num_sms if num_sms is not None else host.multiprocessors
             clamped = abs(granted - wanted) > 0.15 * wanted  # the granularity cannot express this card
@@ -377,6 +431,8 @@ def resolve(
         host=spec.host,
         inter_host_gbit=spec.inter_host_gbit,
         host_capability=host.capability if host.type == "cuda" else None,
+        dilation=dilation,
+        calibration=calibration,
     )
 
 
@@ -488,6 +544,7 @@ class Emulator:
         self._cpu_slowed = device.slowdown > 1.0 and root_device.type != "cuda"
         self._collective_cpu = 0.0  # this step's CPU seconds inside collectives
         self._bucket_cpu: Optional[float] = None  # the clock when the last gradient bucket went to the comm hook
+        self._dilation: Optional[GpuDilation] = None  # GPU time dilation (set up by `activate`)
 
     def apply_env(self) -> None:
         env = {NAME_OVERRIDE_ENV: self.device.name}
@@ -515,6 +572,8 @@ class Emulator:
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.device.memory_bytes / total), index)
         if self.device.num_sms is not None:
             self._cap_sms(self.device.num_sms)
+        if self.device.dilation > 1.0:
+            self._dilation = GpuDilation(self.device.dilation, measure_spin_rate(torch.device("cuda", index)))
 
     def _index(self) -> int:
         return self.root_device.index if self.root_device.index is not None else torch.cuda.current_device()
@@ -552,6 +611,8 @@ class Emulator:
                 self._green = self._stream = None
             else:
                 self._cap_sms(device.num_sms)
+            if self._dilation is not None:
+                self._dilation.restart()  # the old SM count's step times no longer say what a step takes
         self.device = device
         self._cpu_slowed = device.slowdown > 1.0 and self.root_device.type != "cuda"
         return device
@@ -563,8 +624,9 @@ class Emulator:
 
     @contextmanager
     def work(self) -> Iterator[None]:
-        """Run the enclosed step on the capped stream, then sleep off the CPU slowdown. Re-entrant: a nested step
-        (the training step inside the optimizer step's closure) is counted once, by the outermost."""
+        """Run the enclosed step on the capped stream, then queue its GPU dilation or sleep off the CPU slowdown.
+        Re-entrant: a nested step (the training step inside the optimizer step's closure) is counted once, by the
+        outermost."""
         if self._depth:
             yield
             return
@@ -574,7 +636,16 @@ class Emulator:
             start = self._clock() if slowed else 0.0  # the clock synchronizes on CUDA: only when it is needed
             self._collective_cpu, self._bucket_cpu = 0.0, None
             with self.capped_stream():
+                dilation = self._dilation
+                stream = torch.cuda.current_stream(self.root_device) if dilation is not None else None
+                if dilation is not None:
+                    dilation.begin(stream)
                 yield
+                if dilation is not None:
+                    # Counted as a CPU rank's pause is: completed steps' GPU time, and the idle queued after this one.
+                    measured, paused = dilation.end(stream)
+                    self.compute_seconds += measured
+                    self.slept_seconds += paused
             if slowed:
                 elapsed = max(self._clock() - start - self._collective_cpu, 0.0)
                 self.compute_seconds += elapsed
@@ -715,8 +786,11 @@ def start_emulation(
         if not hosts and (root_device.type != "cuda" or link == "nvlink"):
             return None
         spec = EmulationSpec(name=host.name, link=link)  # the real card, but on the job's emulated link / hosts
-    emulator = Emulator(resolve(spec, host, specs), root_device, link, hosts=hosts,
-                        inter_host_gbit=job_inter_host_gbit(specs))
+    device = resolve(spec, host, specs)
+    if device.calibration.startswith("published ratio"):
+        warnings.warn(f"Emulating {spec.preset} on {host.name}: {device.calibration} "
+                      "(benchmarks/calibrate_presets.py measures one).")
+    emulator = Emulator(device, root_device, link, hosts=hosts, inter_host_gbit=job_inter_host_gbit(specs))
     emulator.apply_env()
     return emulator
 
@@ -730,8 +804,9 @@ def lab_warning(strategy_name: str, device_type: str, summaries: Sequence[str]) 
         >>> lab_warning("HeteroFSDPStrategy", "cpu", ["slowdown 3.00x, gloo (link not emulated)", "real device"])
     """
     if device_type == "cuda":
-        how = ("SM shares are green-context caps on the host GPU, memory a cap on its allocator, links NCCL's "
-               "transport settings; NCCL kernels are not capped")
+        how = ("SM shares are green-context caps on the host GPU (with a time dilation after each step where the "
+               "calibration asks for one), memory a cap on its allocator, links NCCL's transport settings; NCCL "
+               "kernels are not capped")
     else:
         how = ("a rank's slowdown is a pause of (slowdown - 1) x its step's CPU time; the link between ranks is not "
                "emulated")

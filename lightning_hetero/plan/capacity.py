@@ -5,7 +5,9 @@
 - a list of positive numbers, one per global rank: ``[3, 1]``;
 - a mapping from a device-name substring to a weight: ``{"A100": 3.0, "3090": 1.0}`` (``"*"`` matches any device;
   the longest matching key wins; ``"rank:N"`` names one rank; see :class:`~lightning_hetero.rules.RankRules`);
-- ``"equal"``; ``"peak"`` (the published-rate table in :mod:`lightning_hetero.lab.devices`);
+- ``"equal"``; ``"peak"`` (published end-to-end training speed, :mod:`lightning_hetero.lab.cards`);
+  ``"peak_tflops"`` (published dense tensor rate, :mod:`lightning_hetero.lab.devices`: ranks cards badly for
+  training, kept by name for comparison);
 - ``"profile"`` (time the user's own model on every rank before training);
 - ``"auto"``: ``"profile"`` when fitting, else ``"peak"`` on GPUs whose cards are all known, else ``"equal"``.
 """
@@ -17,12 +19,13 @@ from typing import Optional, Union
 
 import torch
 
+from lightning_hetero.lab.cards import device_speed
 from lightning_hetero.lab.devices import DeviceInfo, peak_tflops
 from lightning_hetero.rules import RankRules
 from lightning_hetero.plan.split import validate_weights
 
 CapacitiesArg = Union[str, Sequence[float], Mapping[str, float]]
-CAPACITY_SOURCES = ("auto", "equal", "peak", "profile")
+CAPACITY_SOURCES = ("auto", "equal", "peak", "peak_tflops", "profile")
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,10 @@ def parse_capacities(value: CapacitiesArg) -> CapacitySpec:
     raise ValueError(f"`capacities`={value!r} must be a list, a mapping or one of {CAPACITY_SOURCES}.")
 
 
-def peak_capacities(devices: Sequence[DeviceInfo], dtype: torch.dtype) -> Optional[list[float]]:
-    """Published rates for every rank, or ``None`` when some rank's rate is unknown (CPU ranks)."""
-    rates = [peak_tflops(d, dtype) for d in devices]
+def peak_capacities(devices: Sequence[DeviceInfo], dtype: torch.dtype, source: str = "peak") -> Optional[list[float]]:
+    """Published speeds for every rank (``source`` "peak": training speed; "peak_tflops": dense tensor rate for
+    ``dtype``), or ``None`` when some rank's is unknown (CPU ranks)."""
+    rates = [peak_tflops(d, dtype) if source == "peak_tflops" else device_speed(d) for d in devices]
     if any(r is None or not math.isfinite(r) or r <= 0 for r in rates):
         return None
     return [float(r) for r in rates]  # type: ignore[arg-type]
@@ -80,10 +84,17 @@ def resolve_static_capacities(
         return [spec.rules.for_device(d) for d in devices], "mapping"
     if spec.source == "equal":
         return [1.0] * world, "equal"
+    if spec.source == "peak_tflops":
+        tflops = peak_capacities(devices, dtype, "peak_tflops")
+        if tflops is None:
+            unknown = sorted({d.name for d in devices if peak_tflops(d, dtype) is None})
+            raise ValueError(f"`capacities`='peak_tflops' has no published rate for {unknown}; use 'profile', 'equal' "
+                             "or explicit weights.")
+        return tflops, "peak_tflops"
     peak = peak_capacities(devices, dtype)
     if spec.source == "peak":
         if peak is None:
-            unknown = sorted({d.name for d in devices if peak_tflops(d, dtype) is None})
+            unknown = sorted({d.name for d in devices if device_speed(d) is None})
             raise ValueError(
                 f"`capacities`='peak' has no published rate for {unknown}; use 'profile', 'equal' or explicit weights."
             )

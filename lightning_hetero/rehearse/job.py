@@ -69,6 +69,9 @@ class RankResult:
     # CUDA: the peak before the first step (set-up, sharding) and after each step, to tell where the peak was reached.
     setup_peak_bytes: Optional[int] = None
     step_peak_bytes: list[int] = field(default_factory=list)
+    # CUDA, per step: the peak so far at the forward's end, the backward's end and the step's end (the allocator's
+    # host-side count: no synchronisation), to tell in which phase of which step the peak was reached.
+    phase_peak_bytes: list[list[int]] = field(default_factory=list)
     host_rss_bytes: Optional[int] = None
     # The strategy's own estimate of this rank's device memory under its plan (a sharded strategy's memory plan).
     estimated_bytes: Optional[int] = None
@@ -91,6 +94,9 @@ class RankResult:
     # Per step, its phases in seconds: [forward, backward, the rest (the optimizer step)], timed on the device; for a
     # rank run for real they include its waits for the other ranks.
     phase_seconds: list[list[float]] = field(default_factory=list)
+    # The same phases on the host clock (when the host issued each phase's last work): close to `phase_seconds` when
+    # the step is host-bound, i.e. it timed this process's host, not the card.
+    host_phase_seconds: list[list[float]] = field(default_factory=list)
     # Per step, the host clock (`time.time`) at its start: ranks of one machine, compared, show whether they start
     # together.
     step_started_at: list[float] = field(default_factory=list)
@@ -143,3 +149,23 @@ class RankResult:
         if wait is None or not self.step_time or self.device in (None, "cpu"):
             return None
         return wait < HOST_BOUND_WAIT * self.step_time
+
+    @property
+    def host_phases(self) -> Optional[list[float]]:
+        """The timed steps' median phases on the host clock (see ``host_phase_seconds``), or ``None``."""
+        timed = self.host_phase_seconds[WARMUP_STEPS:] or self.host_phase_seconds
+        return [statistics.median(column) for column in zip(*timed)] if timed else None
+
+    @property
+    def peak_reached(self) -> Optional[str]:
+        """Where the peak was first reached: ``"set-up"``, or ``"step 3 backward"`` (steps counted from 1; the
+        phases of ``phase_peak_bytes``); ``None`` without the per-phase peaks."""
+        if self.peak_allocated_bytes is None or not self.phase_peak_bytes:
+            return None
+        if self.setup_peak_bytes is not None and self.setup_peak_bytes >= self.peak_allocated_bytes:
+            return "set-up"
+        for step, peaks in enumerate(self.phase_peak_bytes, start=1):
+            for phase, peak in zip(("forward", "backward", "rest"), peaks):
+                if peak >= self.peak_allocated_bytes:
+                    return f"step {step} {phase}"
+        return "after the last step"

@@ -99,6 +99,9 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def peak_so_far() -> int:
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
     class Probe(Callback):
         def __init__(self) -> None:
             self.started = 0.0
@@ -106,6 +109,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             self.clock = StepClock(device)
             self.buckets = BucketTimes(self.clock)
             self.marks: list[Any] = []  # the step's start, the first backward's start, the last backward's end
+            self.host_marks: list[float] = []  # the same points on the host clock
+            self.peaks: list[int] = []  # CUDA: the peak so far at the forward's and at the backward's end
             # CPU: the emulator sleeps a slowed card's extra time off after the step; it belongs to every phase, in
             # proportion (the emulator's count of the seconds slept, before the step).
             self.sleeper: Optional[Emulator] = None
@@ -139,6 +144,7 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             self.started = time.perf_counter()
             result.step_started_at.append(time.time())
             self.marks, self.buckets.ready = [self.clock.mark()], []
+            self.host_marks, self.peaks = [self.started], []
             self.slept = self.sleeper.slept_seconds if self.sleeper is not None else 0.0
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
@@ -147,10 +153,14 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
         def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
             if len(self.marks) == 1:  # the first (micro-)batch's backward: the forward ended
                 self.marks.append(self.clock.mark())
+                self.host_marks.append(time.perf_counter())
+                self.peaks.append(peak_so_far())
 
         def on_after_backward(self, trainer: Any, module: Any) -> None:
             if len(self.marks) >= 2:
                 self.marks[2:] = [self.clock.mark()]  # the last (micro-)batch's backward ends the phase
+                self.host_marks[2:] = [time.perf_counter()]
+                self.peaks[1:] = [peak_so_far()]
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.step.close()
@@ -166,6 +176,8 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
                     self.marks = []
             if device.type == "cuda":
                 result.step_peak_bytes.append(torch.cuda.max_memory_allocated(device))
+                if len(self.peaks) == 2:
+                    result.phase_peak_bytes.append([*self.peaks, result.step_peak_bytes[-1]])
             result.device_wait_seconds.append(ended - issued)
 
         def record_phases(self, window: float) -> None:
@@ -176,6 +188,10 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             backward = self.clock.seconds(forward_end, backward_end) * stretch
             ready = [(size, self.clock.seconds(forward_end, mark) * stretch) for size, mark in self.buckets.ready]
             result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
+            host = [b - a for a, b in zip(self.host_marks, self.host_marks[1:])]
+            if len(host) == 2:
+                result.host_phase_seconds.append([host[0] * stretch, host[1] * stretch,
+                                                  max(0.0, window - host[0] - host[1])])
             if ready and backward > 0:
                 result.bucket_bytes = [size for size, _ in ready]
                 result.bucket_ready = [min(1.0, max(0.0, at / backward)) for _, at in ready]

@@ -45,6 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -471,14 +472,37 @@ def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix:
 
 
 def _full_tensor(value: DTensor) -> Tensor:
-    """The whole tensor, also after teardown moved the shards to the CPU while the mesh is a CUDA one (NCCL cannot
-    gather CPU tensors): such a shard is gathered on the mesh's device and the result comes back to the CPU."""
+    """The whole tensor on ``value``'s device, also after teardown moved the shards to the CPU while the mesh is a
+    CUDA one. A mesh of gloo groups (ranks sharing a GPU) gathers CPU copies: DTensor's all-gather runs gloo's
+    coalesced all-gather, which hands CUDA pointers to the host and kills the process with SIGSEGV (torch 2.11,
+    pytorch/pytorch#152645; ``tests/gpu/repro_gloo_cuda_gather.py``). NCCL cannot gather CPU tensors: there a shard
+    is gathered on the mesh's device.
+
+        >>> whole = _full_tensor(model.weight)   # every rank calls it: a collective
+    """
     mesh = value.device_mesh
-    if value.device.type == mesh.device_type:
+    if mesh.device_type == "cpu" or (value.device.type == mesh.device_type and not _gloo_mesh(mesh)):
         return value.full_tensor()
-    local = value.to_local().to(torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device()))
+    if _gloo_mesh(mesh):
+        mesh, device = _cpu_mesh(mesh), torch.device("cpu")
+    else:
+        device = torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    local = value.to_local().to(device)
     moved = DTensor.from_local(local, mesh, value.placements, shape=value.shape, stride=value.stride())
     return moved.full_tensor().to(value.device)
+
+
+def _gloo_mesh(mesh: DeviceMesh) -> bool:
+    return all("gloo" in torch.distributed.get_backend(mesh.get_group(dim)) for dim in range(mesh.ndim))
+
+
+def _cpu_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``'s ranks and groups as a CPU mesh: no new group (ranks sharing a GPU over gloo cannot create one), no
+    collective."""
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    if mesh.ndim == 1:
+        return DeviceMesh.from_group(groups[0], "cpu", mesh_dim_names=mesh.mesh_dim_names)
+    return DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def _check_blocks(blocks: Optional[list[str]]) -> Optional[tuple[str, ...]]:

@@ -13,7 +13,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_hetero import HeteroDDPStrategy
-from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, PEAK_TFLOPS, DeviceInfo, peak_tflops
+from lightning_hetero.lab.cards import training_speed
+from lightning_hetero.lab.devices import (
+    CAPABILITY_OVERRIDE_ENV,
+    NAME_OVERRIDE_ENV,
+    PEAK_TFLOPS,
+    DeviceInfo,
+    peak_tflops,
+)
 from lightning_hetero.lab.emulation import (
     PRESETS,
     EmulationSpec,
@@ -83,22 +90,26 @@ def test_entry_count_must_match_world_size():
 
 
 # -- calibration ------------------------------------------------------------------------------------------------------
-def test_calibration_against_a_fake_h200():
-    # share = published dense bf16 (fp16 without bf16) rate / host rate, on 8-SM granules
-    a100 = resolve(EmulationSpec(preset="A100-40GB"), H200)
+def _by_tflops(preset: str) -> EmulationSpec:
+    return EmulationSpec(preset=preset, calibration="peak_tflops")
+
+
+def test_calibration_by_peak_tflops_against_a_fake_h200():
+    # the old calibration, by name: share = published dense bf16 (fp16 without bf16) rate / host rate, on 8-SM granules
+    a100 = resolve(_by_tflops("A100-40GB"), H200)
     assert a100.wanted_sms == pytest.approx(312.0 / 989.0 * 132)
     assert a100.num_sms == 40 and not a100.clamped
     assert a100.memory_bytes == 40 * 2**30
     assert a100.name == "NVIDIA A100-SXM4-40GB (emulated)" and a100.capability == (8, 0)
-    v100 = resolve(EmulationSpec(preset="V100"), H200)  # no bf16: calibrated by its fp16 rate
+    v100 = resolve(_by_tflops("V100"), H200)  # no bf16: calibrated by its fp16 rate
     assert v100.wanted_sms == pytest.approx(125.0 / 989.0 * 132) and v100.num_sms == 16
-    t4 = resolve(EmulationSpec(preset="T4"), H200)
+    t4 = resolve(_by_tflops("T4"), H200)
     assert t4.num_sms == 8 and t4.capability == (7, 5) and t4.link == "pcie"
     # slower than one 8-SM granule: clamped up, and the summary says so
-    rtx = resolve(EmulationSpec(preset="RTX3090"), H200)
+    rtx = resolve(_by_tflops("RTX3090"), H200)
     assert rtx.num_sms == 8 and rtx.clamped and "clamped" in rtx.summary()
     # as fast as the host: no cap at all
-    h100 = resolve(EmulationSpec(preset="H100"), H200)
+    h100 = resolve(_by_tflops("H100"), H200)
     assert h100.num_sms is None and h100.sm_share == 1.0
     # explicit share and memory
     quarter = resolve(EmulationSpec(sm_share=0.25, memory_gib=24, link="pcie"), H200)
@@ -112,7 +123,7 @@ def test_calibration_against_a_fake_h200():
 
 
 def test_calibration_on_an_ampere_host_uses_finer_granules():
-    rtx = resolve(EmulationSpec(preset="RTX3090"), A100)
+    rtx = resolve(_by_tflops("RTX3090"), A100)
     assert rtx.wanted_sms == pytest.approx(35.6 / 312.0 * 108)  # 12.3
     assert rtx.num_sms == 12 and not rtx.clamped
     assert round_sms(3.0, 108, (8, 0)) == 4  # minimum 4 SMs on 8.x
@@ -123,7 +134,9 @@ def test_calibration_on_an_ampere_host_uses_finer_granules():
 def test_cpu_presets_calibrate_to_slowdowns_and_links_to_nccl_env():
     specs = parse_emulate(["A100-40GB", "RTX3090", {"slowdown": 2.5}])
     slowdowns = [resolve(s, CPU, specs).slowdown for s in specs]
-    assert slowdowns == pytest.approx([1.0, 312.0 / 35.6, 2.5])
+    # published training speeds (their geometric mean over the workloads), not peak TFLOP/s (which said 8.8x)
+    assert slowdowns == pytest.approx([1.0, training_speed("A100-40GB") / training_speed("RTX3090"), 2.5])
+    assert 1.8 < slowdowns[1] < 2.0
     assert resolve(specs[0], CPU, specs).num_sms is None
     devices = [resolve(s, H200, specs) for s in specs]
     assert job_link(devices) == "pcie"  # the slowest link of the job, the same on every rank
@@ -138,7 +151,7 @@ def test_env_is_applied_and_restored(monkeypatch):
     monkeypatch.setenv(NAME_OVERRIDE_ENV, "before")
     monkeypatch.delenv(CAPABILITY_OVERRIDE_ENV, raising=False)
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-    specs = parse_emulate(["V100", "T4"])
+    specs = parse_emulate([{"preset": card, "calibration": "peak_tflops"} for card in ("V100", "T4")])
     emulator = start_emulation(specs, 0, 2, H200, torch.device("cuda", 0))
     assert os.environ[NAME_OVERRIDE_ENV] == "Tesla V100-SXM2-32GB (emulated)"
     assert os.environ[CAPABILITY_OVERRIDE_ENV] == "7.0"

@@ -72,3 +72,21 @@ def test_each_ranks_phases_and_the_real_starts_are_shown():
     # A run whose ranks offload takes the warm-up and one timed step at most.
     assert Run.parse("hetero_fsdp:offload").steps(5) == OFFLOAD_STEPS == 3
     assert Run.parse("hetero_fsdp:keep").steps(5) == 5 and Run.parse("hetero_fsdp:offload").steps(2) == 2
+
+
+def test_a_peak_miss_says_where_each_peak_was_reached_and_the_host_phases_are_shown():
+    rehearsed, real = _rank(0, 9.99, 0.2, 40.0, 0.01), _rank(0, 11.31, 0.2, 40.0, 0.01)
+    for rank in (rehearsed, real):
+        rank.setup_peak_bytes = int(2.77 * GIB)
+        rank.phase_peak_bytes = [[int(7.0 * GIB), int(7.98 * GIB), int(7.98 * GIB)]] + [
+            [int(7.98 * GIB), int(9.99 * GIB), int(9.99 * GIB)]] * 3
+        rank.phase_seconds = rank.host_phase_seconds = [[0.05, 0.1, 0.03]] * 4
+        rank.device, rank.device_wait_seconds = "NVIDIA H200", [0.0001] * 4  # host-bound
+    # The real rank's peak grew by one fp32 copy of the parameters in step 3's optimizer step.
+    real.phase_peak_bytes[2] = [int(9.99 * GIB), int(9.99 * GIB), int(11.31 * GIB)]
+    real.phase_peak_bytes[3] = [int(11.31 * GIB)] * 3
+    summary, misses = compare_run(Run.parse("ddp"), [rehearsed], [real], {"strategies": {}})
+    assert "reached: rehearsed step 2 backward, real step 3 rest; set-up peaks 2.77 / 2.77 GiB" in misses[0]
+    assert summary["ranks"][0]["host_bound"] == [True, True]
+    text = format_real_check({"runs": [summary], "disagreements": misses, "link": "pcie"})
+    assert "on the host: rehearsed" in text and "yes/yes" in text
