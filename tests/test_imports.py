@@ -137,6 +137,14 @@ def test_plan_does_not_import_data():
     assert not reaching, reaching
 
 
+def test_grad_does_not_import_data():
+    """The gradient layer sits below the data path: the step state that reads both lives with the strategies."""
+    graph = import_graph()
+    reaching = {(m, t) for m, ts in graph.items() if m.startswith("lightning_hetero.grad.") for t in ts
+                if t.startswith("lightning_hetero.data.")}
+    assert not reaching, reaching
+
+
 def test_compression_configs_import_no_hook_or_runtime():
     """The user's compression configs are plain data: the hooks and the runtime read them, never the reverse."""
     graph = import_graph()

@@ -10,7 +10,7 @@ one job and read the Lightning strategy through one typed :class:`~lightning_het
 - ``shares`` (:class:`~lightning_hetero.plan.rebalance.ShareController`): live rebalancing;
 - ``share_state`` (:class:`~lightning_hetero.plan.state.ShareState`): the checkpointed share state, the resume;
 - ``loaders`` (:class:`~lightning_hetero.data.split.LoaderSplit`): every loader split by the plan, micro-batching;
-- ``step`` (:class:`~lightning_hetero.grad.step.StepShare`): this step's (b_r, G), micro-batches, the weighted mean;
+- ``step`` (:class:`~lightning_hetero.strategies.step.StepState`): this step's (b_r, G), micro-batches, the weighted mean;
 - ``resilience`` (:class:`~lightning_hetero.resilience.hooks.ResilienceHooks`): watchdog, checkpoint state, teardown;
 - ``predictions`` (:class:`~lightning_hetero.strategies.predictions.PaddingPredictions`): a predict's padding steps
   kept out of what prediction writers and ``trainer.predict`` receive;
@@ -31,7 +31,7 @@ from lightning_hetero.config import Options, check, is_int, sharded_refusals
 from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import PrecisionPolicy, RankPrecision, parse_precision_policy
-from lightning_hetero.grad.step import StepShare
+from lightning_hetero.strategies.step import StepState
 from lightning_hetero.lab.emulation import EmulationSpec, parse_emulate
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.observe.monitor import HeteroMonitor
@@ -77,7 +77,7 @@ class HeteroCore:
         )
         self.share_state = ShareState(view, self.plan, self.lab, self.profiler, self.shares)
         self.loaders = LoaderSplit(view, self.plan, self.lab, self.share_state, self.resilience, options)
-        self.step = StepShare(view, self.loaders, self.shares, self.share_state, self.lab, self.resilience)
+        self.step = StepState(view, self.loaders, self.shares, self.share_state, self.lab, self.resilience)
         self.predictions = PaddingPredictions()
 
     # -- the lifecycle points that involve several collaborators ----------------------------------------------------

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lightning_hetero.data.microbatch import PendingGrads
 from lightning_hetero.data.split import LoaderSplit
-from lightning_hetero.grad.step import StepShare
+from lightning_hetero.strategies.step import StepState
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch, log_shared, own_view, share_logs
 
@@ -38,7 +38,7 @@ from lightning_hetero.strategies.pipelined import PipelinedReplica, gather_batch
 class PipelinedStep:
     """The training step of ``replica``'s stage rank (``replicas``: how many replicas the job trains)."""
 
-    def __init__(self, replica: PipelinedReplica, step: StepShare, loaders: LoaderSplit, device: torch.device,
+    def __init__(self, replica: PipelinedReplica, step: StepState, loaders: LoaderSplit, device: torch.device,
                  replicas: int) -> None:
         self.replica = replica
         self.step = step

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_hetero.grad.stage_sync import StageSync
-from lightning_hetero.grad.step import StepShare
+from lightning_hetero.strategies.step import StepState
 from lightning_hetero.strategies.pipelined import PipelinedReplica
 from lightning_hetero.view import running_strategy
 
@@ -53,7 +53,7 @@ class StageExchange:
     """The stage exchange of one rank: begun in the backward an optimizer step follows (when agreed), finished
     before the optimizer step (``replica``: this rank's pipeline stage, ``None`` on a data-parallel rank)."""
 
-    def __init__(self, sync: StageSync, replica: Optional[PipelinedReplica], step: StepShare, overlap: bool) -> None:
+    def __init__(self, sync: StageSync, replica: Optional[PipelinedReplica], step: StepState, overlap: bool) -> None:
         self.sync = sync
         self.replica = replica
         self.step = step

@@ -1,19 +1,22 @@
-"""The per-step share of one strategy: this rank's (b_r, G), per-sample weights, micro-batches, the weighted mean.
+"""One strategy's training step state: this batch's immutable :class:`StepContext` (this rank's (b, G), per-sample
+weights), micro-batches, the batch-size weighted mean of ``reduce``.
 
-:class:`StepShare` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`. At every training batch it
-reads the split the sampler used for it (hence the plan's schedule) and keeps ``(b_r, G)``, which a strategy turns
-into exact gradient weighting on each micro-step's loss (:func:`~lightning_hetero.grad.weighting.loss_weight`, or
-the factor of a DDP comm hook's :class:`~lightning_hetero.grad.weighting.WeightingState`); inside a step, means over
-ranks are weighted by each rank's batch size.
+:class:`StepState` is owned by :class:`~lightning_hetero.strategies.core.HeteroCore`. At every training batch it
+reads the split the sampler used for it (hence the plan's schedule, replica-aware: a pipeline counts as one replica)
+and builds a :class:`StepContext` that nothing changes afterwards; a strategy turns its ``(b, G)`` into exact
+gradient weighting on each micro-step's loss (:func:`~lightning_hetero.grad.weighting.loss_weight`, or the factor of
+a DDP comm hook's :class:`~lightning_hetero.grad.weighting.WeightingState`); inside a step, means over ranks are
+weighted by each rank's batch size.
 
 Example::
 
-    share = step.on_train_batch_start(batch_idx=0)  # (6, 8): this rank trains on 6 of the 8 samples
-    loss * loss_weight(*share, world_size=2)  # lightning_hetero.grad.weighting.loss_weight
+    context = step.on_train_batch_start(batch_idx=0)  # StepContext(samples=6, total=8): 6 of the 8 samples here
+    loss * loss_weight(*context.share, world_size=2)  # lightning_hetero.grad.weighting.loss_weight
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,8 +32,29 @@ from lightning_hetero.resilience.hooks import ResilienceHooks
 from lightning_hetero.view import StrategyView
 
 
-class StepShare:
-    """This rank's share of the current step, its micro-batches, and the batch-size weighted mean of ``reduce``."""
+@dataclass(frozen=True)
+class StepContext:
+    """One training batch as this rank counts it, built once when the batch starts.
+
+    Args:
+        samples: this rank's samples (or token weight) in the batch, as its replica counts them: a pipeline's last
+            stage its replica's joined batch, its other stage ranks 0.
+        total: all ranks' samples (or token weight) in the batch, G.
+        weights: per sample of this rank's slice (micro-batches with costs), or ``None``: each sample weighs 1.
+    """
+
+    samples: float
+    total: float
+    weights: Optional[tuple[float, ...]] = None
+
+    @property
+    def share(self) -> tuple[float, float]:
+        """``(b, G)``."""
+        return self.samples, self.total
+
+
+class StepState:
+    """This rank's current :class:`StepContext`, its micro-batches, and the batch-size weighted mean of ``reduce``."""
 
     def __init__(self, view: StrategyView, loaders: LoaderSplit, shares: ShareController, share_state: ShareState,
                  lab: LabSetup, resilience: ResilienceHooks) -> None:
@@ -43,36 +67,39 @@ class StepShare:
         # The HeteroMonitor timing in-step collectives, while it watches.
         self.monitor: Optional[Any] = None
         self.pending_grads: Optional[PendingGrads] = None
-        # Per sample of the current training batch (micro-batches with costs).
-        self.step_weights: Optional[list[float]] = None
-        # (b_r, G) of the current training batch.
-        self.share: Optional[tuple[float, float]] = None
+        # The current training batch (None without a split).
+        self.context: Optional[StepContext] = None
         # Set while a step runs, for `reduce`.
         self.logging_batch_size: Optional[float] = None
 
-    def on_train_batch_start(self, batch_idx: int) -> Optional[tuple[float, float]]:
-        """This rank's and all ranks' samples (or token weights) in this batch: (b_r, G). ``None`` without a split."""
+    @property
+    def share(self) -> Optional[tuple[float, float]]:
+        """(b, G) of the current training batch; ``None`` without a split."""
+        return self.context.share if self.context is not None else None
+
+    def on_train_batch_start(self, batch_idx: int) -> Optional[StepContext]:
+        """This batch's :class:`StepContext` (``None`` without a split)."""
         # Resumed mid-epoch: the generators as they stood after the saved step.
         self.resilience.rng.apply()
         self.resilience.enter("forward/backward", batch_idx)
         sampler = self.loaders.train_sampler
         if sampler is None:
-            self.share = None
+            self.context = None
             self.logging_batch_size = None
             return None
         local, total = sampler.sizes_at(batch_idx)
-        self.share = (self._replica_share(batch_idx, local), total)
-        self.step_weights = None
+        weights = None
         # Micro-batch shares of the loss.
         if sampler.costs is not None and self.loaders.micro_limit is not None:
-            costs = list(sampler.batch_shares(batch_idx).costs[self.view.global_rank])
-            self.step_weights = costs if sampler.weight_by_cost else [1.0] * len(costs)
+            costs = tuple(sampler.batch_shares(batch_idx).costs[self.view.global_rank])
+            weights = costs if sampler.weight_by_cost else (1.0,) * len(costs)
+        self.context = StepContext(self._replica_share(batch_idx, local), total, weights)
         # Rebalancing measures the unit the split balances: tokens/s or samples/s.
         work = sampler.sizes_at(batch_idx, by_cost=sampler.balance_by_cost)[0] if sampler.costs is not None else local
         # The position in the epoch first (checked after a resume); a share change may then be keyed to a later batch.
         self.share_state.on_train_batch_start(batch_idx)
         self.shares.on_train_batch_start(batch_idx, work)
-        return self.share
+        return self.context
 
     def _replica_share(self, batch_idx: int, local: float) -> float:
         """This rank's samples as its replica counts them: a pipeline's last stage logs and weighs for the replica's
@@ -122,8 +149,9 @@ class StepShare:
         """The first micro-batches forward and backward without sync; the last one's backward is Lightning's."""
         module = self.view.lightning_module
         assert module is not None
+        weights = self.context.weights if self.context is not None else None
         output, self.pending_grads = run_micro_batches(
-            batch, sizes, self.step_weights or [1.0] * sum(sizes), forward=forward, backward=backward,
+            batch, sizes, list(weights or [1.0] * sum(sizes)), forward=forward, backward=backward,
             no_sync=no_sync, params=[p for p in module.parameters() if p.requires_grad], module=module,
         )
         return output
