@@ -141,9 +141,11 @@ class LayoutPlan:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """A layout's predicted step (seconds) in its parts, samples per second, per-rank batches and traffic."""
+    """A layout's predicted step (seconds) in its parts, samples per second, per-rank batches (a stage rank: its
+    pipeline's) and traffic."""
 
     plan: LayoutPlan
+    samples: float
     batches: tuple[float, ...]
     compute_s: float
     comm_s: float
@@ -162,7 +164,7 @@ class StepPrediction:
 
     @property
     def samples_per_s(self) -> float:
-        return sum(self.batches) / self.step_s
+        return self.samples / self.step_s
 
 
 def job_link(costs: Sequence[RankCost]) -> str:
@@ -256,27 +258,22 @@ def predict_step(plan: LayoutPlan, costs: Sequence[RankCost], job: Workload) -> 
         optimizer = max(costs[r].optimizer_s * parts.get(r, 1.0) for r in plan.ranks)
     else:
         raise ValueError(f"`layout`={plan.layout!r} is not one of 'ddp', 'fsdp', 'hybrid'.")
-    return StepPrediction(plan, tuple(batches), compute, comm, max(exposed, 0.0), optimizer, traffic, link)
+    return StepPrediction(plan, sum(replica_batches), tuple(batches), compute, comm, max(exposed, 0.0), optimizer, traffic, link)
 
 
-def tiers(costs: Sequence[RankCost], similar: float = 1.5) -> list[list[int]]:
-    """The lab's ranks in classes, fastest first: one label's ranks together (their slowest rate counts), and ranks
-    of one label more than ``similar``× apart (an emulated slowdown, a throttled card) split.
+def tiers(costs: Sequence[RankCost]) -> list[list[int]]:
+    """The lab's ranks by card class (one label), fastest class first (by its slowest rank). One class is never
+    split on measured speeds: identical cards that measured apart differ by noise or by a passing co-tenant.
 
     Example::
 
-        >>> tiers([RankCost("a", 1.0), RankCost("b", 4.0), RankCost("a", 1.0), RankCost("a", 40.0)])
+        >>> tiers([RankCost("a", 1.0), RankCost("b", 4.0), RankCost("a", 1.2), RankCost("c", 40.0)])
         [[0, 2], [1], [3]]
     """
-    groups: list[list[int]] = []
-    for r in sorted(range(len(costs)), key=lambda q: costs[q].sample_s):
-        home = next((g for g in groups if costs[g[0]].label == costs[r].label
-                     and costs[r].sample_s <= similar * costs[g[0]].sample_s), None)
-        if home is None:
-            groups.append([r])
-        else:
-            home.append(r)
-    return [sorted(g) for g in sorted(groups, key=lambda g: min(costs[r].sample_s for r in g))]
+    groups: dict[str, list[int]] = {}
+    for r, cost in enumerate(costs):
+        groups.setdefault(cost.label, []).append(r)
+    return sorted(groups.values(), key=lambda g: max(costs[r].sample_s for r in g))
 
 
 def subsets(costs: Sequence[RankCost]) -> list[tuple[int, ...]]:
