@@ -67,6 +67,11 @@ def ring_seconds(kind: str, nbytes: float, world: int, gbytes_per_s: float, late
     return passes[kind] * (world - 1) / world * nbytes / (gbytes_per_s * 1e9) + hops * latency_s
 
 
+def buckets_of(gradient_bytes: float, bucket_bytes: float = BUCKET_BYTES) -> int:
+    """DDP's bucket count at its default 25 MiB cap."""
+    return max(1, math.ceil(gradient_bytes / bucket_bytes))
+
+
 @dataclass(frozen=True)
 class RankCost:
     """One card's costs: ``sample_s`` seconds of forward + backward per sample, ``fixed_s`` of them per step whatever
@@ -231,7 +236,7 @@ def predict_step(plan: LayoutPlan, costs: Sequence[RankCost], job: Workload) -> 
     batches = replica_batches[:len(alone)] + [b for b, p in zip(replica_batches[len(alone):], plan.pipelines)
                                               for _ in p]
     if plan.layout == "ddp":
-        buckets = max(1, math.ceil(job.param_bytes / BUCKET_BYTES))
+        buckets = buckets_of(job.param_bytes)
         comm = buckets * ring_seconds("all_reduce", job.param_bytes / buckets, world, gbytes, latency)
         forward, backward = compute * FORWARD_FRACTION, compute * (1 - FORWARD_FRACTION)
         # Bucket k is all-reduced once ready (k+1)/K into the backward and after bucket k-1: the step's compute and

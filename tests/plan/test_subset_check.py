@@ -14,6 +14,8 @@ from lightning_hetero.plan import profile_run
 from lightning_hetero.plan.layout_choice import compare_layouts
 from lightning_hetero.plan.step_cost import LayoutPlan, RankCost, Workload, predict_step, subsets
 from lightning_hetero.plan.subset_check import slow_ranks
+from lightning_hetero.rehearse.job import RankResult
+from lightning_hetero.rehearse.layouts import rehearsed_layouts
 from tests.helpers import TinyModel, free_port
 
 BERT = Workload(param_bytes=440_000_000, global_batch=160)
@@ -95,6 +97,23 @@ def test_the_doctor_prints_the_pick_with_its_trainer_and_yaml(capsys):
     with pytest.raises(SystemExit):
         main(["doctor", "--compare-layouts", "--params", "1e8", "--lab", "A100-80GB,RTX3090", "--solo", "H100=5"])
     assert "`--solo` names ['H100']" in capsys.readouterr().err
+
+
+def test_the_rehearsal_compares_every_layout_from_its_measured_ranks():
+    def rank(r, card, forward, backward, batch):
+        return RankResult("hetero", r, card, ok=True, batch=batch, global_batch=64, param_bytes=440_000_000,
+                          card_memory_bytes=(80 if card == "A100-80GB" else 24) * 2**30,
+                          phase_seconds=[[forward, backward, 0.002]] * 6, device="cuda")
+
+    lab = ["A100-80GB", "A100-80GB", "RTX3090", "RTX3090"]
+    # The 3090s measured 30x slower per sample than the A100s: they cost more than they add over PCIe.
+    hetero = [rank(0, lab[0], 0.005, 0.01, 30), rank(1, lab[1], 0.005, 0.01, 30), rank(2, lab[2], 0.075, 0.15, 2),
+              rank(3, lab[3], 0.075, 0.15, 2)]
+    report = rehearsed_layouts(hetero, lab)
+    assert report["pick"] in ("ddp:0,1", "fsdp:0,1") and report["trainer"].startswith("# CUDA_VISIBLE_DEVICES=0,1")
+    assert "measured: per-sample and fixed costs of A100-80GB, RTX3090" in report["text"]
+    assert rehearsed_layouts([rank(0, lab[0], 0.005, 0.01, 30), RankResult("hetero", 1, lab[1], oom=True)],
+                             lab[:2]) is None
 
 
 def _fit(emulate, monkeypatch):
