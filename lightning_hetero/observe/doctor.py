@@ -250,7 +250,9 @@ def layouts_report(cards: Sequence[Card], params: float, optimizer_slots: int, g
                    "tokens": tokens, "mfu": mfu, "link": link, "solo": dict(solo or {})},
         "trainer": None if pick is None else trainer_code(pick.plan, len(costs)),
         "yaml": None if pick is None else trainer_yaml(pick.plan, len(costs)),
-        "text": comparison_table(comparison, costs, job),
+        "text": comparison_table(comparison, costs, job).replace(
+            "\npick:", f"\nassumed: optimizer steps at each card's published memory bandwidth; {6 * tokens} FLOPs a "
+            f"sample per parameter at {mfu:.0%} of the published rate where not measured\npick:", 1),
     }
 
 

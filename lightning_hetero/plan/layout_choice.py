@@ -226,15 +226,15 @@ def comparison_table(comparison: LayoutComparison, costs: Sequence[RankCost], jo
                      gib(p.traffic_bytes), p.link, per_card))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append("cards: " + "; ".join(
-        f"[{r}] {c.label} {c.rate:.4g} samples/s, optimizer {c.optimizer_s * 1e3:.3g} ms, "
-        + (f"{gib(c.memory_bytes)}, " if c.memory_bytes else "") + f"{c.link}" for r, c in enumerate(costs)))
+    lines += [f"  card [{r}] {c.label}: {c.rate:.4g} samples/s (forward + backward), optimizer step "
+              f"{c.optimizer_s * 1e3:.3g} ms, " + (f"{gib(c.memory_bytes)}, " if c.memory_bytes else "") + c.link
+              for r, c in enumerate(costs)]
     links = sorted({c.link for c in costs}, key=list(LINK_GBYTES).index)
     lines.append(f"job: {gib(job.param_bytes)} of gradients, global batch {job.global_batch}, "
                  f"{job.optimizer_slots} optimizer slots, links " + ", ".join(
                      f"{k} {job.link_gbytes or LINK_GBYTES[k]:g} GB/s" for k in links))
     if comparison.measured:
-        lines.append(f"measured: per-sample and fixed costs of {', '.join(comparison.measured)}")
+        lines.append(f"measured: per-sample costs of {', '.join(comparison.measured)}")
     if comparison.assumed:
         lines.append(f"assumed: costs of {', '.join(comparison.assumed)} from published rates; link bandwidth and "
                      "latency per class" + ("" if job.link_gbytes else " (not measured)"))

@@ -263,7 +263,8 @@ def predict_step(plan: LayoutPlan, costs: Sequence[RankCost], job: Workload) -> 
         optimizer = max(costs[r].optimizer_s * parts.get(r, 1.0) for r in plan.ranks)
     else:
         raise ValueError(f"`layout`={plan.layout!r} is not one of 'ddp', 'fsdp', 'hybrid'.")
-    return StepPrediction(plan, sum(replica_batches), tuple(batches), compute, comm, max(exposed, 0.0), optimizer, traffic, link)
+    return StepPrediction(plan, sum(replica_batches), tuple(batches), compute, comm, max(exposed, 0.0), optimizer,
+                          traffic, link)
 
 
 def tiers(costs: Sequence[RankCost]) -> list[list[int]]:

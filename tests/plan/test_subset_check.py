@@ -92,7 +92,7 @@ def test_the_doctor_prints_the_pick_with_its_trainer_and_yaml(capsys):
           "--lab", "A100-80GB,A100-80GB,RTX3090,RTX3090", "--solo", "A100-80GB=1900,RTX3090=900", "--link", "nvlink"])
     text = capsys.readouterr().out
     assert "pick: ddp:0,1,2,3" in text or "pick: fsdp:0,1,2,3" in text
-    assert "measured: per-sample and fixed costs of A100-80GB, RTX3090" in text
+    assert "measured: per-sample costs of A100-80GB, RTX3090" in text
     assert "trainer:\n  accelerator: gpu\n  devices: 4\n  strategy:\n    class_path: lightning_hetero." in text
     with pytest.raises(SystemExit):
         main(["doctor", "--compare-layouts", "--params", "1e8", "--lab", "A100-80GB,RTX3090", "--solo", "H100=5"])
@@ -111,7 +111,7 @@ def test_the_rehearsal_compares_every_layout_from_its_measured_ranks():
               rank(3, lab[3], 0.075, 0.15, 2)]
     report = rehearsed_layouts(hetero, lab)
     assert report["pick"] in ("ddp:0,1", "fsdp:0,1") and report["trainer"].startswith("# CUDA_VISIBLE_DEVICES=0,1")
-    assert "measured: per-sample and fixed costs of A100-80GB, RTX3090" in report["text"]
+    assert "measured: per-sample costs of A100-80GB, RTX3090" in report["text"]
     assert rehearsed_layouts([rank(0, lab[0], 0.005, 0.01, 30), RankResult("hetero", 1, lab[1], oom=True)],
                              lab[:2]) is None
 
