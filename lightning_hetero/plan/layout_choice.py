@@ -11,8 +11,9 @@ parameter-sized slots, SGD with momentum 1) against its memory less a headroom f
 
 Then speed: each layout that fits gets its predicted samples/s from :mod:`~lightning_hetero.plan.step_cost`
 (per-sample compute at each card's rate, the step's traffic at the link's bandwidth, each rank's optimizer step and
-collectives' latency), on every subset that drops the slowest class, again and again. The pick is the fastest; its
-Trainer arguments and LightningCLI YAML are :func:`trainer_code` and :func:`trainer_yaml`.
+collectives' latency), on every subset that drops the slowest class, again and again. The pick is the fastest (of
+layouts within 3 % of it, the simplest: data parallel, then sharded, then hybrid); its Trainer arguments and
+LightningCLI YAML are :func:`trainer_code` and :func:`trainer_yaml`.
 
 Where the costs come from published rates (:func:`assumed_costs`: ``6 × parameters × tokens`` FLOPs a sample at a
 fraction of the card's published rate, the optimizer step at its published memory bandwidth) the rates are
@@ -51,6 +52,8 @@ MEMORY_GBYTES = {"H100": 3350.0, "A100-80GB": 2039.0, "A100-SXM4-80GB": 2039.0, 
 STEP_BYTES_PER_SLOT = 8
 # The fraction of a card's published rate a training step reaches where nothing was measured.
 ASSUMED_MFU = 0.4
+# Layouts predicted within this fraction of the fastest count as tied (the simplest is picked).
+TIE = 0.03
 STRATEGY_CLASSES = {"ddp": "HeteroDDPStrategy", "fsdp": "HeteroFSDPStrategy", "hybrid": "HeteroHybridStrategy"}
 LAYOUT_NAMES = {"ddp": "data parallel", "fsdp": "sharded", "hybrid": "hybrid"}
 
@@ -146,14 +149,22 @@ def compare_layouts(job: Workload, costs: Sequence[RankCost], headroom: float = 
     measured = tuple(sorted({c.label for c in costs if c.measured}))
     assumed = tuple(sorted({c.label for c in costs if not c.measured}))
     pick = verdicts[0] if verdicts[0].prediction is not None else None
+    if pick is not None:
+        # Near-ties go to the simpler layout: the model leaves out a sharded step's per-block overheads.
+        close = [v for v in verdicts if (v.samples_per_s or 0.0) >= (1 - TIE) * (pick.samples_per_s or 0.0)]
+        pick = min(close, key=lambda v: (list(STRATEGY_CLASSES).index(v.plan.layout), -(v.samples_per_s or 0.0)))
     if pick is None:
         state = job.param_bytes * (2 + job.optimizer_slots)
         return LayoutComparison(tuple(verdicts), None, f"no layout fits: a replica's state is {gib(state)}. Offload "
                                 "(the sharded strategy's `memory`), bf16 optimizer state or larger cards.", measured,
                                 assumed)
-    runner_up = next((v for v in verdicts[1:] if v.prediction is not None), None)
-    why = f"the fastest predicted ({pick.samples_per_s:.4g} samples/s"
-    why += f"; next {runner_up.key} at {runner_up.samples_per_s:.4g})" if runner_up else ")"
+    runner_up = next((v for v in verdicts if v.prediction is not None and v is not pick), None)
+    if pick is not verdicts[0]:
+        why = (f"{pick.samples_per_s:.4g} samples/s predicted, within {TIE:.0%} of {verdicts[0].key} "
+               f"({verdicts[0].samples_per_s:.4g}) and the simpler layout")
+    else:
+        why = f"the fastest predicted ({pick.samples_per_s:.4g} samples/s"
+        why += f"; next {runner_up.key} at {runner_up.samples_per_s:.4g})" if runner_up else ")"
     if len(pick.plan.ranks) < len(costs):
         dropped = [r for r in range(len(costs)) if r not in pick.plan.ranks]
         why += f": ranks {dropped} ({describe(dropped, costs)}) cost more than they add"
