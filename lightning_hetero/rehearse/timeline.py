@@ -27,9 +27,8 @@ Example::
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Where only a rank's total step time is known: a third forward and no optimizer step apart (the layouts' cost model's).
+# Where only a rank's total step time is known, its forward's share (the layouts' cost model's); no optimizer apart.
 from lightning_hetero.plan.step_cost import FORWARD_FRACTION
-
 
 
 @dataclass(frozen=True)
