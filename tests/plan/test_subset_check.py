@@ -139,3 +139,19 @@ def test_a_fit_warns_once_naming_a_rank_that_costs_it_more_than_it_adds(capfd, m
 def test_a_balanced_fit_does_not_warn(capfd, monkeypatch):
     _fit(None, monkeypatch)
     assert "cost this job" not in capfd.readouterr().out
+
+
+def test_the_seed_lab_predictions_script_writes_every_layout(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    import doctor_layouts
+
+    table = doctor_layouts.main(["--out", str(tmp_path), "--solo", "bert=A100-80GB=1900,RTX3090=420"])
+    assert set(table) == {"bert", "gpt124m", "gpt1.6b"}
+    assert table["gpt1.6b"]["ddp4"] is None  # a 3090 cannot hold the 1.64B GPT's replica
+    assert all(table["bert"][k] for k in ("pair", "ddp4", "fsdp4", "hybrid4"))
+    saved = json.loads((tmp_path / "doctor_predictions.json").read_text())
+    assert saved["bert"]["pick"] == table["bert"]["pick"] and "measured" in (tmp_path / "doctor_bert.txt").read_text()
+    assert "workload      pair" in capsys.readouterr().out
