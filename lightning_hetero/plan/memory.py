@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.grad.host_optimizer import HostStepConfig, HostStepMode
 from lightning_hetero.plan.activations import StepBytes
 from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.rules import RankRules
@@ -117,6 +118,12 @@ class MemoryPolicy:
             ``reshard_after_forward=False``) on every rank: one all-gather per block and step instead of two, a third
             less traffic on a slow link, for the whole model's parameters held on each device (counted by the plan).
             One setting for the job: it decides which collectives every rank joins.
+        host_step: how the parameters in host memory (offloaded blocks) are stepped
+            (:mod:`lightning_hetero.grad.host_optimizer`): ``"overlap"`` (torch's fused CPU Adam/AdamW, each block
+            started as soon as its gradient is on the host, while the backward goes on; after the backward where
+            that would not be exact, e.g. with gradient clipping), ``"fused"`` (after the backward) or ``"plain"``
+            (the optimizer's own step). Other optimizers than Adam/AdamW step as they are.
+        host_threads: intra-op threads of the host step (``None``: the process's ``torch.get_num_threads()``).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
@@ -126,6 +133,13 @@ class MemoryPolicy:
     granularity: Granularity = "block"
     measure: bool = True
     keep_gathered: bool = False
+    host_step: HostStepMode = "overlap"
+    host_threads: Optional[int] = None
+
+    @property
+    def host(self) -> HostStepConfig:
+        """The host step's settings."""
+        return HostStepConfig(self.host_step, self.host_threads)
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -140,6 +154,7 @@ class MemoryPolicy:
               f"one of {get_args(Granularity)}")
         check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
         check("memory", "keep_gathered", self.keep_gathered, isinstance(self.keep_gathered, bool), "True or False")
+        self.host  # checks host_step and host_threads
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")
