@@ -71,7 +71,8 @@ class HostStepConfig:
 
     def __post_init__(self) -> None:
         check_choice("memory", "host_step", self.mode, HOST_STEP_MODES)
-        check("memory", "host_threads", self.threads, self.threads is None or (is_int(self.threads) and self.threads > 0),
+        threads = self.threads
+        check("memory", "host_threads", threads, threads is None or (is_int(threads) and threads > 0),
               "None or a positive integer")
 
 
