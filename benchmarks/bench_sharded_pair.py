@@ -639,7 +639,10 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
                 profiled.setdefault("trainer", {}).setdefault("callbacks", []).append(
                     {"class_path": "benchmarks.step_split.StepSplit",
                      "init_args": {"out_dir": splits, "step": SPLIT_STEP}})
-                record = pair.ours(profiled, lever, None, tag, policy={**big_policy(model), "host_step": host_step})
+                # The host's cores shared by its ranks, one left to each rank's training thread.
+                threads = max(1, (os.cpu_count() or 2) // len(lab) - 1)
+                policy = {**big_policy(model), "host_step": host_step, "host_threads": threads}
+                record = pair.ours(profiled, lever, None, tag, policy=policy)
                 record["run"], record["host_step"], record["split"] = tag, host_step, read_splits(splits)
             else:
                 config = write_config(base, os.path.join(scratch, "big-lightning.yaml"))
