@@ -34,10 +34,15 @@ without an emulator is named). Every run fills ``benchmarks.lm.GPTModule``'s wei
 without per-element random draws: ``benchmarks.lm.GPTModule(init="fill")``) on a pair capped at ``--big-caps``
 GiB (memory only; full compute unless ``--big-lab`` gives presets), ``memory="auto"`` (per-block offload and
 checkpointing) against Lightning's ``FSDPStrategy`` with ``cpu_offload=True``; the host memory and time are estimated
-first and printed.
+first and printed. ``--size 8b`` / ``13b`` picks the GPT; ``--big-runs ours,ours:plain`` runs ours with the fused,
+overlapped host step (``memory.host_step``, :mod:`lightning_hetero.grad.host_optimizer`) and with the optimizer's own;
+each of our runs profiles one step per rank (:mod:`benchmarks.step_split`) and prints it split into device compute,
+copies, collectives and the host optimizer (its ns per parameter). ``--host-ns``: ns per parameter of a host AdamW
+step, loop / foreach / fused.
 
     python benchmarks/bench_sharded_pair.py --out $OUT/p8            # 2 GPUs, the 1.1B pair (jsonargparse needed)
     python benchmarks/bench_sharded_pair.py --big --out $OUT/p8big   # 2 GPUs, ~8B on 52 + 22 GiB
+    python benchmarks/bench_sharded_pair.py --big --size 8b --big-runs ours,ours:plain --out $OUT/p8big
     python benchmarks/bench_sharded_pair.py --accelerator cpu --model configs/rehearse_cpu.yaml --steps 4 \\
         --levers "caps=measured,caps=equal+gb=12" --out /tmp/p8        # CPU smoke of every path (gloo)
 """
