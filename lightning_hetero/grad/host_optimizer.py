@@ -36,44 +36,23 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.config import check, check_choice, is_int
+from lightning_hetero.plan.memory import HostStepConfig
 
-HostStepMode = Literal["overlap", "fused", "plain"]
-HOST_STEP_MODES: tuple[str, ...] = get_args(HostStepMode)
 # The optimizers whose fused CPU kernel is torch's; a subclass may change `step`, so the exact class only.
 FUSED_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 # Group entries that say how the step runs, not what it computes: the shadows keep their own.
 _HOW_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
 # How often the overlap's worker looks for newly arrived gradients while none is ready (seconds).
 POLL_S = 0.0005
-
-
-@dataclass(frozen=True)
-class HostStepConfig:
-    """How offloaded parameters are stepped.
-
-    Args:
-        mode: ``"overlap"`` (fused, each block started as its gradient arrives, where exact; else fused),
-            ``"fused"`` (torch's fused CPU kernel after the backward) or ``"plain"`` (the user's optimizer as is).
-        threads: intra-op threads of the host step (``None``: this process's ``torch.get_num_threads()``).
-    """
-
-    mode: HostStepMode = "overlap"
-    threads: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        check_choice("memory", "host_step", self.mode, HOST_STEP_MODES)
-        threads = self.threads
-        check("memory", "host_threads", threads, threads is None or (is_int(threads) and threads > 0),
-              "None or a positive integer")
 
 
 @dataclass
@@ -127,7 +106,8 @@ class _Unit:
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.numel = sum(p.numel() for p in self.params)
+        # This rank's elements: a sharded parameter's `numel()` is the whole tensor's.
+        self.numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.params)
 
 
 class HostStep:
@@ -167,11 +147,19 @@ class HostStep:
                 if worker is not None:
                     worker.finish()
         ended = time.perf_counter()
-        for index, unit in enumerate(self.units):
-            if index not in done and any(p.grad is not None for p in unit.params):
-                stats.seconds += self._update(unit)
-                stats.parameters += unit.numel
-                stats.blocks += 1
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            for index, unit in enumerate(self.units):
+                if index not in done and any(p.grad is not None for p in unit.params):
+                    stats.seconds += self._update(unit)
+                    stats.parameters += unit.numel
+                    stats.blocks += 1
+                    stats.threads = self.threads
+        finally:
+            if threads != self.threads:
+                torch.set_num_threads(threads)
         stats.waited = time.perf_counter() - ended
         grads = [p.grad for p in self._host]
         for p in self._host:

@@ -38,8 +38,7 @@ import torch
 from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.config import check, is_int, is_number
-from lightning_hetero.grad.host_optimizer import HostStepConfig, HostStepMode
+from lightning_hetero.config import check, check_choice, is_int, is_number
 from lightning_hetero.plan.activations import StepBytes
 from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.rules import RankRules
@@ -90,6 +89,31 @@ def rule_name(offload: int, checkpoint: int, blocks: int) -> str:
     parts = [f"{name}:{'all' if n == blocks else n}" for name, n in (("offload", offload), ("checkpoint", checkpoint))
              if n]
     return ",".join(parts)
+
+
+# How the parameters in host memory are stepped (:mod:`lightning_hetero.grad.host_optimizer`).
+HostStepMode = Literal["overlap", "fused", "plain"]
+HOST_STEP_MODES: tuple[str, ...] = get_args(HostStepMode)
+
+
+@dataclass(frozen=True)
+class HostStepConfig:
+    """How offloaded parameters are stepped.
+
+    Args:
+        mode: ``"overlap"`` (fused, each block started as its gradient arrives, where exact; else fused),
+            ``"fused"`` (torch's fused CPU kernel after the backward) or ``"plain"`` (the user's optimizer as is).
+        threads: intra-op threads of the host step (``None``: this process's ``torch.get_num_threads()``).
+    """
+
+    mode: HostStepMode = "overlap"
+    threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_choice("memory", "host_step", self.mode, HOST_STEP_MODES)
+        threads = self.threads
+        check("memory", "host_threads", threads, threads is None or (is_int(threads) and threads > 0),
+              "None or a positive integer")
 
 
 @dataclass(frozen=True)

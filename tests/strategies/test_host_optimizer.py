@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.lm import GPTModule
 from lightning_hetero import HeteroFSDPStrategy
-from lightning_hetero.grad.host_optimizer import HostStepConfig, fused_unsupported, install_host_step
-from lightning_hetero.plan.memory import MemoryPolicy
+from lightning_hetero.grad.host_optimizer import fused_unsupported, install_host_step
+from lightning_hetero.plan.memory import HostStepConfig, MemoryPolicy
 from tests.helpers import flat_params, free_port, max_rel_diff
 
 TOLERANCE = 1e-6  # fp32 reordering: the fused kernel sums in another order than torch's per-parameter loop
@@ -116,6 +116,9 @@ def test_overlapped_host_step_equals_plain_adamw(tmp_path, schedule):
     assert [r["steps"] for r in records] == list(range(1, 7))
     assert all(r["overlap"] and r["blocks_overlapped"] == r["blocks"] == 2 for r in records)
     assert all(r["parameters"] == records[0]["parameters"] > 0 for r in records)
+    # This rank's shards of the two blocks (about half of them), not the whole tensors.
+    block = sum(p.numel() for p in TinyGPT().gpt.blocks[0].parameters())
+    assert block * 0.9 < records[0]["parameters"] < block * 1.1
 
 
 @pytest.mark.slow
