@@ -95,13 +95,23 @@ def lab_list(args: argparse.Namespace) -> list[str]:
     return args.lab.split(",")
 
 
+def emulate_lab(cards: list[str], work: Workload) -> list[Any]:
+    """The emulator's profiles for ``cards``: each preset with the workload family it is calibrated on ("bert" or
+    "gpt"), so that every card trains at its published speed on this model (the default, family-less calibration
+    is off by up to 23 % on one family: docs/emulation.md)."""
+    from lightning_hetero.lab.emulation import PRESETS
+
+    family = "bert" if isinstance(work.cfg, BertConfig) else "gpt"
+    return [{"preset": card, "workload": family} if card in PRESETS else card for card in cards]
+
+
 def calibration_identity() -> dict[str, Any]:
     """Which calibration file the emulator reads: ``$LIGHTNING_HETERO_CALIBRATION`` when set, else the files shipped in
     the package (the emulator picks one by host GPU); each with its sha256 and its ``host`` field."""
     import lightning_hetero
 
     override = os.environ.get(CALIBRATION_ENV)
-    shipped = os.path.join(os.path.dirname(lightning_hetero.__file__), "lab", "calibration")
+    shipped = os.path.join(os.path.dirname(lightning_hetero.__file__), "lab", "calibrations")
     names = os.listdir(shipped) if os.path.isdir(shipped) else []
     paths = [override] if override else sorted(os.path.join(shipped, f) for f in names if f.endswith(".json"))
     files = []
@@ -143,8 +153,11 @@ def unfit_reason(layout: str, work: Workload, lab: list[str]) -> Optional[str]:
 
 # -- one layout's fit, in its own process group ------------------------------------------------------------------------
 def strategy_for(layout: str, work: Workload, lab: list[str], args: argparse.Namespace) -> Any:
-    """The strategy of ``layout`` (every rank calls it); ``lab`` is passed to the emulator as given."""
+    """The strategy of ``layout`` (every rank calls it); ``lab``'s presets reach the emulator with the workload's
+    family (:func:`emulate_lab`)."""
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    lab = emulate_lab(lab, work)
 
     from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy
 
@@ -235,7 +248,8 @@ def run_solo(args: argparse.Namespace) -> None:
     from lightning_hetero.lab.devices import describe_device
     from lightning_hetero.lab.emulation import alone, parse_emulate, start_emulation
 
-    work, lab = next(iter(workloads(args))), parse_emulate(lab_list(args))
+    work = next(iter(workloads(args)))
+    lab = parse_emulate(emulate_lab(lab_list(args), work))
     cuda = args.accelerator != "cpu"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if not cuda:  # the cores shared as Lightning shares them among 4 ranks (oversubscribed threads spin for ages)

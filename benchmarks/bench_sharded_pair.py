@@ -34,10 +34,15 @@ without an emulator is named). Every run fills ``benchmarks.lm.GPTModule``'s wei
 without per-element random draws: ``benchmarks.lm.GPTModule(init="fill")``) on a pair capped at ``--big-caps``
 GiB (memory only; full compute unless ``--big-lab`` gives presets), ``memory="auto"`` (per-block offload and
 checkpointing) against Lightning's ``FSDPStrategy`` with ``cpu_offload=True``; the host memory and time are estimated
-first and printed.
+first and printed. ``--size 8b`` / ``13b`` picks the GPT; ``--big-runs ours,ours:plain`` runs ours with the fused,
+overlapped host step (``memory.host_step``, :mod:`lightning_hetero.grad.host_optimizer`) and with the optimizer's own;
+each of our runs profiles one step per rank (:mod:`benchmarks.step_split`) and prints it split into device compute,
+copies, collectives and the host optimizer (its ns per parameter). ``--host-ns``: ns per parameter of a host AdamW
+step, loop / foreach / fused.
 
     python benchmarks/bench_sharded_pair.py --out $OUT/p8            # 2 GPUs, the 1.1B pair (jsonargparse needed)
     python benchmarks/bench_sharded_pair.py --big --out $OUT/p8big   # 2 GPUs, ~8B on 52 + 22 GiB
+    python benchmarks/bench_sharded_pair.py --big --size 8b --big-runs ours,ours:plain --out $OUT/p8big
     python benchmarks/bench_sharded_pair.py --accelerator cpu --model configs/rehearse_cpu.yaml --steps 4 \\
         --levers "caps=measured,caps=equal+gb=12" --out /tmp/p8        # CPU smoke of every path (gloo)
 """
@@ -76,8 +81,13 @@ DEFAULT_LEVERS = ("caps=measured,caps=measured+keep_gathered=true,caps=measured+
                   "caps=measured+gb=16+keep_gathered=true")
 # The big check's model: width, heads and sequence of the 1.1B config's family, vocabulary padded as nanoGPT does.
 BIG_SEQ, BIG_VOCAB = 512, 50304
-# CPU AdamW cost assumed by the big check's time estimate (ns per offloaded parameter and step, 16 host cores).
+# CPU AdamW cost assumed by the big check's time estimate (ns per offloaded parameter and step, 16 host cores): an
+# assumption for the unfused per-parameter loop; each run of ours measures its host step (benchmarks.step_split).
 CPU_ADAM_NS = 4.0
+# `--size`: (billions of parameters, width) of the big check's GPT.
+SIZES = {"8b": (8.0, 4096), "13b": (13.0, 5120)}
+# The optimizer step profiled on every rank of a big run (0-based: after the 2 untimed warm-up steps).
+SPLIT_STEP = 3
 
 
 @dataclass(frozen=True)
@@ -472,14 +482,14 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 # -- the largest model --------------------------------------------------------------------------------------------
-def big_model(params_b: float, width: int) -> dict[str, Any]:
-    """GPT arguments of about ``params_b`` billion parameters at ``width`` (heads of 128)."""
+def big_model(params_b: float, width: int, seq: int = BIG_SEQ) -> dict[str, Any]:
+    """GPT arguments of about ``params_b`` billion parameters at ``width`` (heads of 128) and ``seq`` tokens."""
     from models import GPTConfig, gpt_parameters
 
     per_block = 12 * width * width + 13 * width
-    outside = gpt_parameters(GPTConfig(vocab=BIG_VOCAB, seq=BIG_SEQ, width=width, layers=0, heads=width // 128))
+    outside = gpt_parameters(GPTConfig(vocab=BIG_VOCAB, seq=seq, width=width, layers=0, heads=width // 128))
     layers = max(1, math.ceil((params_b * 1e9 - outside) / per_block))
-    return {"vocab": BIG_VOCAB, "seq": BIG_SEQ, "width": width, "layers": layers, "heads": width // 128,
+    return {"vocab": BIG_VOCAB, "seq": seq, "width": width, "layers": layers, "heads": width // 128,
             "init": "fill"}
 
 
@@ -527,10 +537,80 @@ def big_estimate(model: dict[str, Any], caps_gib: list[float], batch: int) -> di
             "cpu_adam_seconds_lightning": total / len(caps_gib) * CPU_ADAM_NS * 1e-9, "batch": batch}
 
 
+def host_step_ns(parameters: int, threads: int, repeats: int = 3) -> dict[str, float]:
+    """ns per parameter of one AdamW step on CPU tensors (blocks of 64M elements, as an offloaded block's shards),
+    torch's per-parameter loop, ``foreach`` and ``fused``, at ``threads`` intra-op threads; the best of
+    ``repeats`` steps after one untimed."""
+    import torch
+
+    torch.set_num_threads(threads)
+    sizes = [min(64 << 20, parameters - i) for i in range(0, parameters, 64 << 20)]
+    params = [torch.nn.Parameter(torch.full((n,), 0.01)) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    result = {}
+    for name, how in (("loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **how)
+        optimizer.step()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+        result[name] = min(times) / parameters * 1e9
+        del optimizer
+    return result
+
+
+def host_step_check(args: argparse.Namespace) -> dict[str, Any]:
+    """``--host-ns``: :func:`host_step_ns` at each of ``--host-threads``; JSON and a table."""
+    import torch
+
+    rows = {t: host_step_ns(int(args.host_params * 1e6), t) for t in (int(t) for t in args.host_threads.split(","))}
+    result = {"parameters": int(args.host_params * 1e6), "cpus": os.cpu_count(), "torch": torch.__version__,
+              "ns_per_parameter": {str(t): r for t, r in rows.items()}}
+    with open(os.path.join(args.out, "host_step_ns.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"AdamW step on the host, {result['parameters'] / 1e6:.0f}M parameters, {os.cpu_count()} CPUs "
+          f"(ns per parameter):\n{'threads':>8} {'loop':>8} {'foreach':>8} {'fused':>8}")
+    for t, r in rows.items():
+        print(f"{t:>8} {r['loop']:>8.2f} {r['foreach']:>8.2f} {r['fused']:>8.2f}")
+    return result
+
+
+def read_splits(folder: str) -> list[Optional[dict[str, Any]]]:
+    """Every rank's profiled step (:mod:`benchmarks.step_split`) written into ``folder``; ``None`` for a rank
+    without one."""
+    found = []
+    for rank in range(8):
+        path = os.path.join(folder, f"split-rank{rank}.json")
+        if not os.path.exists(path):
+            break
+        with open(path) as f:
+            found.append(json.load(f))
+    return found
+
+
+def format_split(record: dict[str, Any]) -> list[str]:
+    """One line per rank: the profiled step's wall time, device time by kind, the host optimizer's timings."""
+    lines = []
+    for split in record.get("split") or []:
+        device = split["device_s"]
+        host = (split["host_optimizer"] or [{}])[0]
+        host_text = (f"host optimizer {host['seconds']:.2f} s ({host['overlapped']:.2f} s during the backward, "
+                     f"{host['waited']:.2f} s waited after it), {_fmt(host.get('ns_per_parameter'))} ns/param, "
+                     f"{host['threads']} threads" if host else "no host step")
+        lines.append(f"    rank {split['rank']}: step {split['wall_s']:.2f} s; device: compute "
+                     f"{device['compute']:.2f} s, "
+                     f"copies {device['copies']:.2f} s, collectives {device['collectives']:.2f} s; {host_text}")
+    return lines
+
+
 def big_check(args: argparse.Namespace) -> dict[str, Any]:
     caps = [float(c) for c in args.big_caps.split(",")]
     lab = parse_lab(args.big_lab) if args.big_lab else [{"memory_gib": c} for c in caps]
-    model = big_model(args.big_params, args.big_width)
+    params_b, width = SIZES[args.size] if args.size else (args.big_params, args.big_width)
+    model = big_model(params_b, width, args.big_seq)
     estimate = big_estimate(model, caps, args.big_batch)
     gib = 2 ** 30
     print(f"big: GPT {model['layers']}x{model['width']} ({estimate['parameters'] / 1e9:.2f}B), lab {lab}; planned "
@@ -541,7 +621,7 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.model) as f:
         base = yaml.safe_load(f)
     base["model"]["init_args"] = {**base["model"].get("init_args", {}), **model}
-    base["data"]["init_args"] = {**base["data"].get("init_args", {}), "seq": BIG_SEQ, "vocab": BIG_VOCAB,
+    base["data"]["init_args"] = {**base["data"].get("init_args", {}), "seq": model["seq"], "vocab": BIG_VOCAB,
                                  "batch_size": args.big_batch // len(lab), "samples": 64}
     result: dict[str, Any] = {"model": model, "lab": lab, "caps_gib": caps, "estimate": estimate,
                               "steps": args.steps, "runs": []}
@@ -553,10 +633,22 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
         lever = Lever.parse(args.big_lever)
         lever = replace(lever, global_batch=lever.global_batch or args.big_batch)
         for which in args.big_runs.split(","):
-            if which == "ours":
+            if which.startswith("ours"):
                 # Activations counted from the model's shape (as bench_fsdp_shared plans): `auto` chooses its blocks
-                # when the model is sharded, before a trial step could measure them.
-                record = pair.ours(base, lever, None, "big-ours", policy=big_policy(model))
+                # when the model is sharded, before a trial step could measure them. "ours:plain": the optimizer's
+                # own step on the host (as before the fused host step), "ours" / "ours:overlap" / "ours:fused".
+                host_step = which.partition(":")[2] or "overlap"
+                tag = f"big-ours-{host_step}"
+                splits = os.path.join(args.out, tag)
+                profiled = copy.deepcopy(base)
+                profiled.setdefault("trainer", {}).setdefault("callbacks", []).append(
+                    {"class_path": "benchmarks.step_split.StepSplit",
+                     "init_args": {"out_dir": splits, "step": SPLIT_STEP}})
+                # The host's cores shared by its ranks, one left to each rank's training thread.
+                threads = max(1, (os.cpu_count() or 2) // len(lab) - 1)
+                policy = {**big_policy(model), "host_step": host_step, "host_threads": threads}
+                record = pair.ours(profiled, lever, None, tag, policy=policy)
+                record["run"], record["host_step"], record["split"] = tag, host_step, read_splits(splits)
             else:
                 config = write_config(base, os.path.join(scratch, "big-lightning.yaml"))
                 record = pair.baseline(config, "fsdp:offload" if args.accelerator == "gpu" else "ddp")
@@ -568,15 +660,18 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
                   f"{[_fmt(p / gib if p else None) for p in record['peak_bytes']]} GiB host "
                   f"{[_fmt(h / gib if h else None, 0) for h in record['host_rss_bytes']]} GiB "
                   f"{record['errors'] or ''}", flush=True)
+            print("\n".join(format_split(record) or ["    (no step profiled)"]), flush=True)
     rates = {r["run"]: r["samples_per_s"] for r in result["runs"]}
     ours = next((v for k, v in rates.items() if not k.startswith("Lightning")), None)
     theirs = next((v for k, v in rates.items() if k.startswith("Lightning")), None)
     result["ours_over_lightning"] = ours / theirs if ours and theirs else None
     with open(os.path.join(args.out, "sharded_big.json"), "w") as f:
         json.dump(result, f, indent=1)
-    baseline = next((r["run"] for r in result["runs"] if r["run"].startswith("Lightning")), "Lightning")
-    print(f"big {estimate['parameters'] / 1e9:.2f}B on {caps} GiB: ours {_fmt(ours, 3)} samples/s, {baseline} "
-          f"{_fmt(theirs, 3)}: {_fmt(result['ours_over_lightning'])}x")
+    print(f"big {estimate['parameters'] / 1e9:.2f}B on {caps} GiB, global batch {args.big_batch}:")
+    for record in result["runs"]:
+        print(f"  {record['run']:<22} {_fmt(record['samples_per_s'], 3):>7} samples/s  step "
+              f"{[_fmt(t) for t in record['step_seconds']]} s  plans {record['plans']}")
+        print("\n".join(format_split(record) or ["    (no step profiled)"]))
     return result
 
 
@@ -596,16 +691,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="start no launch that would end past this many seconds (0: no deadline)")
     parser.add_argument("--big", action="store_true", help="the largest-model check instead (see above)")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="the big check's GPT (over --big-params and --big-width)")
     parser.add_argument("--big-params", type=float, default=8.0, help="billions of parameters")
     parser.add_argument("--big-width", type=int, default=4096)
+    parser.add_argument("--big-seq", type=int, default=BIG_SEQ, help="tokens a sample (fewer for a CPU dry run)")
     parser.add_argument("--big-caps", default="52,22", help="GiB per rank")
     parser.add_argument("--big-lab", default=None, help="cards as --lab (default: memory caps only, full compute)")
     parser.add_argument("--big-batch", type=int, default=4, help="global batch of the big check")
     parser.add_argument("--big-lever", default="caps=3/1", help="our configuration in the big check")
-    parser.add_argument("--big-runs", default="ours,lightning", help="which of ours, lightning, in order")
+    parser.add_argument("--big-runs", default="ours,lightning",
+                        help="in order: ours (ours:overlap), ours:fused, ours:plain (the optimizer's own host step), "
+                             "lightning")
+    parser.add_argument("--host-ns", action="store_true",
+                        help="instead: ns per parameter of a host AdamW step (loop, foreach, fused)")
+    parser.add_argument("--host-params", type=float, default=256.0, help="millions of parameters for --host-ns")
+    parser.add_argument("--host-threads", default="1,2", help="intra-op thread counts for --host-ns")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.host_ns:
+        host_step_check(args)
+        return
     if args.big:
         big_check(args)
         return

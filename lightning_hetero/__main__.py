@@ -5,7 +5,8 @@
     python -m lightning_hetero doctor --model CONFIG --lab "A100-80GB,RTX3090,RTX3090" [--strategy hetero_fsdp]
                                       [--script S] [--json]                     # rehearse a lab on this machine
     python -m lightning_hetero doctor --compare-layouts --params 1.5e9 --lab "A100-80GB,A100-80GB,RTX3090,RTX3090"
-                                      [--optimizer adamw] [--json]              # which layout fits that lab
+                                      [--global-batch 64] [--tokens 512] [--optimizer adamw] [--solo A100-80GB=90]
+                                      [--json]                                  # which layout, on which cards
     python -m lightning_hetero report LOGDIR [--out PNG]                        # plot a monitored run
 """
 
@@ -22,19 +23,18 @@ DEFAULT_REHEARSAL_STEPS = 6
 OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 
 
-def compare(lab: Optional[str], params: Optional[float], optimizer: str, as_json: bool) -> None:
-    """``doctor --compare-layouts``: the layouts on the ``--lab`` cards for a model of ``params`` fp32 parameters."""
+def compare(args: argparse.Namespace) -> None:
+    """``doctor --compare-layouts``: every layout on the ``--lab`` cards and their fastest classes alone."""
     import json
-    from dataclasses import asdict
 
-    from lightning_hetero.plan.layout_choice import compare_layouts, comparison_table
+    from lightning_hetero.observe.doctor import layouts_report, parse_solo
     from lightning_hetero.rehearse.cards import lab_cards
 
-    if lab is None or params is None or params <= 0:
+    if args.lab is None or args.params is None:
         raise ValueError("`--compare-layouts` needs `--lab` (the cards) and `--params` (a positive count).")
-    cards = lab_cards(lab)
-    comparison = compare_layouts(int(params) * 4, OPTIMIZER_SLOTS[optimizer], cards)
-    print(json.dumps(asdict(comparison), indent=2) if as_json else comparison_table(comparison, cards))
+    report = layouts_report(lab_cards(args.lab), args.params, OPTIMIZER_SLOTS[args.optimizer], args.global_batch,
+                            args.tokens, args.mfu, args.link, parse_solo(args.solo))
+    print(json.dumps(report, indent=2) if args.json else report["text"])
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -65,6 +65,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     doctor.add_argument("--params", type=float, help="with --compare-layouts: the model's parameter count (fp32)")
     doctor.add_argument("--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adamw",
                         help="with --compare-layouts: the optimizer (its state per parameter)")
+    doctor.add_argument("--global-batch", type=int, default=64, help="with --compare-layouts: samples per step")
+    doctor.add_argument("--tokens", type=int, default=512, help="with --compare-layouts: tokens per sample (a "
+                        "sample costs 6 x params x tokens FLOPs)")
+    doctor.add_argument("--mfu", type=float, default=0.4, help="with --compare-layouts: the fraction of each card's "
+                        "published rate a step reaches (assumed)")
+    doctor.add_argument("--link", choices=["nvlink", "pcie", "ethernet"], help="with --compare-layouts: every "
+                        "card's link class (default: each preset's)")
+    doctor.add_argument("--solo", help="with --compare-layouts: samples/s each card class measured alone, e.g. "
+                        "'A100-80GB=1900,RTX3090=420' (in place of the published rates)")
     report = commands.add_parser(
         "report", help="draw a monitored run's per-rank timeline and share history (PNG)",
         description="Draw a monitored run's per-rank timeline and share history as a PNG, from the "
@@ -78,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             from lightning_hetero.observe.doctor import main as doctor_main
 
             if args.compare_layouts:
-                compare(args.lab, args.params, args.optimizer, args.json)
+                compare(args)
                 return
             if args.lab is not None:
                 import json

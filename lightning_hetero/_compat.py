@@ -149,9 +149,46 @@ def fsdp_offloads(module: object) -> bool:
     private per-module state and has no public accessor (tests read it to check a per-block plan was applied)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    return any(isinstance(group.offload_policy, CPUOffloadPolicy) for group in _fsdp_param_groups(module))
+
+
+def _fsdp_param_groups(module: object) -> list[Any]:
+    """An FSDP2 module's parameter groups: torch 2.13 keeps a list per module, earlier releases one group (or None)."""
     state = module._get_fsdp_state()  # type: ignore[attr-defined]
-    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-    return any(isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups if group is not None)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [getattr(state, "_fsdp_param_group", None)]
+    return [g for g in groups if g is not None]
+
+
+def host_gradient_waits(module: object) -> Optional[list[tuple[Any, Callable[[], None]]]]:
+    """For each parameter of ``module``'s own that FSDP2 keeps in host memory (a CPU offload policy): the parameter
+    and a call that returns once its gradient's copy to host memory has finished. FSDP2 records that copy's event in
+    its private per-parameter state (``grad_offload_event``, ``None`` when the copy blocked or FSDP already waited)
+    and waits for it only at the end of the backward; ``None`` where this torch keeps no such record (a gradient is
+    then known complete only after the backward)."""
+    records = [r for g in _fsdp_param_groups(module) for r in g.fsdp_params if getattr(r, "offload_to_cpu", False)]
+    if any(not hasattr(r, "grad_offload_event") for r in records):
+        return None
+
+    def waiter(record: Any) -> Callable[[], None]:
+        def wait() -> None:
+            event = record.grad_offload_event
+            if event is not None:
+                event.synchronize()
+        return wait
+
+    return [(r.sharded_param, waiter(r)) for r in records]
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels (``fused=True``) run on: torch's list is private; a torch
+    without it (before 2.4) has no fused CPU kernel."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ["cuda"]
+    return list(_get_fused_kernels_supported_devices())
 
 
 def remove_warnings_filter(entry: tuple) -> None:
@@ -249,11 +286,7 @@ def fsdp_flags(module: object) -> tuple[bool, bool, bool]:
     """An FSDP2 module's (reshard after forward, reshard after backward, gradient sync): ``FSDPModule`` has the
     setters (``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_requires_gradient_sync``) but no
     getters; these are the fields of its parameter groups that the setters write."""
-    state = module._get_fsdp_state()  # type: ignore[attr-defined]
-    # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    groups = _fsdp_param_groups(module)
     if not groups:
         return False, False, True
     return (any(g.post_forward_mesh_info is not None for g in groups), all(g.reshard_after_backward for g in groups),

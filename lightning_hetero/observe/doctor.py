@@ -14,11 +14,23 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
 from lightning_hetero.lab.devices import describe_device, has_bf16_hardware, peak_tflops
+from lightning_hetero.plan.layout_choice import (
+    ASSUMED_MFU,
+    Card,
+    assumed_costs,
+    compare_layouts,
+    comparison_table,
+    trainer_code,
+    trainer_yaml,
+)
+from lightning_hetero.plan.step_cost import Workload, with_link
 
 
 def diagnose() -> dict[str, Any]:
@@ -200,6 +212,64 @@ def nccl_recommendations(pairs: list[dict[str, Any]], names: list[str],
         out["NCCL_SOCKET_IFNAME"] = (best["name"], f"the fastest interface ({best['gbit']:g} Gbit/s) for traffic "
                                                    "between hosts; set the same on every host")
     return out
+
+
+# -- `doctor --compare-layouts`: every layout, subsets of the cards included, from the model's size -------------------
+
+
+def layouts_report(cards: Sequence[Card], params: float, optimizer_slots: int, global_batch: int, tokens: int,
+                   mfu: float = ASSUMED_MFU, link: Optional[str] = None,
+                   solo: Optional[Mapping[str, float]] = None) -> dict[str, Any]:
+    """The layouts compared on ``cards`` for a model of ``params`` fp32 parameters (``6 × params × tokens`` FLOPs a
+    sample at ``mfu`` of each card's published rate, or ``solo``: the samples/s a card class measured alone), as
+    JSON: every layout's samples/s and step, the pick, its Trainer arguments and YAML, and the table as ``text``."""
+    if params <= 0 or global_batch < 1:
+        raise ValueError(f"`--params`={params!r} must be positive and `--global-batch`={global_batch!r} >= 1.")
+    job = Workload(param_bytes=int(params) * 4, global_batch=global_batch, optimizer_slots=optimizer_slots)
+    costs = with_link(assumed_costs(cards, job, tokens, mfu), link)
+    unknown = sorted(set(solo or {}) - {c.label for c in costs})
+    if unknown:
+        raise ValueError(f"`--solo` names {unknown}, which are not cards of `--lab` "
+                         f"({sorted({c.label for c in costs})}).")
+    costs = [replace(c, sample_s=1.0 / solo[c.label], measured=True) if solo and c.label in solo else c for c in costs]
+    comparison = compare_layouts(job, costs)
+    pick = comparison.pick
+    return {
+        "layouts": {v.key: v.samples_per_s for v in comparison.verdicts},
+        "verdicts": [{"key": v.key, "samples_per_s": v.samples_per_s, "needed_bytes": list(v.needed_bytes),
+                      "fits": list(v.fits), "note": v.note,
+                      "step": None if v.prediction is None else {
+                          "step_s": v.prediction.step_s, "compute_s": v.prediction.compute_s,
+                          "comm_s": v.prediction.comm_s, "exposed_s": v.prediction.exposed_s,
+                          "fixed_s": v.prediction.fixed_s, "traffic_bytes": v.prediction.traffic_bytes,
+                          "batches": list(v.prediction.batches), "link": v.prediction.link}}
+                     for v in comparison.verdicts],
+        "pick": None if pick is None else pick.key, "why": comparison.why,
+        "measured": list(comparison.measured), "assumed": list(comparison.assumed),
+        "inputs": {"params": params, "optimizer_slots": optimizer_slots, "global_batch": global_batch,
+                   "tokens": tokens, "mfu": mfu, "link": link, "solo": dict(solo or {})},
+        "trainer": None if pick is None else trainer_code(pick.plan, len(costs)),
+        "yaml": None if pick is None else trainer_yaml(pick.plan, len(costs)),
+        "text": comparison_table(comparison, costs, job).replace(
+            "\npick:", f"\nassumed: optimizer steps at each card's published memory bandwidth; {6 * tokens} FLOPs a "
+            f"sample per parameter at {mfu:.0%} of the published rate where not measured\npick:", 1),
+    }
+
+
+def parse_solo(text: Optional[str]) -> dict[str, float]:
+    """``"A100-80GB=1900,RTX3090=420"``: samples/s each card class measured alone."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"`--solo` entry {part!r} is not CARD=SAMPLES_PER_S.") from None
+        if not out[name.strip()] > 0:
+            raise ValueError(f"`--solo` entry {part!r}: samples/s must be positive.")
+    return out
+
+
 # -- `doctor --model CONFIG`: a short dry run of the config's model and data on this machine -------------------------
 
 DRY_RUN_STEPS = 20

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.config import check, is_int, is_number
+from lightning_hetero.config import check, check_choice, is_int, is_number
 from lightning_hetero.plan.activations import StepBytes
 from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.rules import RankRules
@@ -91,6 +91,31 @@ def rule_name(offload: int, checkpoint: int, blocks: int) -> str:
     return ",".join(parts)
 
 
+# How the parameters in host memory are stepped (:mod:`lightning_hetero.grad.host_optimizer`).
+HostStepMode = Literal["overlap", "fused", "plain"]
+HOST_STEP_MODES: tuple[str, ...] = get_args(HostStepMode)
+
+
+@dataclass(frozen=True)
+class HostStepConfig:
+    """How offloaded parameters are stepped.
+
+    Args:
+        mode: ``"overlap"`` (fused, each block started as its gradient arrives, where exact; else fused),
+            ``"fused"`` (torch's fused CPU kernel after the backward) or ``"plain"`` (the user's optimizer as is).
+        threads: intra-op threads of the host step (``None``: this process's ``torch.get_num_threads()``).
+    """
+
+    mode: HostStepMode = "overlap"
+    threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_choice("memory", "host_step", self.mode, HOST_STEP_MODES)
+        threads = self.threads
+        check("memory", "host_threads", threads, threads is None or (is_int(threads) and threads > 0),
+              "None or a positive integer")
+
+
 @dataclass(frozen=True)
 class MemoryPolicy:
     """How each rank picks what it keeps in device memory.
@@ -117,6 +142,12 @@ class MemoryPolicy:
             ``reshard_after_forward=False``) on every rank: one all-gather per block and step instead of two, a third
             less traffic on a slow link, for the whole model's parameters held on each device (counted by the plan).
             One setting for the job: it decides which collectives every rank joins.
+        host_step: how the parameters in host memory (offloaded blocks) are stepped
+            (:mod:`lightning_hetero.grad.host_optimizer`): ``"overlap"`` (torch's fused CPU Adam/AdamW, each block
+            started as soon as its gradient is on the host, while the backward goes on; after the backward where
+            that would not be exact, e.g. with gradient clipping), ``"fused"`` (after the backward) or ``"plain"``
+            (the optimizer's own step). Other optimizers than Adam/AdamW step as they are.
+        host_threads: intra-op threads of the host step (``None``: the process's ``torch.get_num_threads()``).
     """
 
     rules: Optional[dict[str, MemoryRule]] = None
@@ -126,6 +157,13 @@ class MemoryPolicy:
     granularity: Granularity = "block"
     measure: bool = True
     keep_gathered: bool = False
+    host_step: HostStepMode = "overlap"
+    host_threads: Optional[int] = None
+
+    @property
+    def host(self) -> HostStepConfig:
+        """The host step's settings."""
+        return HostStepConfig(self.host_step, self.host_threads)
 
     @property
     def rank_rules(self) -> RankRules[str]:
@@ -140,6 +178,7 @@ class MemoryPolicy:
               f"one of {get_args(Granularity)}")
         check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
         check("memory", "keep_gathered", self.keep_gathered, isinstance(self.keep_gathered, bool), "True or False")
+        self.host  # checks host_step and host_threads
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
               "a number in (0, 1]")

@@ -22,6 +22,7 @@ from lightning_hetero._compat import BatchNormBase
 from lightning_hetero.lab.rehearsal import rehearsal
 from lightning_hetero.plan.profiling import ProfileResult, profile_lightning_module, table_columns
 from lightning_hetero.plan.shares import LabView, PlannedSampler, SharePlan
+from lightning_hetero.plan.subset_check import check_profile, job_link
 from lightning_hetero.view import StrategyView
 from lightning_hetero.view import running_strategy
 
@@ -60,9 +61,23 @@ class ShareProfiler:
                     plan.adopt(plan.capacities, plan.source, caps=self.profile.caps, epoch=sampler.sampler.epoch)
                 else:
                     plan.adopt(self.profile.capacities, "profile", caps=self.profile.caps, epoch=sampler.sampler.epoch)
+                    if self.measure is None:  # one rank per replica: the ranks' rates are the replicas'
+                        self._warn_if_slow_ranks()
         if plan.caps is None and self.max_batch_per_rank is not None:
             plan.adopt(plan.capacities, plan.source, caps=(self.max_batch_per_rank,) * sampler.world_size,
                        epoch=sampler.sampler.epoch)
+
+    def _warn_if_slow_ranks(self) -> None:
+        """Say once, on rank 0, which ranks the measured rates say cost this job more than they add."""
+        assert self.profile is not None and self.view.lightning_module is not None
+        devices = self.lab.lab.devices
+        emulated = self.lab.emulation.link if self.lab.emulation is not None else None
+        grads = sum(p.numel() * p.element_size() for p in self.view.lightning_module.parameters() if p.requires_grad)
+        found = check_profile(self.profile, [d.name for d in devices], grads,
+                              job_link(self.view.root_device.type, [d.name for d in devices], emulated),
+                              "gpu" if self.view.root_device.type == "cuda" else "cpu")
+        if found:
+            rank_zero_warn(f"{running_strategy()}: {found}")
 
     def table_columns(self) -> dict[str, list[str]]:
         """The lab table's columns of the measurement (or of the memory caps in force without one)."""

@@ -35,7 +35,7 @@ def card_label(entry: Any) -> str:
 
 def lab_cards(text: str) -> list[Card]:
     """The ``--lab`` cards as :func:`~lightning_hetero.plan.layout_choice.compare_layouts` reads them: each preset's
-    memory (a profile's ``memory_gib`` overrides it) and published rate as its speed."""
+    memory (a profile's ``memory_gib`` overrides it), published rate as its speed and link class."""
     cards = []
     for entry in parse_lab(text):
         preset_name = entry if isinstance(entry, str) else entry.get("preset")
@@ -43,5 +43,6 @@ def lab_cards(text: str) -> list[Card]:
             raise ValueError(f"`--lab` card {entry!r}: comparing layouts needs a preset (its memory and rate).")
         preset = PRESETS[preset_name]
         gib = preset.memory_gib if isinstance(entry, str) or entry.get("memory_gib") is None else entry["memory_gib"]
-        cards.append(Card(card_label(entry), int(gib * 2**30), preset_tflops(preset)))
+        cards.append(Card(card_label(entry), int(gib * 2**30), preset_tflops(preset),
+                          entry.get("link") or preset.link if isinstance(entry, dict) else preset.link))
     return cards

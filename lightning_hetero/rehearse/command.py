@@ -40,6 +40,7 @@ from lightning_hetero.rehearse.advice import advise
 from lightning_hetero.rehearse.cards import card_label, parse_lab
 from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob, RankResult
 from lightning_hetero.rehearse.launch import launch_rank
+from lightning_hetero.rehearse.layouts import rehearsed_layouts
 from lightning_hetero.rehearse.notes import notes, uneven_twins
 from lightning_hetero.rehearse.predict import predict
 from lightning_hetero.rehearse.report import ASSUMPTIONS, draw, format_rehearsal
@@ -128,7 +129,10 @@ def rehearse(config: str, lab_text: str, strategy: Optional[str] = None, steps: 
     report["notes"] += notes(hetero, accelerator, report["prediction"])
     report["warnings"] += uneven_twins(hetero)
     report["advice"] = advise(hetero, sharded=any(r.memory_modes for r in hetero))
-    return _written(report, format_rehearsal(report), out_dir, log_path, stream)
+    report["layouts"] = rehearsed_layouts(hetero, lab)
+    layouts = ("\n\nEvery layout, the fastest cards alone included (from the ranks measured here):\n"
+               + report["layouts"]["text"]) if report["layouts"] else ""
+    return _written(report, format_rehearsal(report) + layouts, out_dir, log_path, stream)
 
 
 def _written(report: dict[str, Any], text: str, out_dir: str, log_path: str, stream: TextIO) -> dict[str, Any]:

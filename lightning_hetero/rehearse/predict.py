@@ -4,26 +4,18 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from lightning_hetero.plan.split import split_batch
+from lightning_hetero.plan.step_cost import LINK_GBYTES, LINK_LATENCY_S, buckets_of, ring_seconds
 from lightning_hetero.rehearse.job import RankResult
 from lightning_hetero.rehearse.timeline import (
     RankPhases,
-    buckets_of,
     no_overlap,
     replicated_step,
-    ring_seconds,
     sharded_step,
     slowest,
 )
 
 # The `capacities` a real run measures across its ranks at its start.
 PROFILED = ("auto", "profile")
-
-# Bandwidth per link class (GB/s): measured between two H200s of one host with the emulator's NCCL settings (NVLink;
-# P2P off, as PCIe cards without peer access stage through host memory; P2P and SHM off: TCP sockets).
-LINK_GBYTES = {"nvlink": 275.0, "pcie": 25.0, "ethernet": 2.6}
-# Per ring hop (s): not measured here; NCCL's usual small-message latencies per link class (they matter only for
-# many small blocks: 20 blocks x 2 ranks on PCIe come to 1.2 ms a step).
-LINK_LATENCY_S = {"nvlink": 10e-6, "pcie": 20e-6, "ethernet": 60e-6}
 
 
 def step_seconds(mode: str, compute: Sequence[Union[RankPhases, float]], blocks: int, param_bytes: int,

@@ -24,13 +24,11 @@ Example::
     9.0
 """
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Where only a rank's total step time is known: a third forward (the backward computes two gradients per forward
-# product) and no optimizer step apart.
-FORWARD_FRACTION = 1 / 3
+# Where only a rank's total step time is known, its forward's share (the layouts' cost model's); no optimizer apart.
+from lightning_hetero.plan.step_cost import FORWARD_FRACTION
 
 
 @dataclass(frozen=True)
@@ -52,25 +50,6 @@ class RankPhases:
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.optimizer
-
-
-def ring_seconds(kind: str, nbytes: float, world: int, gbytes_per_s: float, latency_s: float) -> float:
-    """One ring collective of ``nbytes`` (the whole tensor: gathered, scattered or reduced) over ``world`` ranks:
-    every rank sends (N-1)/N of it once (all-gather, reduce-scatter) or twice (all-reduce), in N-1 (or 2(N-1)) hops
-    of ``latency_s`` each.
-
-    Example::
-
-        >>> round(ring_seconds("all_gather", 1e9, 2, 25.0, 1e-5) * 1e3, 3)  # half a GB at 25 GB/s, one hop
-        20.01
-    """
-    if world <= 1:
-        return 0.0
-    passes = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-    if kind not in passes:
-        raise ValueError(f"collective {kind!r} is not one of {sorted(passes)}")
-    hops = passes[kind] * (world - 1)
-    return passes[kind] * (world - 1) / world * nbytes / (gbytes_per_s * 1e9) + hops * latency_s
 
 
 def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -140,8 +119,3 @@ def no_overlap(forward: Sequence[float], backward: Sequence[float], gather: Sequ
                scatter: Sequence[float], optimizer: float = 0.0) -> float:
     """The bound where no collective overlaps compute: every time added (a sharded step gathers each block twice)."""
     return sum(forward) + sum(backward) + 2 * sum(gather) + sum(scatter) + optimizer
-
-
-def buckets_of(gradient_bytes: float, bucket_bytes: float = 25 * 2**20) -> int:
-    """DDP's bucket count at its default 25 MiB cap."""
-    return max(1, math.ceil(gradient_bytes / bucket_bytes))

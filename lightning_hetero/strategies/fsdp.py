@@ -61,6 +61,7 @@ from lightning_hetero.config import (
     from_flat_arguments,
 )
 from lightning_hetero.data.microbatch import micro_limits
+from lightning_hetero.grad.host_optimizer import HostStep, install_host_steps
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.sharding import (
     check_ties,
@@ -305,6 +306,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
         self.memory_peaks: Optional[list[Optional[int]]] = None
         self._footprint: Optional[ModelFootprint] = None
+        self.host_steps: list[HostStep] = []  # the wrapped steps of the optimizers with offloaded parameters
 
     @property
     def blocks(self) -> Optional[tuple[type[nn.Module], ...]]:
@@ -360,8 +362,15 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
 
     @override
     def on_train_start(self) -> None:
-        """Before the first step: the plan's modes checked again with the real shares and optimizer."""
+        """Before the first step: the plan's modes checked again with the real shares and optimizer; the host step
+        of the offloaded parameters installed (:mod:`lightning_hetero.grad.host_optimizer`)."""
         super().on_train_start()
+        self.host_steps, note = install_host_steps(self.optimizers, self.lightning_module.trainer,
+                                                   self.lightning_module, self.memory_policy.host)
+        notes: list[Any] = [note] * self.world_size
+        if self.world_size > 1:
+            torch.distributed.all_gather_object(notes, note)
+        rank_zero_info("; ".join(f"rank {r}: {n}" for r, n in enumerate(notes)))
         sampler = self.train_batch_sampler
         if sampler is None or self._footprint is None or self.memory_plan is None:
             return
@@ -441,6 +450,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
     @override
     def on_train_end(self) -> None:
         self._report_peaks()  # a run shorter than PEAK_AFTER_STEPS steps
+        for host in self.host_steps:
+            host.uninstall()
         super().on_train_end()
 
     def _report_peaks(self) -> None:

@@ -38,6 +38,7 @@ def test_our_layouts_get_the_lab_as_given(layout, kind, capacities):
     assert type(strategy).__name__ == kind
     assert strategy.plan.spec.source == capacities
     assert [s.preset for s in strategy.core.lab.emulate] == (LAB[:2] if layout == "pair" else LAB)
+    assert {s.workload for s in strategy.core.lab.emulate} == {"bert"}  # each card at its BERT calibration
     if layout == "hybrid4":
         assert strategy.pipelines == [[2, 3]] and strategy.overlap_stage_exchange
 

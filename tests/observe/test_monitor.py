@@ -122,14 +122,18 @@ def test_a_slow_loader_shows_as_data_time(tmp_path) -> None:
             time.sleep(0.01)
             return torch.randn(8), torch.tensor(i % 4), i
 
-    monitor = HeteroMonitor()
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=4, callbacks=[monitor],
-                      logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=False)
-    trainer.fit(TinyModel(), DataLoader(Slow(), batch_size=4))
-    windows = monitor.windows[1:]  # the first window holds the loader's start
-    data = sum(w["data"][0] * w["steps"] for w in windows) / sum(w["steps"] for w in windows)
-    assert 0.035 <= data < 0.08
+    def attempt(i: int) -> None:
+        monitor = HeteroMonitor()
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=4, callbacks=[monitor],
+                          logger=CSVLogger(tmp_path / str(i)), enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False)
+        trainer.fit(TinyModel(), DataLoader(Slow(), batch_size=4))
+        windows = monitor.windows[1:]  # the first window holds the loader's start
+        data = sum(w["data"][0] * w["steps"] for w in windows) / sum(w["steps"] for w in windows)
+        assert 0.035 <= data < 0.08, data
+
+    # Wall-clock sleeps: a loaded host's late wake-ups can carry one fit past the band's top.
+    retry_timing(3, attempt)
 
 
 PER_SAMPLE = 0.012

@@ -111,6 +111,9 @@ def test_a_users_script_is_rehearsed_and_json_is_all_of_stdout(tmp_path, capsys,
     assert [(r["rank"], r["ok"], r["batch"]) for r in report["hetero"]] == [(0, True, 12), (1, True, 4)], err
     assert [r["ok"] for r in report["ddp"]] == [True, True]  # Lightning's baseline, through the same script
     assert "rehearsed hetero rank 1 (RTX3090): ok" in err and "Predicted step" in err  # the tables on stderr
+    # Every layout compared from the measured ranks, the fast card alone included, with the pick's arguments.
+    assert {"ddp:0,1", "fsdp:0,1", "ddp:0"} <= set(report["layouts"]["layouts"]) and report["layouts"]["pick"]
+    assert "Every layout, the fastest cards alone included" in err and "devices=" in report["layouts"]["trainer"]
     # Every step timed in its phases, which make up the step; Lightning's DDP buckets noted as they were ready.
     for rank in report["hetero"] + report["ddp"]:
         assert len(rank["phase_seconds"]) == len(rank["step_seconds"]) == 4

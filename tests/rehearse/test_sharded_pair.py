@@ -2,10 +2,22 @@
 the emulation shown per rank, and the largest model's size."""
 
 import argparse
+import json
 
 import pytest
+import torch
 
-from benchmarks.bench_sharded_pair import Lever, Pair, big_model, emulation_check, samples_per_s
+from benchmarks.bench_sharded_pair import (
+    SIZES,
+    Lever,
+    Pair,
+    big_model,
+    emulation_check,
+    format_split,
+    read_splits,
+    samples_per_s,
+)
+from benchmarks.step_split import device_kinds
 from benchmarks.models import GPTConfig, gpt_parameters
 from lightning_hetero.rehearse.job import RankResult
 
@@ -59,7 +71,7 @@ def test_sum_of_solo_rates_is_taken_at_the_levers_own_batches():
     assert pair.sum_solo([14, 2]) is None  # card 1 not timed at 2 samples: no Σ solo rather than a wrong one
 
 
-@pytest.mark.parametrize(("billions", "width"), [(8.0, 4096), (5.0, 4096), (8.0, 2560)])
+@pytest.mark.parametrize(("billions", "width"), [(8.0, 4096), (5.0, 4096), (8.0, 2560), SIZES["13b"]])
 def test_the_big_model_has_about_the_parameters_asked(billions, width):
     model = big_model(billions, width)
     cfg = GPTConfig(vocab=model["vocab"], seq=model["seq"], width=width, layers=model["layers"], heads=model["heads"])
@@ -107,3 +119,28 @@ def test_a_solo_card_whose_plan_is_short_runs_again_with_its_activations_counted
     assert configs[0]["memory"] == "auto"  # the strategy's own plan, measured
     assert configs[1]["global_batch_size"] == 1 and configs[1]["memory"]["activation_bytes_per_sample"] > 0
     assert pair.solo_rate(1, 1) == pytest.approx(4.0)
+
+
+def test_device_time_is_split_into_copies_collectives_and_compute():
+    class Event:
+        def __init__(self, name, us, device="CUDA"):
+            self.name, self.device_type = name, getattr(torch.autograd.DeviceType, device)
+            self.time_range = argparse.Namespace(elapsed_us=lambda: us)
+
+    events = [Event("Memcpy HtoD (Pinned -> Device)", 3e6), Event("Memcpy DtoH (Device -> Pinned)", 1e6),
+              Event("ncclDevKernel_ReduceScatter_Sum_bf16", 2e6), Event("ampere_bf16_gemm", 5e6),
+              Event("Memcpy DtoD (Device -> Device)", 1e6), Event("aten::mm", 9e6, "CPU")]
+    assert device_kinds(events) == {"copies": 4.0, "collectives": 2.0, "compute": 6.0}
+
+
+def test_each_ranks_profiled_step_is_read_back_and_printed(tmp_path):
+    host = {"seconds": 1.5, "overlapped": 1.0, "waited": 0.5, "ns_per_parameter": 0.5, "threads": 15}
+    for rank, steps in enumerate([None, [host]]):
+        (tmp_path / f"split-rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "step": 3, "wall_s": 3.0, "host_optimizer": steps,
+             "device_s": {"compute": 1.0, "copies": 1.25, "collectives": 0.5}}))
+    record = {"split": read_splits(str(tmp_path))}
+    assert format_split(record) == [
+        "    rank 0: step 3.00 s; device: compute 1.00 s, copies 1.25 s, collectives 0.50 s; no host step",
+        "    rank 1: step 3.00 s; device: compute 1.00 s, copies 1.25 s, collectives 0.50 s; host optimizer 1.50 s "
+        "(1.00 s during the backward, 0.50 s waited after it), 0.50 ns/param, 15 threads"]

@@ -2,16 +2,9 @@
 
 import pytest
 
+from lightning_hetero.plan.step_cost import buckets_of, ring_seconds
 from lightning_hetero.rehearse.predict import step_seconds
-from lightning_hetero.rehearse.timeline import (
-    RankPhases,
-    buckets_of,
-    no_overlap,
-    replicated_step,
-    ring_seconds,
-    sharded_step,
-    slowest,
-)
+from lightning_hetero.rehearse.timeline import RankPhases, no_overlap, replicated_step, sharded_step, slowest
 
 
 def test_compute_bound_blocks_expose_the_first_gather_the_turn_and_the_last_scatter():
