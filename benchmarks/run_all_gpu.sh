@@ -52,10 +52,11 @@ step() {  # step NAME SECONDS GPUS command...
     tail -n "$TAIL" "$LOGS/$name.log"
 }
 # SUITE_PLAN=1: the suite's pytest runs only collect (any machine, no GPU needed): which test runs in which step.
-gpu_tests() {  # gpu_tests NAME SECONDS GPUS pytest-arguments...: one pytest run of GPU tests, each test's time kept
+gpu_tests() {  # gpu_tests NAME SECONDS GPUS pytest-arguments...: one pytest run of GPU tests, each test's seconds
+    # kept; its temporary files (checkpoints, ranks' records) outside $OUT
     local name=$1 limit=$2 devices=$3; shift 3
     step "$name" "$limit" "$devices" python3 -m pytest -q -s -m gpu -p no:cacheprovider --durations=0 \
-        --basetemp "$LOGS/tmp_$name" ${SUITE_PLAN:+--collect-only} "$@"
+        --basetemp "/tmp/lh_suite/$name" ${SUITE_PLAN:+--collect-only} "$@"
 }
 four_gpus() { [ -n "${SUITE_PLAN:-}" ] || [ "$gpus" -ge 4 ] || { echo "$1 needs 4 GPUs (found $gpus)"; exit 1; }; }
 when_done() {  # when_done NAME...: wait until each named step has ended (steps of another lane)
@@ -89,7 +90,7 @@ case "${1:-checks}" in
     # next run's limits come from those.
     #   step            GPUs     measured                                                   limit
     #   hybrid4_a/_b    0-3      2 of the 4 tests in 110 s: 52 s a test, 2 a process = 105,  170
-    #                            x 1.4 with two processes' 8 ranks on 16 cores = 147
+    #                            x 1.4 for two processes' 8 ranks starting at once = 147
     #   lab2            0,1      lab2 + batchnorm: 355 s (11-28); batchnorm 78 s (11-25):    310
     #                            277 x 1.1 = 305
     #   rehearse_ddp    2        test_gpu_rehearse.py, 2 tests in 327 s (11-25): 164 x 1.2     200
@@ -103,8 +104,8 @@ case "${1:-checks}" in
     #   rehearse_hybrid 2        est. from the 11-28 lane (2 tests, 240 s each at most)        200
     #   gpu2            2,3      faults x3, precision, monitor, batchnorm over NCCL (est.)    190
     #   -> suite2 critical path 130 + 200 + 190 = 520 s (+30 s to kill), lane 0,1 ends by 430 s
-    # What is timed (rehearse_*, the stage monitor, the monitor) runs on GPUs of its own; the host's 16 cores are
-    # shared with the lane beside it.
+    # What is timed (rehearse_*, the stage monitor, the monitor) runs on GPUs of its own; the host's CPU cores (64
+    # on the lent 4x H200) are shared with the lanes beside it.
     suite1)
         four_gpus suite1
         with_jsonargparse
