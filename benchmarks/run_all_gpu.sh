@@ -91,19 +91,19 @@ case "${1:-checks}" in
     #   step            GPUs     measured                                                   limit
     #   hybrid4_a/_b    0-3      2 of the 4 tests in 110 s: 52 s a test, 2 a process = 105,  170
     #                            x 1.4 for two processes' 8 ranks starting at once = 147
-    #   lab2            0,1      lab2 + batchnorm: 355 s (11-28); batchnorm 78 s (11-25):    310
-    #                            277 x 1.1 = 305
+    #   lab2            0,1      lab2 + batchnorm: 355 s (11-28); batchnorm 78 s (11-25):    330
+    #                            277 x 1.2 = 332
     #   rehearse_ddp    2        test_gpu_rehearse.py, 2 tests in 327 s (11-25): 164 x 1.2     200
     #   gpu1            2        throttle 21 s, batchnorm shared ~39 s, preemption, step      140
     #                            timer (est. 60 s)
     #   fsdp_shared     3        exact 28 s + big 117-138 s + baseline (~4 min in all, 11-25)  280
-    #   -> suite1 critical path 170 + 310 = 480 s (+10 s to kill a step), lanes 2 and 3 end by 510 and 450 s
+    #   -> suite1 critical path 170 + 330 = 500 s (+10 s to kill a step), lanes 2 and 3 end by 510 and 450 s
     #   stage_monitor   0,1,2    99 s (11-28)                                                 130
-    #   rehearse_real   0,1      276 s (11-28), 260 s (11-27)                                 300
+    #   rehearse_real   0,1      276 s (11-28), 260 s (11-27): 276 x 1.2 = 331                 330
     #   rehearse_fsdp   3        as rehearse_ddp                                              200
     #   rehearse_hybrid 2        est. from the 11-28 lane (2 tests, 240 s each at most)        200
     #   gpu2            2,3      faults x3, precision, monitor, batchnorm over NCCL (est.)    190
-    #   -> suite2 critical path 130 + 200 + 190 = 520 s (+30 s to kill), lane 0,1 ends by 430 s
+    #   -> suite2 critical path 130 + 200 + 190 = 520 s (+30 s to kill), lane 0,1 ends by 460 s
     # What is timed (rehearse_*, the stage monitor, the monitor) runs on GPUs of its own; the host's CPU cores (64
     # on the lent 4x H200) are shared with the lanes beside it.
     suite1)
@@ -121,7 +121,7 @@ case "${1:-checks}" in
               tests/gpu/test_gpu_step_timer.py tests/gpu/test_gpu_batchnorm.py -k "not over_nccl"
         } >"$OUT/lane_2.txt" 2>&1 &
         gpu_tests fsdp_shared 280 3 tests/gpu/test_gpu_fsdp_shared.py >"$OUT/lane_3.txt" 2>&1 &
-        gpu_tests lab2 310 0,1 $lab tests/gpu/test_gpu_hosts.py tests/grad/test_compression.py -k "not four_gpus"
+        gpu_tests lab2 330 0,1 $lab tests/gpu/test_gpu_hosts.py tests/grad/test_compression.py -k "not four_gpus"
         wait
         cat "$OUT/lane_2.txt" "$OUT/lane_3.txt"
         summary
@@ -139,7 +139,7 @@ case "${1:-checks}" in
               tests/gpu/test_gpu_monitor.py tests/gpu/test_gpu_batchnorm.py -k "not two_ranks_on_one_gpu"
         } >"$OUT/lane_2.txt" 2>&1 &
         gpu_tests stage_monitor 130 0,1,2 tests/gpu/test_gpu_stage_monitor.py
-        gpu_tests rehearse_real 300 0,1 tests/gpu/test_gpu_rehearse_real.py
+        gpu_tests rehearse_real 330 0,1 tests/gpu/test_gpu_rehearse_real.py
         wait
         cat "$OUT/lane_3.txt" "$OUT/lane_2.txt"
         summary
