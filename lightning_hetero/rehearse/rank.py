@@ -144,7 +144,7 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             if cpu is not None:
                 result.step_cpus.append(cpu)
             self.marks, self.buckets.ready = [self.clock.mark()], []
-            self.host_marks, self.peaks = [self.started], []
+            self.host_marks, self.peaks = [time.perf_counter()], []
             self.slept = self.sleeper.slept_seconds if self.sleeper is not None else 0.0
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
@@ -188,10 +188,9 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             backward = self.clock.seconds(forward_end, backward_end) * stretch
             ready = [(size, self.clock.seconds(forward_end, mark) * stretch) for size, mark in self.buckets.ready]
             result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
-            host = [b - a for a, b in zip(self.host_marks, self.host_marks[1:])]
+            host = [(b - a) * stretch for a, b in zip(self.host_marks, self.host_marks[1:])]
             if len(host) == 2:
-                result.host_phase_seconds.append([host[0] * stretch, host[1] * stretch,
-                                                  max(0.0, window - host[0] - host[1])])
+                result.host_phase_seconds.append([*host, max(0.0, window - sum(host))])
             if ready and backward > 0:
                 result.bucket_bytes = [size for size, _ in ready]
                 result.bucket_ready = [min(1.0, max(0.0, at / backward)) for _, at in ready]
