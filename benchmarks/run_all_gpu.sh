@@ -109,6 +109,7 @@ case "${1:-checks}" in
     suite1)
         four_gpus suite1
         with_jsonargparse
+        export REHEARSE_CHECK_OUT="$OUT/rehearse_check"  # test_gpu_rehearse's reports come back (11-28: no trace)
         lab=tests/gpu/test_gpu_lab.py
         # The four 4-GPU hybrid tests, two pytest runs at once on the same four GPUs (exactness and bytes only,
         # nothing timed; NCCL keeps each job's communicators apart): pipelined validation and PowerSGD first.
@@ -130,6 +131,7 @@ case "${1:-checks}" in
         four_gpus suite2
         with_jsonargparse
         export REHEARSE_REAL_OUT="$OUT/rehearse_real"  # its real_check.json and real.log come back
+        export REHEARSE_CHECK_OUT="$OUT/rehearse_check"  # so do test_gpu_rehearse's and the hybrid rehearsal's
         gpu_tests rehearse_fsdp 200 3 tests/gpu/test_gpu_rehearse.py -k hetero_fsdp >"$OUT/lane_3.txt" 2>&1 &
         # GPU 2 after the stage monitor: the hybrid rehearsal; GPUs 2,3 once both lanes there have ended: the rest.
         { when_done stage_monitor
