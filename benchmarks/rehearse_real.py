@@ -176,7 +176,9 @@ def compare_run(run: Run, rehearsed: list[RankResult], real: list[RankResult], p
                "phase_seconds": [_phases(mine), _phases(theirs)], "emulation": emulation[r],
                "host_phase_seconds": [mine.host_phases, theirs.host_phases],
                "host_bound": [mine.host_bound, theirs.host_bound], "peak_reached": [mine.peak_reached,
-                                                                                    theirs.peak_reached]}
+                                                                                    theirs.peak_reached],
+               "cpus": [sorted(set(mine.step_cpus)), sorted(set(theirs.step_cpus))],
+               "involuntary_switches": [mine.involuntary_switches, theirs.involuntary_switches]}
         row["peak_error"] = _relative(mine.peak_allocated_bytes, theirs.peak_allocated_bytes)
         row["estimate_error"] = _relative(theirs.estimated_bytes, theirs.peak_allocated_bytes)
         ranks.append(row)
@@ -296,7 +298,8 @@ def peak_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = [("run", "rank", "batch", "forward / backward / rest ms: rehearsed", "really run",
-             "on the host: rehearsed", "really run", "host-bound", "real start skew ms", "real period ms")]
+             "on the host: rehearsed", "really run", "host-bound", "CPUs reh | real", "real start skew ms",
+             "real period ms")]
     for run in results["runs"]:
         for row in run["ranks"]:
             mine, theirs = row.get("phase_seconds") or (None, None)
@@ -305,6 +308,7 @@ def phase_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             first = row["rank"] == 0
             rows.append((run["run"], str(row["rank"]), str(row["batch"][1]), _phase_text(mine),
                          _phase_text(theirs), _phase_text(host_mine), _phase_text(host_theirs), bound,
+                         " | ".join(",".join(map(str, c)) or "-" for c in row.get("cpus") or ([], [])),
                          _ms(run.get("start_skew_seconds")) if first else "",
                          _ms(run.get("period_seconds")) if first else ""))
     return rows

@@ -97,6 +97,10 @@ class RankResult:
     # The same phases on the host clock (when the host issued each phase's last work): close to `phase_seconds` when
     # the step is host-bound, i.e. it timed this process's host, not the card.
     host_phase_seconds: list[list[float]] = field(default_factory=list)
+    # Per step, the CPU the training thread ran on at its start (Linux; else empty), and the process's involuntary
+    # context switches at its end: ranks whose host-bound steps shared a core, or were preempted, show it.
+    step_cpus: list[int] = field(default_factory=list)
+    involuntary_switches: Optional[int] = None
     # Per step, the host clock (`time.time`) at its start: ranks of one machine, compared, show whether they start
     # together.
     step_started_at: list[float] = field(default_factory=list)

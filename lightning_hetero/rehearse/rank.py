@@ -143,8 +143,11 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
                 result.setup_peak_bytes = torch.cuda.max_memory_allocated(device)
             self.started = time.perf_counter()
             result.step_started_at.append(time.time())
+            cpu = current_cpu()
+            if cpu is not None:
+                result.step_cpus.append(cpu)
             self.marks, self.buckets.ready = [self.clock.mark()], []
-            self.host_marks, self.peaks = [self.started], []
+            self.host_marks, self.peaks = [time.perf_counter()], []
             self.slept = self.sleeper.slept_seconds if self.sleeper is not None else 0.0
             result.batch = _first_batch_dim(batch)
             if emulator is not None:
@@ -188,15 +191,23 @@ def _probe(result: RankResult, device: torch.device, emulator: Optional[Emulator
             backward = self.clock.seconds(forward_end, backward_end) * stretch
             ready = [(size, self.clock.seconds(forward_end, mark) * stretch) for size, mark in self.buckets.ready]
             result.phase_seconds.append([forward, backward, max(0.0, window - forward - backward)])
-            host = [b - a for a, b in zip(self.host_marks, self.host_marks[1:])]
+            host = [(b - a) * stretch for a, b in zip(self.host_marks, self.host_marks[1:])]
             if len(host) == 2:
-                result.host_phase_seconds.append([host[0] * stretch, host[1] * stretch,
-                                                  max(0.0, window - host[0] - host[1])])
+                result.host_phase_seconds.append([*host, max(0.0, window - sum(host))])
             if ready and backward > 0:
                 result.bucket_bytes = [size for size, _ in ready]
                 result.bucket_ready = [min(1.0, max(0.0, at / backward)) for _, at in ready]
 
     return Probe()
+
+
+def current_cpu() -> Optional[int]:
+    """The CPU this thread runs on now (Linux: field 39 of ``/proc/thread-self/stat``), else ``None``."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def emulation_probe(emulator: Optional[Emulator], device: torch.device) -> tuple[Optional[float], float]:
@@ -490,7 +501,8 @@ def run_rank(job: RankJob) -> RankResult:
         result.peak_reserved_bytes = torch.cuda.max_memory_reserved(0)
     import resource
 
-    result.host_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result.host_rss_bytes, result.involuntary_switches = usage.ru_maxrss * 1024, usage.ru_nivcsw
     shutil.rmtree(root, ignore_errors=True)
     with open(job.out, "w") as f:
         json.dump(asdict(result), f)

@@ -471,8 +471,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the launcher's clean-up
     if args.worker:
-        # A rank killed by a signal (both ranks of the exact phase once died of SIGSEGV on GPUs, between the first
-        # fit's end and the resumed fit's set-up) leaves its Python stack in its log.
+        # A rank killed by a signal leaves its Python stack in its log (both ranks of the exact phase once died of
+        # SIGSEGV on GPUs in the whole-tensor gather after the fit: tests/gpu/repro_gloo_cuda_gather.py).
         _arm_crash_report()
         _worker(args.worker, args.out, args.accelerator, check_knobs(filter(None, args.knobs.split(","))),
                 args.ckpt_dir)

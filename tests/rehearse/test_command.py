@@ -119,6 +119,11 @@ def test_a_users_script_is_rehearsed_and_json_is_all_of_stdout(tmp_path, capsys,
         assert len(rank["phase_seconds"]) == len(rank["step_seconds"]) == 4
         for phases, step in zip(rank["phase_seconds"], rank["step_seconds"]):
             assert min(phases) >= 0 and sum(phases) == pytest.approx(step, rel=1e-6)
+        # The same phases on the host clock make up the step too (on CPU the device clock is the host's).
+        assert len(rank["host_phase_seconds"]) == 4 and len(rank["step_cpus"]) == 4
+        for phases, host, step in zip(rank["phase_seconds"], rank["host_phase_seconds"], rank["step_seconds"]):
+            assert min(host) >= 0 and sum(host) == pytest.approx(step, rel=1e-6)
+            assert host == pytest.approx(phases, rel=0.05, abs=5e-3)
     for rank in report["ddp"]:
         assert sum(rank["bucket_bytes"]) >= rank["param_bytes"]
         assert len(rank["bucket_ready"]) == len(rank["bucket_bytes"])

@@ -82,6 +82,7 @@ def test_a_peak_miss_says_where_each_peak_was_reached_and_the_host_phases_are_sh
             [int(7.98 * GIB), int(9.99 * GIB), int(9.99 * GIB)]] * 3
         rank.phase_seconds = rank.host_phase_seconds = [[0.05, 0.1, 0.03]] * 4
         rank.device, rank.device_wait_seconds = "NVIDIA H200", [0.0001] * 4  # host-bound
+        rank.step_cpus = [3, 3, 35, 3]
     # The real rank's peak grew by one fp32 copy of the parameters in step 3's optimizer step.
     real.phase_peak_bytes[2] = [int(9.99 * GIB), int(9.99 * GIB), int(11.31 * GIB)]
     real.phase_peak_bytes[3] = [int(11.31 * GIB)] * 3
@@ -89,4 +90,4 @@ def test_a_peak_miss_says_where_each_peak_was_reached_and_the_host_phases_are_sh
     assert "reached: rehearsed step 2 backward, real step 3 rest; set-up peaks 2.77 / 2.77 GiB" in misses[0]
     assert summary["ranks"][0]["host_bound"] == [True, True]
     text = format_real_check({"runs": [summary], "disagreements": misses, "link": "pcie"})
-    assert "on the host: rehearsed" in text and "yes/yes" in text
+    assert "on the host: rehearsed" in text and "yes/yes" in text and "3,35 | 3,35" in text

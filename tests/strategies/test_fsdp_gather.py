@@ -9,7 +9,7 @@ touch the CUDA device (this build has none), and must give the whole tensor, une
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_hetero.strategies.fsdp import _full_tensor
 from tests.helpers import free_port
@@ -47,4 +47,24 @@ def _gather_on_a_cpu_mesh(rank: int, world: int) -> list[list[float]]:
 
 def test_a_cpu_mesh_gathers_as_before() -> None:
     for whole in run_ranks(2, free_port(), _gather_on_a_cpu_mesh):
+        assert whole == WHOLE.tolist()
+
+
+def _gather_on_a_2d_cuda_mesh(rank: int, world: int) -> list[list[float]]:
+    # HSDP's layout: replicate across (0, 2) and (1, 3), shard inside (0, 1) and (2, 3); every rank makes every group.
+    replicate = {r: g for pair in ([0, 2], [1, 3]) for g in [dist.new_group(pair)] for r in pair}
+    shard_groups = {r: g for pair in ([0, 1], [2, 3]) for g in [dist.new_group(pair)] for r in pair}
+    mesh = DeviceMesh.from_group([replicate[rank], shard_groups[rank]], "cuda", mesh=[[0, 1], [2, 3]],
+                                 mesh_dim_names=("replicate", "shard"))
+    rows = WHOLE.tensor_split(2)[rank % 2]
+    shard = DTensor.from_local(torch.empty(rows.shape, device="meta"), mesh, [Replicate(), Shard(0)],
+                               shape=WHOLE.shape, stride=WHOLE.stride(), run_check=False)
+    shard = torch.empty_like(shard, device="cpu")
+    with torch.no_grad():
+        shard.to_local().copy_(rows)
+    return _full_tensor(shard).tolist()
+
+
+def test_a_2d_gloo_mesh_gathers_on_a_cpu_mesh_over_the_same_groups() -> None:
+    for whole in run_ranks(4, free_port(), _gather_on_a_2d_cuda_mesh):
         assert whole == WHOLE.tolist()
