@@ -9,7 +9,10 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from os import PathLike
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 # Checkpoint paths: Lightning's `_PATH` alias has no public spelling.
 PathType = Union[str, PathLike]
@@ -91,7 +94,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as M
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
 
 
-def trainer_of(module: object) -> "Optional[object]":
+def trainer_of(module: object) -> "Optional[Trainer]":
     """The trainer a LightningModule is attached to, or ``None``: the public ``module.trainer`` raises when detached."""
     return getattr(module, "_trainer", None)
 
@@ -110,6 +113,13 @@ def move_batch_to_device(module: object, batch: object, device: object) -> objec
     """The batch through the module's transfer hooks to ``device``, as the training loop moves it (no public call
     runs all three hooks)."""
     return module._apply_batch_transfer_handler(batch, device=device)  # type: ignore[attr-defined]
+
+
+def clip_by_norm_with(precision: object, clip: "Callable[[Any, Union[int, float]], None]") -> None:
+    """Lightning's gradient clipping by norm on ``precision`` runs ``clip(optimizer, clip_val)``: a rank that holds
+    part of the model's gradients clips by the whole model's norm, and Lightning's precision plugins offer no hook
+    for that (``Precision.clip_gradients`` calls its own ``clip_grad_by_norm``; waits for a public clipping hook)."""
+    setattr(precision, "clip_grad_by_norm", clip)
 
 
 def queue_after_backward(callback: "Callable[[], None]") -> None:

@@ -54,24 +54,23 @@ Example::
     trainer = Trainer(strategy=HeteroDDPStrategy(), callbacks=[HeteroMonitor()])   # or observation={"monitor": True}
 """
 
-import json
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_hetero.observe.analysis import STEP_FIELDS, accumulate, advice, analyse, print_summary, totals_window
-from lightning_hetero.observe.nvml import NVML_FIELDS, nvml_handle, nvml_readings
+from lightning_hetero.observe.analysis import STEP_FIELDS
+from lightning_hetero.observe.nvml import nvml_handle, nvml_readings
 from lightning_hetero.observe.stage_times import NO_STAGE, STAGE_EVENT, StageTimer, merge_stage, stage_fields
 from lightning_hetero.plan.rebalance import when_backward_ends
+from lightning_hetero.observe.windows import SIDECAR, WindowRecord
 from lightning_hetero.view import ObservedStrategy, observed
 
-SIDECAR = "hetero_monitor.jsonl"
+__all__ = ["SIDECAR", "HeteroMonitor"]
 
 # The step's hooks only read the clock and append one tuple to the rank's event log; :class:`_StepRows` turns the log
 # into rows on logging steps. (In a 2-core VM's training loop every Python call or object a hook makes costs several
@@ -204,10 +203,7 @@ class HeteroMonitor(Callback):
         self.warn = warn
         self.summary = summary
         self.nvml = nvml
-        self.windows: list[dict[str, Any]] = []  # rank 0: every logged window (what the sidecar holds)
-        self.totals: Optional[dict[str, list[float]]] = None  # rank 0: sums per rank after warm-up
-        self._summary_steps: Optional[tuple[int, ...]] = None  # rank 0: first and last step the totals cover
-        self._nvml_util: Sequence[float] = ()  # rank 0: the last window's GPU utilisation per rank
+        self.record = WindowRecord(warmup_steps)  # rank 0: the fit's logged windows, their sums, the sidecar
         self._pipelines: Optional[list[list[int]]] = None  # the job's pipelined replicas (global ranks, stage order)
         self._reset_run()
 
@@ -227,7 +223,6 @@ class HeteroMonitor(Callback):
         self._count_tokens = True  # until the first batch shows whether its first tensor holds token ids
         self._path: Optional[tuple[Any, ...]] = None  # keys from a batch to its first tensor
         self._nvml_handle: Any = None
-        self._sidecar: Optional[IO[str]] = None
         self._validation_began: Any = None
 
     # -- clock ------------------------------------------------------------------------------------------------------
@@ -271,7 +266,8 @@ class HeteroMonitor(Callback):
         if stage != "fit":
             return
         self._reset_run()
-        self.windows, self.totals, self._summary_steps = [], None, None
+        self.record.close()
+        self.record = WindowRecord(self.warmup_steps)
         self._device = trainer.strategy.root_device
         for name in ("_mark", "_seconds", "_backward_ended"):
             self.__dict__.pop(name, None)
@@ -297,8 +293,7 @@ class HeteroMonitor(Callback):
             self._nvml_handle = nvml_handle(self._device)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if trainer.global_rank == 0 and log_dir:  # without a logger (or one without a log_dir): no file
-            os.makedirs(log_dir, exist_ok=True)
-            self._sidecar = open(os.path.join(log_dir, SIDECAR), "w")  # written and flushed once a window
+            self.record.open_sidecar(log_dir)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         samples = self._strategy.train_step_size if self._strategy is not None else None
@@ -367,11 +362,8 @@ class HeteroMonitor(Callback):
         if self._unexchanged:
             self._exchange(trainer)
         self._stop_watching(trainer)
-        if trainer.global_rank == 0 and self.totals is not None:
-            if self.summary:
-                print_summary(self.totals, self._summary_steps, self._pipelines)
-            if self.warn:
-                self._print_advice(trainer)
+        if trainer.global_rank == 0:
+            self.record.print_end(observed(trainer.strategy), self.summary, self.warn, self._pipelines)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_watching(trainer)
@@ -384,9 +376,7 @@ class HeteroMonitor(Callback):
             strategy.attach_monitor(None)
             strategy.observe_pipeline_stage(None)
         self._running, self._marks_from_hook, self._strategy = False, False, None
-        if self._sidecar is not None:
-            self._sidecar.close()
-            self._sidecar = None
+        self.record.close()
         self._nvml_handle = None  # not picklable (the spawn launcher pickles the strategy that holds this callback)
 
     # -- the exchange on logging steps ------------------------------------------------------------------------------
@@ -420,71 +410,18 @@ class HeteroMonitor(Callback):
         if trainer.global_rank == 0 and steps > 0:
             width = len(STEP_FIELDS)
             table = [[values[i * width:(i + 1) * width] for i in range(steps)] for values in gathered]
-            self._record_window(trainer, table, [values[steps * width:] for values in gathered])
+            self.record.add(trainer, table, [values[steps * width:] for values in gathered], self._steps_done,
+                            self._pipelines)
 
-    def _record_window(self, trainer: Trainer, steps: list[list[list[float]]], nvml: list[list[float]]) -> None:
-        n = len(steps[0])
-        window = analyse(steps, first_step=trainer.global_step - n, pipelines=self._pipelines)
-        window.update(step=int(trainer.global_step),
-                      nvml={name: [readings[i] for readings in nvml] for i, name in enumerate(NVML_FIELDS)})
-        skip = max(0, self.warmup_steps - (self._steps_done - n))  # steps of this run, not global
-        kept: Optional[dict[str, Any]] = None
-        if skip < n:
-            kept = analyse([rows[skip:] for rows in steps], first_step=window["first_step"] + skip,
-                           pipelines=self._pipelines) if skip else window
-            self.totals = accumulate(self.totals, kept)
-            self._summary_steps = (self._summary_steps or (kept["first_step"] + 1,))[:1] + (int(trainer.global_step),)
-        self.windows.append(window)
-        self._log(trainer, window)
-        if self._sidecar is not None:
-            self._sidecar.write(json.dumps(_jsonable(window)) + "\n")
-            self._sidecar.flush()  # a crash loses no logged window
-        self._nvml_util = window["nvml"]["gpu_util"]
+    @property
+    def windows(self) -> list[dict[str, Any]]:
+        """Rank 0: every logged window of the last fit (what the sidecar holds)."""
+        return self.record.windows
 
-    def _print_advice(self, trainer: Trainer) -> None:
-        """What would pay off over all steps after warm-up (the summary's steps), printed once."""
-        assert self.totals is not None
-        strategy = observed(trainer.strategy)  # the hetero strategies' share plan, during fit
-        found = advice(totals_window(self.totals, self._summary_steps), nvml_util=self._nvml_util,
-                       capacity_source=strategy.capacity_source if strategy is not None else None,
-                       rebalance=strategy.rebalancing if strategy is not None else None,
-                       sharded=strategy is not None and strategy.sharded)
-        if found:
-            print("\n".join(["Advice (what would pay off in this run):"] + [f"- {m}" for _, m in found]), flush=True)
-
-    def _log(self, trainer: Trainer, window: Mapping[str, Any]) -> None:
-        if trainer.logger is not None:
-            trainer.logger.log_metrics(window_metrics(window), step=trainer.global_step)
-
-
-def window_metrics(window: Mapping[str, Any]) -> dict[str, float]:
-    """A logged window as the logger's metrics (``monitor/...``); a pipeline's stage ranks' parts on those ranks."""
-    metrics: dict[str, float] = {}
-    for name in ("compute", "wait", "data", "comm"):
-        for r, v in enumerate(window[name]):
-            metrics[f"monitor/{name}_s_rank{r}"] = v
-    for r in sorted(r for ranks in window.get("pipelines") or () for r in ranks):
-        for name in ("sendrecv", "bubble", "stage_compute", "stage_span"):
-            metrics[f"monitor/{name}_s_rank{r}"] = window[name][r]
-    for r, v in enumerate(window.get("exchange") or ()):
-        metrics[f"monitor/exchange_s_rank{r}"] = v
-    for r, v in enumerate(window.get("comm_bytes") or ()):
-        if v is not None and not math.isnan(v):
-            metrics[f"monitor/comm_bytes_rank{r}"] = v
-    for r, v in enumerate(window["busy"]):
-        metrics[f"monitor/busy_rank{r}"] = v
-    for r, v in enumerate(window["solo"]):
-        metrics[f"monitor/solo_samples_per_s_rank{r}"] = v
-    for r, v in enumerate(window["shares"] or []):
-        metrics[f"monitor/share_rank{r}"] = v
-    for key in ("step_s", "samples_per_s", "tokens_per_s", "ideal_fraction", "comm_compute_ratio"):
-        if window.get(key) is not None:
-            metrics[f"monitor/{key}"] = window[key]
-    for name, values in window["nvml"].items():
-        for r, v in enumerate(values):
-            if not math.isnan(v):
-                metrics[f"monitor/{name}_rank{r}"] = v
-    return metrics
+    @property
+    def totals(self) -> Optional[dict[str, list[float]]]:
+        """Rank 0: the last fit's sums per rank after warm-up."""
+        return self.record.totals
 
 
 def _counts_of(first: Optional[torch.Tensor], samples: Optional[int]) -> tuple[int, int]:
@@ -529,13 +466,3 @@ def _at(batch: Any, path: Optional[tuple[Any, ...]]) -> Optional[torch.Tensor]:
     except (KeyError, IndexError, TypeError):
         return None
     return batch if isinstance(batch, torch.Tensor) else None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -8,7 +8,8 @@ force.
 
 Example::
 
-    profiler = ShareProfiler(view, plan, lab, enabled=True, steps=4, memory_headroom=0.1, max_batch_per_rank=None)
+    profiler = ShareProfiler(view, plan, lab, enabled=True, steps=4, memory_headroom=0.1, max_batch_per_rank=None,
+                             measure=None)  # or a layout's own measurement (a pipeline timed as one replica)
     profiler.plan_shares(train_sampler, train_loader)  # a collective: every rank measures, all adopt the result
 """
 
@@ -27,11 +28,16 @@ from lightning_hetero.view import StrategyView
 from lightning_hetero.view import running_strategy
 
 
+# How a layout measures its replicas when they are not single ranks: (sampler, loader) -> the profile, or None.
+Measure = Callable[[PlannedSampler, Any], Optional[ProfileResult]]
+
+
 class ShareProfiler:
     """The profiling run of one training job and its record (``profile``: measured, not the capacities in force)."""
 
     def __init__(self, view: StrategyView, plan: SharePlan, lab: LabView, enabled: bool, steps: int,
-                 memory_headroom: float, max_batch_per_rank: Optional[int], sharded: bool = False) -> None:
+                 memory_headroom: float, max_batch_per_rank: Optional[int], sharded: bool = False,
+                 measure: Optional[Measure] = None) -> None:
         self.view = view
         self.plan = plan
         self.lab = lab
@@ -44,7 +50,7 @@ class ShareProfiler:
         self.sharded = sharded
         self.profile: Optional[ProfileResult] = None
         # A layout whose replicas are not single ranks (a pipeline) measures its own way: (sampler, loader) -> result.
-        self.measure: Optional[Callable[[PlannedSampler, Any], Optional[ProfileResult]]] = None
+        self.measure = measure
 
     def plan_shares(self, sampler: PlannedSampler, dataloader: Any) -> None:
         """Profile once if asked (a collective) and adopt the measured capacities and caps; else the fixed caps."""

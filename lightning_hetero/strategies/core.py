@@ -37,7 +37,7 @@ from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.observe.notices import restore_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities
-from lightning_hetero.plan.profile_run import ShareProfiler
+from lightning_hetero.plan.profile_run import Measure, ShareProfiler
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.plan.state import ShareState
@@ -51,7 +51,8 @@ class HeteroCore:
 
     def __init__(self, view: StrategyView, capacity_spec: CapacitySpec, global_batch_size: Optional[int],
                  options: Options, emulate: Optional[list[Optional[EmulationSpec]]],
-                 precision_policy: Optional[PrecisionPolicy], sharded: bool = False) -> None:
+                 precision_policy: Optional[PrecisionPolicy], sharded: bool = False,
+                 measure: Optional[Measure] = None) -> None:
         self.view = view
         self.options = options
         self.sharded = sharded  # the model's forward and backward issue collectives: steps are timed in lockstep
@@ -67,6 +68,7 @@ class HeteroCore:
             memory_headroom=float(profiling.memory_headroom),
             max_batch_per_rank=profiling.max_batch_per_rank,
             sharded=sharded,
+            measure=measure,
         )
         self.shares = ShareController(
             view, self.plan, self.lab, self.profiler,
@@ -121,9 +123,10 @@ class HeteroCore:
 
 def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: Optional[int], options: Options,
                         emulate: Any, precision_policy: Any, precision_plugin: Any,
-                        sharded: bool = False) -> HeteroCore:
+                        sharded: bool = False, measure: Optional[Measure] = None) -> HeteroCore:
     """A strategy's core from its user-facing arguments, each checked with the argument named (``sharded``: the
-    model's parameters are sharded, so its forward and backward issue collectives)."""
+    model's parameters are sharded, so its forward and backward issue collectives; ``measure``: how a layout whose
+    replicas are not single ranks profiles them, :class:`~lightning_hetero.plan.profile_run.ShareProfiler`)."""
     check("", "global_batch_size", global_batch_size, global_batch_size is None or (
         is_int(global_batch_size) and global_batch_size >= 1), "a positive integer or None")
     policy = parse_precision_policy(precision_policy)
@@ -133,4 +136,5 @@ def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: 
     refused = sharded_refusals(spec.source, options.rebalance) if sharded else {}
     if refused:
         raise ValueError(next(iter(refused.values())))
-    return HeteroCore(view, spec, global_batch_size, options, parse_emulate(emulate), policy, sharded)
+    return HeteroCore(view, spec, global_batch_size, options, parse_emulate(emulate), policy, sharded,
+                      measure)

@@ -32,12 +32,11 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod, check, check_choice,
+from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod,
                                      from_flat_arguments)
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
@@ -48,15 +47,15 @@ from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.layout import HybridLayout
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
-from lightning_hetero.strategies.hybrid_plan import auto_pipelines, broadcast_start, split_points_for
+from lightning_hetero.strategies.hybrid_plan import (broadcast_start, check_hybrid_arguments, check_pipeline_modes,
+                                                    check_pipelined_run, plan_layout, split_points_for)
 from lightning_hetero.strategies.hybrid_profile import profile_layout
-from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle, attached_trainer, connected_module
 from lightning_hetero.strategies.pipelined import PipelinedReplica
 from lightning_hetero.strategies.pipelined_step import PipelinedStep
 from lightning_hetero.strategies.stage_evaluation import StageEvaluation
 from lightning_hetero.strategies.stage_memory import StageHolding
 from lightning_hetero.strategies.stage_exchange import StageExchange
-from lightning_hetero.view import running_strategy
 
 ScheduleName = Literal["gpipe", "1f1b"]
 
@@ -80,9 +79,9 @@ class _UnwrappedDDP(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.runner is None:
             return super().training_step(*args, **kwargs)
-        accumulate = _compat.trainer_of(self.lightning_module).accumulate_grad_batches
+        accumulate = attached_trainer(connected_module(self)).accumulate_grad_batches
         with self.precision_plugin.train_step_context():  # Lightning passes (batch, batch_idx) by position
-            return self.runner.run(self.lightning_module, args[0], args[1], accumulate)
+            return self.runner.run(connected_module(self), args[0], args[1], accumulate)
 
 
 class WholeModelAtTrainEnd(Callback):
@@ -97,7 +96,7 @@ class WholeModelAtTrainEnd(Callback):
         self.holding.hold_whole()
 
 
-class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
+class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
@@ -158,6 +157,7 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
     holds_partial_gradients = True
     stage_sync: Optional[StageSync] = None
     stage_exchange: Optional[StageExchange] = None
+    evaluation: Optional[StageEvaluation] = None  # built with the layout
 
     def __init__(
         self,
@@ -184,35 +184,19 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        check("", "pipelines", pipelines, pipelines == "auto" or isinstance(pipelines, list) and all(
-            isinstance(p, list) and all(isinstance(r, int) for r in p) for p in pipelines),
-            "'auto' or a list of pipelines, each a list of global ranks in stage order (e.g. [[2, 3]])")
-        check("", "micro_batches", micro_batches, micro_batches is None or (
-            isinstance(micro_batches, int) and micro_batches >= 1), "a positive integer or None")
-        check_choice("", "schedule", schedule, ("gpipe", "1f1b"))
         compression = parse_stage_compression(stage_compression)
-        check("", "overlap_stage_exchange", overlap_stage_exchange, isinstance(overlap_stage_exchange, bool),
-              "True or False")
-        check("", "pipelined_evaluation", pipelined_evaluation, isinstance(pipelined_evaluation, bool),
-              "True or False")
-        check("", "split_points", split_points, split_points is None or (
-            isinstance(split_points, list) and all(isinstance(s, str) for s in split_points)),
-            "a list of module names or None")
         options = from_flat_arguments(profiling, None, data, resilience, observation, flat={})
-        check("data", "micro_batch", options.data.micro_batch, options.data.micro_batch is None,
-              "None with pipelines (a pipeline runs its share as its own micro-batches)")
-        check("data", "loss_denominator", options.data.loss_denominator, options.data.loss_denominator == "samples",
-              "'samples' with pipelines (a pipeline weights its micro-batches by their samples, not their tokens)")
+        check_hybrid_arguments(pipelines, micro_batches, schedule, overlap_stage_exchange, pipelined_evaluation,
+                               split_points, options.data)
         super().__init__(**parallel_arguments(options, start_method, process_group_backend, accelerator,
                                               parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
+        # Measured capacities time a pipeline as one replica.
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin)
+                                        precision_plugin, measure=self._profile_layout)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
-        # Measured capacities time a pipeline as one replica.
-        self.core.profiler.measure = self._profile_layout
 
     @property
     def pipeline_ranks(self) -> Optional[list[list[int]]]:
@@ -225,7 +209,7 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
         self.replica.timer = timer
         return True
 
-    def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:
+    def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:  # a method: the spawn launcher pickles it
         return profile_layout(self, sampler, dataloader)
 
     # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
@@ -233,28 +217,20 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.pipelines is not None
-        if self.pipelines == "auto":
-            choice = auto_pipelines(self.lightning_module, self.lab.devices, self.plan.capacities,
-                                    float(self.core.options.profiling.memory_headroom))
-            self.pipelines = [list(p) for p in choice.pipelines]
-            rank_zero_info(f"{running_strategy()} pipelines='auto': {self.pipelines}; " + "; ".join(choice.reasons))
-        layout = self.layout = HybridLayout.from_pipelines(self.pipelines, self.world_size)
-        check("", "pipelines", self.pipelines, 0 in layout.data_parallel,
-              "pipelines without rank 0: rank 0 is data-parallel (it writes checkpoints and is the source of buffers)")
+        layout = self.layout = plan_layout(self.pipelines, connected_module(self), self.lab.devices,
+                                           self.plan.capacities, float(self.core.options.profiling.memory_headroom),
+                                           self.world_size)
+        self.pipelines = [list(p) for p in layout.pipelines]
         # A pipeline is one replica: its least share is one sample, not one per stage rank.
         self.plan.replicas = layout.replicas
-        modes = self.core.precision.modes
-        for ranks in layout.pipelines if modes else ():
-            # Autocast sets the dtype of the activations on the wire: a stage's receive buffer has one.
-            check("", "precision_policy", [modes[r] for r in ranks], len({modes[r] for r in ranks}) == 1,
-                  f"one mode for all ranks of the pipeline {list(ranks)}")
+        check_pipeline_modes(self.core.precision.modes, layout.pipelines)
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
         hosts = [d.host for d in self.core.lab.lab.devices]
         sync = self.stage_sync = StageSync(layout, self.global_rank, hosts, self.stage_compression)
         pipeline = layout.pipeline_of(self.global_rank)
         if pipeline is not None:
-            module = self.lightning_module
+            module = connected_module(self)
             split = self.split_points or split_points_for(module, [self.plan.capacities[r] for r in pipeline])
             self.replica = PipelinedReplica(module, pipeline, groups[layout.pipelines.index(pipeline)],
                                             self.root_device, split, self.schedule, self.micro_batches,
@@ -263,21 +239,16 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
                                         len(layout.replicas))
         self.exchange = self.stage_exchange = StageExchange(sync, self.replica, self.core.step,
                                                             self.overlap_stage_exchange)
+        self.evaluation = StageEvaluation(self.replica, sync, self.pipelined_evaluation)
 
     @override
     def setup(self, trainer: Any) -> None:
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
-                             "bf16 or fp32 (`precision_policy`).")
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.layout is not None and self.layout.pipelines and (
-                not self.lightning_module.automatic_optimization):
-            raise ValueError("HeteroHybridStrategy: manual optimization (`automatic_optimization = False`) cannot "
-                             "drive a pipelined replica, whose step runs its own backward; use automatic "
-                             "optimization, or HeteroDDPStrategy / HeteroFSDPStrategy.")
+        check_pipelined_run(self.precision_plugin, connected_module(self), fitting and self.layout is not None
+                            and bool(self.layout.pipelines))
         super().setup(trainer)
         if fitting and self.stage_exchange is not None:
-            self.stage_exchange.agree_overlap(self.lightning_module, trainer.callbacks, self.root_device)
+            self.stage_exchange.agree_overlap(connected_module(self), trainer.callbacks, self.root_device)
             if self.stage_exchange.sync.compresses:  # on one host every stage stays exact: no momentum correction
                 warn_double_momentum(self.stage_exchange.sync.compression, self.optimizers)
         if self.replica is not None:
@@ -287,17 +258,17 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
             trainer.callbacks[:] = [WholeModelAtTrainEnd(self.replica.holding),
                                     *(c for c in trainer.callbacks if not isinstance(c, WholeModelAtTrainEnd))]
         parked = self.replica.holding.host_values() if self.replica is not None else {}
-        broadcast_start(self.lightning_module, parked, self.root_device)
+        broadcast_start(connected_module(self), parked, self.root_device)
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
         # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
-        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        _compat.clip_by_norm_with(self.precision_plugin, self.clip_grad_by_norm)
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         """Lightning's clipping by norm, by the whole model's norm: a stage rank's own gradients are one stage's."""
         assert self.stage_sync is not None
         params = list(self.precision_plugin.main_params(optimizer))
-        self.stage_sync.clip_grad_norm(self.lightning_module, params, float(clip_val), self.root_device)
+        self.stage_sync.clip_grad_norm(connected_module(self), params, float(clip_val), self.root_device)
 
     @property
     def overlapping(self) -> bool:
@@ -306,7 +277,7 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
 
     @override
     def model_to_device(self) -> None:
-        if self.replica is not None and _compat.trainer_of(self.lightning_module).state.fn == TrainerFn.FITTING:
+        if self.replica is not None and attached_trainer(connected_module(self)).state.fn == TrainerFn.FITTING:
             self.replica.holding.park()  # the device gets placeholders; the first step's split places the stage
         super().model_to_device()
 
@@ -314,10 +285,41 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.replica is None or not self.replica.holding.parked:
             return super().load_optimizer_state_dict(checkpoint)
-        # Every stage's state to host memory; the first step's split moves this stage's to the device.
-        with self.replica.holding.on_host():
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                optimizer.load_state_dict(state)
+        self.replica.holding.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+
+    # -- evaluation: the whole model, or a stage through its pipeline (strategies/stage_evaluation.py) -----------
+    def _gather_model(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.gather_model(connected_module(self), self.root_device)
+
+    @override
+    def on_validation_start(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.before_validation(connected_module(self), self.root_device)
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_model()  # test and predict: every rank a whole-model replica
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_model()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._gather_model()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        evaluation, module = self.evaluation, connected_module(self)
+        if evaluation is None or evaluation.replica is None or not evaluation.in_pipeline(module):
+            return super().validation_step(*args, **kwargs)
+        return evaluation.validation_step(module, self.root_device, args, kwargs, self._evaluation_step,
+                                          self.precision_plugin, self.core.resilience)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     @override
@@ -330,7 +332,7 @@ class HeteroHybridStrategy(StageEvaluation, HeteroLifecycle, _UnwrappedDDP):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.runner is not None:
-            self.runner.log_own_view(self.lightning_module)
+            self.runner.log_own_view(connected_module(self))
         return output
 
     def weigh_loss(self, loss: Tensor) -> Tensor:

@@ -9,11 +9,13 @@ first, and each hands on to the parallelism's own (``super()``).
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
@@ -30,6 +32,14 @@ from lightning_hetero.strategies.core import HeteroCore
 from lightning_hetero.strategies.facade import HeteroFacade
 
 
+# The lifecycle is mixed in before Lightning's DDPStrategy or a subclass of it (the concrete strategy supplies it at
+# run time): a type checker checks its `super()` calls against DDPStrategy.
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import DDPStrategy as _Parallel
+else:
+    _Parallel = object
+
+
 # What an evaluation step logs for where it runs a batch not its own (a pipeline's joined batch): whether that is a
 # padding step, and its samples.
 StepRuns = tuple[bool, Optional[int]]
@@ -43,7 +53,20 @@ def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[i
         return None
 
 
-class HeteroLifecycle(HeteroFacade):
+def connected_module(strategy: Strategy) -> LightningModule:
+    """The strategy's model (Lightning's ``lightning_module`` is ``None`` until a ``Trainer`` connects one)."""
+    assert strategy.lightning_module is not None, "the strategy has no model connected"
+    return strategy.lightning_module
+
+
+def attached_trainer(module: LightningModule) -> Trainer:
+    """The trainer running ``module`` (inside a ``Trainer`` call: a step, a hook)."""
+    trainer = _compat.trainer_of(module)
+    assert trainer is not None, "the model is attached to no trainer"
+    return trainer
+
+
+class HeteroLifecycle(HeteroFacade, _Parallel):
     """Lightning strategy overrides that call the :class:`HeteroCore` (``self.core``) at each lifecycle point.
 
     Mixed in before a Lightning parallel strategy: ``class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy)``. The
@@ -116,13 +139,13 @@ class HeteroLifecycle(HeteroFacade):
     def setup_environment(self) -> None:
         name_running_strategy(self)
         self.core.lab.before_process_group()
-        super().setup_environment()  # type: ignore[misc]
+        super().setup_environment()
         self.core.after_process_group()
 
     @override
     def setup_distributed(self) -> None:
         if dist.is_initialized():
-            super().setup_distributed()  # type: ignore[misc]
+            super().setup_distributed()
         else:
             self.core.lab.init_process_group()
 
@@ -134,10 +157,10 @@ class HeteroLifecycle(HeteroFacade):
             plan = self.core.plan
             uneven = (len(set(plan.capacities)) > 1 or self.core.options.rebalance is not None
                       or self.core.profiler.enabled)
-            plugin, plan.min_share = sync_for_strategy(_compat.layer_sync(self), self.lightning_module,
+            plugin, plan.min_share = sync_for_strategy(_compat.layer_sync(self), connected_module(self),
                                                        self.world_size, uneven, self.batchnorm_sync_refusal())
             _compat.set_layer_sync(self, plugin)
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
 
     # -- data -------------------------------------------------------------------------------------------------------
     @override
@@ -147,7 +170,7 @@ class HeteroLifecycle(HeteroFacade):
     # -- steps ------------------------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        super().on_train_batch_start(batch, batch_idx)
         self.core.step.on_train_batch_start(batch_idx)
 
     @override
@@ -166,7 +189,7 @@ class HeteroLifecycle(HeteroFacade):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:
-                return super().training_step(*args, **kwargs)  # type: ignore[misc]
+                return super().training_step(*args, **kwargs)
             optimizer = self.optimizers[0] if self.optimizers else None
             return step.run_micro_batches(
                 sizes, args[0] if args else kwargs["batch"],
@@ -181,8 +204,8 @@ class HeteroLifecycle(HeteroFacade):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         self.core.step.before_backward(closure_loss)
         # Only the stepping closure's backward begins the step's exchange (no `finish` follows any other).
-        with self.exchange.during_backward(self.lightning_module) if self._stepping else nullcontext():
-            out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)  # type: ignore[misc]
+        with self.exchange.during_backward(connected_module(self)) if self._stepping else nullcontext():
+            out = super().backward(self.weigh_loss(closure_loss), optimizer, *args, **kwargs)
             self.core.step.after_backward()
         return out
 
@@ -194,13 +217,13 @@ class HeteroLifecycle(HeteroFacade):
                 out = closure()
             finally:
                 self._stepping = False
-            self.exchange.finish(self.lightning_module)
+            self.exchange.finish(connected_module(self))
             return out
 
         step, weight = self.core.step, self.core.step.logging_batch_size  # an exchange may reweigh the step's logs
         try:
             with self.core.lab.emulated_work():
-                out = super().optimizer_step(optimizer, exchanged, model, **kwargs)  # type: ignore[misc]
+                out = super().optimizer_step(optimizer, exchanged, model, **kwargs)
         finally:
             step.pending_grads, step.logging_batch_size = None, weight
         step.after_optimizer_step()
@@ -221,17 +244,17 @@ class HeteroLifecycle(HeteroFacade):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("validation", "val_dataloaders", args, kwargs):
-            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("test", "test_dataloaders", args, kwargs):
-            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("predict", "predict_dataloaders", args, kwargs) as padding:
-            output = super().predict_step(*args, **kwargs)  # type: ignore[misc]
+            output = super().predict_step(*args, **kwargs)
         # A padding step runs for the collectives only: its sample is another rank's prediction.
         batch_idx, dataloader_idx = step_indices(args, kwargs)
         if batch_idx is not None:
@@ -240,13 +263,13 @@ class HeteroLifecycle(HeteroFacade):
 
     @override
     def on_predict_start(self) -> None:
-        super().on_predict_start()  # type: ignore[misc]
+        super().on_predict_start()
         self.core.predictions.start(_compat.trainer_of(self.lightning_module))
 
     @override
     def on_predict_end(self) -> None:
         self.core.predictions.end(_compat.trainer_of(self.lightning_module))
-        super().on_predict_end()  # type: ignore[misc]
+        super().on_predict_end()
 
     @override
     def reduce(self, tensor: Tensor, group: Optional[Any] = None,
@@ -256,7 +279,7 @@ class HeteroLifecycle(HeteroFacade):
         (:func:`~lightning_hetero.observe.metrics.reduce_logged`)."""
         if self.world_size == 1:  # any reduction over one rank is its own value: no collective, as on a single device
             return tensor
-        parallel_reduce = super().reduce  # type: ignore[misc]
+        parallel_reduce = super().reduce
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
             return parallel_reduce(tensor, group=group, reduce_op=reduce_op)
         step = self.core.step
@@ -267,17 +290,17 @@ class HeteroLifecycle(HeteroFacade):
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         with self.core.resilience.in_phase("collective"):
-            super().barrier(name)  # type: ignore[misc]
+            super().barrier(name)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)  # type: ignore[misc]
+        super().on_exception(exception)
         self.core.resilience.on_exception(exception)
 
     # -- checkpoints and teardown -----------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        load = super().load_checkpoint  # type: ignore[misc]
+        load = super().load_checkpoint
         checkpoint = load(checkpoint_path, **_compat.weights_only_argument(load, weights_only))
         self.core.resilience.on_load(checkpoint, checkpoint_path)
         return checkpoint
@@ -286,10 +309,10 @@ class HeteroLifecycle(HeteroFacade):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self.core.on_save(checkpoint)
         with self.core.resilience.in_phase("checkpoint"):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def teardown(self) -> None:
         self.core.resilience.teardown()
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
         self.core.after_teardown()

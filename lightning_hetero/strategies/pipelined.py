@@ -30,7 +30,7 @@ import inspect
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,9 @@ def _concat(parts: Sequence[Any]) -> Any:
     if isinstance(first, Tensor):
         return torch.cat(list(parts)) if first.dim() >= 1 else first
     if isinstance(first, Mapping):
-        return type(first)({k: _concat([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]
+        # A batch's mapping (dict, OrderedDict, a tokenizer's BatchEncoding) is built from a dict.
+        build = cast(Callable[[dict[Any, Any]], Any], type(first))
+        return build({k: _concat([p[k] for p in parts]) for k in first})
     if isinstance(first, (list, tuple)):
         if first and all(isinstance(v, (str, bytes)) for v in first):
             return type(first)(v for p in parts for v in p)

@@ -23,6 +23,7 @@ Example::
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +84,14 @@ class StageHolding:
         finally:
             for name in self._host:
                 params[name].data = placeholder(params[name], self.device)
+
+    def load_optimizer_states(self, optimizers: Sequence[torch.optim.Optimizer],
+                              states: Sequence[dict[str, Any]]) -> None:
+        """A parked rank's optimizer states, every stage's, into host memory: the first step's split moves this
+        stage's to the device."""
+        with self.on_host():
+            for optimizer, state in zip(optimizers, states):
+                optimizer.load_state_dict(state)
 
     def keep_only(self, own: Iterable[str], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """This stage's parameters (and optimizer state) on the device; every other one released, its state dropped."""

@@ -13,8 +13,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hetero.observe.analysis import accumulate, advice, analyse, summary_headers, summary_text
-from lightning_hetero.observe.monitor import (_BYTES, _END, _GRAD_EXCHANGE, _RELEASE, _START, HeteroMonitor,
-                                              _StepRows, window_metrics)
+from lightning_hetero.observe.monitor import _BYTES, _END, _GRAD_EXCHANGE, _RELEASE, _START, HeteroMonitor, _StepRows
+from lightning_hetero.observe.windows import window_metrics
 from lightning_hetero.observe.report import find_sidecar, load_windows
 from tests.strategies.test_hybrid import Chain, hybrid
 

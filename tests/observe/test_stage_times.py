@@ -10,7 +10,8 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hetero.observe.analysis import accumulate, analyse, summary_text
-from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor, _StepRows, window_metrics
+from lightning_hetero.observe.monitor import SIDECAR, HeteroMonitor, _StepRows
+from lightning_hetero.observe.windows import window_metrics
 from lightning_hetero.observe.report import find_sidecar, load_windows
 from lightning_hetero.observe.stage_times import STAGE_EVENT, StageTimer, split_transfers, stage_fields
 from tests.helpers import retry_timing
