@@ -54,7 +54,9 @@ STEP_BYTES_PER_SLOT = 8
 ASSUMED_MFU = 0.4
 # Layouts predicted within this fraction of the fastest count as tied (the simplest is picked).
 TIE = 0.03
-STRATEGY_CLASSES = {"ddp": "HeteroDDPStrategy", "fsdp": "HeteroFSDPStrategy", "hybrid": "HeteroHybridStrategy"}
+# Each layout's strategy by its import path (a config's `class_path`; the Trainer line uses the class name).
+STRATEGY_PATHS = {"ddp": "lightning_hetero.HeteroDDPStrategy", "fsdp": "lightning_hetero.HeteroFSDPStrategy",
+                  "hybrid": "lightning_hetero.HeteroHybridStrategy"}
 LAYOUT_NAMES = {"ddp": "data parallel", "fsdp": "sharded", "hybrid": "hybrid"}
 
 
@@ -152,7 +154,7 @@ def compare_layouts(job: Workload, costs: Sequence[RankCost], headroom: float = 
     if pick is not None:
         # Near-ties go to the simpler layout: the model leaves out a sharded step's per-block overheads.
         close = [v for v in verdicts if (v.samples_per_s or 0.0) >= (1 - TIE) * (pick.samples_per_s or 0.0)]
-        pick = min(close, key=lambda v: (list(STRATEGY_CLASSES).index(v.plan.layout), -(v.samples_per_s or 0.0)))
+        pick = min(close, key=lambda v: (list(STRATEGY_PATHS).index(v.plan.layout), -(v.samples_per_s or 0.0)))
     if pick is None:
         state = job.param_bytes * (2 + job.optimizer_slots)
         return LayoutComparison(tuple(verdicts), None, f"no layout fits: a replica's state is {gib(state)}. Offload "
@@ -204,7 +206,7 @@ def trainer_code(plan: LayoutPlan, world: int, accelerator: str = "gpu") -> str:
     head = f"# CUDA_VISIBLE_DEVICES={visible} (ranks {', '.join(map(str, plan.ranks))} of the lab; the others left " \
            "out)\n" if visible and accelerator == "gpu" else ""
     return (head + f'Trainer(accelerator="{accelerator}", devices={len(plan.ranks)}, '
-            f"strategy={STRATEGY_CLASSES[plan.layout]}({args}))")
+            f"strategy={STRATEGY_PATHS[plan.layout].rsplit('.', 1)[1]}({args}))")
 
 
 def trainer_yaml(plan: LayoutPlan, world: int, accelerator: str = "gpu") -> str:
@@ -212,7 +214,7 @@ def trainer_yaml(plan: LayoutPlan, world: int, accelerator: str = "gpu") -> str:
     visible = visible_devices(plan, world)
     lines = [f"# CUDA_VISIBLE_DEVICES={visible}"] if visible and accelerator == "gpu" else []
     lines += ["trainer:", f"  accelerator: {accelerator}", f"  devices: {len(plan.ranks)}", "  strategy:",
-              f"    class_path: lightning_hetero.{STRATEGY_CLASSES[plan.layout]}"]
+              f"    class_path: {STRATEGY_PATHS[plan.layout]}"]
     init_args = strategy_init_args(plan)
     if init_args:
         lines.append("    init_args:")

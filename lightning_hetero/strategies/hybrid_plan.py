@@ -85,12 +85,12 @@ def check_pipelined_run(precision: Precision, module: LightningModule, pipelined
     """Refuse at set-up what a pipelined replica cannot run: fp16 loss scaling, and in a fit with pipelines manual
     optimization (its step runs its own backward)."""
     if getattr(precision, "scaler", None) is not None:
-        raise ValueError("HeteroHybridStrategy: fp16 loss scaling is not supported on a pipelined replica; use "
+        raise ValueError(f"{running_strategy()}: fp16 loss scaling is not supported on a pipelined replica; use "
                          "bf16 or fp32 (`precision_policy`).")
     if pipelined_fit and not module.automatic_optimization:
-        raise ValueError("HeteroHybridStrategy: manual optimization (`automatic_optimization = False`) cannot "
+        raise ValueError(f"{running_strategy()}: manual optimization (`automatic_optimization = False`) cannot "
                          "drive a pipelined replica, whose step runs its own backward; use automatic "
-                         "optimization, or HeteroDDPStrategy / HeteroFSDPStrategy.")
+                         "optimization, or strategy='hetero_ddp' / 'hetero_fsdp' (no pipelines).")
 
 
 def check_hybrid_arguments(pipelines: Any, micro_batches: Any, schedule: Any, overlap_stage_exchange: Any,

@@ -126,7 +126,8 @@ class Manual(Chain):
 @pytest.mark.slow
 def test_manual_optimization_is_refused_at_set_up(tmp_path):
     seed_everything(0)
-    with pytest.raises(Exception, match=r"automatic_optimization = False.*HeteroDDPStrategy"):
+    refusal = r"HeteroHybridStrategy: manual optimization \(`automatic_optimization = False`\).*hetero_ddp"
+    with pytest.raises(Exception, match=refusal):
         fit(Manual(n=24), str(tmp_path), WORLD, hybrid(PIPELINES, CAPACITIES, resilience={"timeout": 30}), 1,
             max_steps=1)
 
