@@ -76,6 +76,12 @@ class NonFiniteCheck(Callback):
         self.skipped = 0  # steps this check skipped (or saw the loss scaler skip for a non-finite loss)
         self.messages: list[str] = []  # what was said about each of them
         self._losses_finite: Optional[torch.Tensor] = None  # since the last optimizer step, on the device
+        self._partial_gradients = False  # this rank holds one pipeline stage's gradients (read once per fit)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Once per fit, after the strategy's set-up: a runtime Protocol check reads every member, too much per step.
+        strategy = observed(trainer.strategy)
+        self._partial_gradients = strategy is not None and strategy.holds_partial_gradients
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.mode == "ignore":
@@ -91,8 +97,7 @@ class NonFiniteCheck(Callback):
         # trained outside the module, or parameters DDP is told to ignore, are rank-local: not checked.)
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         finite = gradients_finite(grads)
-        strategy = observed(trainer.strategy)
-        if strategy is not None and strategy.holds_partial_gradients:
+        if self._partial_gradients:
             # A stage rank of the hybrid layout holds one stage's gradients: a non-finite one in another stage is not
             # in its view, so the ranks agree (one MIN over a flag) before any of them acts alone.
             flag = torch.tensor([float(finite)], device=pl_module.device)

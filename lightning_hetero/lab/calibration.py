@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hetero.lab.cards import PUBLISHED, WORKLOADS, training_speed
+from lightning_hetero.lab.devices import match_name
 
 CALIBRATION_ENV = "LIGHTNING_HETERO_CALIBRATION"
 _PACKAGE_DIR = Path(__file__).with_name("calibrations")  # not "calibration": that is this module
@@ -149,11 +150,11 @@ def calibration_path(host_name: str) -> Optional[Path]:
     override = os.environ.get(CALIBRATION_ENV)
     if override:
         return Path(override)
-    for kind in sorted(HOST_KINDS, key=len, reverse=True):
-        if kind.lower() in host_name.lower():
-            path = _PACKAGE_DIR / HOST_KINDS[kind]
-            return path if path.is_file() else None
-    return None
+    kind = match_name(host_name, HOST_KINDS)
+    if kind is None:
+        return None
+    path = _PACKAGE_DIR / HOST_KINDS[kind]
+    return path if path.is_file() else None
 
 
 def load_calibration(host_name: str) -> Optional[Calibration]:

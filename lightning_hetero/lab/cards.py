@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from lightning_hetero.lab.devices import DeviceInfo, peak_tflops
+from lightning_hetero.lab.devices import DeviceInfo, match_name, peak_tflops
 
 WORKLOADS: tuple[str, ...] = ("bert", "resnet", "gpt")
 REFERENCE = "A100-80GB"
@@ -111,11 +111,8 @@ def card_of(device_name: str) -> Optional[str]:
         >>> card_of("NVIDIA A100-SXM4-80GB"), card_of("NVIDIA A10G"), card_of("NVIDIA H200")
         ('A100-80GB', 'A10', None)
     """
-    lowered = device_name.lower()
-    for key in sorted(_NAMES, key=len, reverse=True):
-        if key.lower() in lowered:
-            return _NAMES[key]
-    return None
+    key = match_name(device_name, _NAMES)
+    return _NAMES[key] if key is not None else None
 
 
 def device_speed(info: DeviceInfo, workload: Optional[str] = None) -> Optional[float]:

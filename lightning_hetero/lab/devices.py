@@ -7,6 +7,7 @@ estimate from compute capability × SM count.
 
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -130,6 +131,19 @@ _TFLOPS_PER_SM: dict[tuple[int, int], float] = {
 }
 
 
+def match_name(name: str, keys: Iterable[str]) -> Optional[str]:
+    """The key that is part of the device name ``name`` (case-insensitive), the longest one where several are, so
+    that "H100 PCIe" wins over "H100"; ``None`` when none is."""
+    lowered = name.lower()
+    return next((k for k in sorted(keys, key=len, reverse=True) if k.lower() in lowered), None)
+
+
+def is_consumer_card(name: str) -> bool:
+    """A GeForce / RTX workstation-class card by name (the RTX A6000 excepted): no NVLink between such cards, and
+    peer-to-peer is often off or broken."""
+    return ("GeForce" in name or "RTX" in name) and "A6000" not in name
+
+
 def has_bf16_hardware(info: DeviceInfo) -> bool:
     """bf16 tensor cores exist from Ampere (8.0) on; torch.cuda.is_bf16_supported() may report emulation."""
     return info.type == "cuda" and info.capability >= (8, 0)
@@ -144,12 +158,10 @@ def peak_tflops(info: DeviceInfo, dtype: torch.dtype = torch.bfloat16) -> Option
     if info.type != "cuda":
         return None
     column = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}.get(dtype, 2)
-    lowered = info.name.lower()
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in lowered:
-            rates = PEAK_TFLOPS[key]
-            rate = rates[column]
-            return rate if rate > 0 else rates[1]
+    key = match_name(info.name, PEAK_TFLOPS)
+    if key is not None:
+        rates = PEAK_TFLOPS[key]
+        return rates[column] if rates[column] > 0 else rates[1]
     per_sm = _TFLOPS_PER_SM.get(info.capability)
     if per_sm is None:
         # Nearest older architecture: a new card is at least as fast per SM as its predecessor.

@@ -82,6 +82,7 @@ from lightning_hetero.lab.devices import (
     HOST_OVERRIDE_ENV,
     NAME_OVERRIDE_ENV,
     DeviceInfo,
+    match_name,
     peak_tflops,
 )
 from lightning_hetero.lab.dilation import GpuDilation, measure_spin_rate
@@ -363,7 +364,7 @@ def preset_knob(spec: EmulationSpec, host: DeviceInfo) -> tuple[float, float, st
         sms, dilation = table.knob(preset, spec.workload)
         label = f"measured {os.path.basename(table.path)} ({spec.workload or 'default'})"
         return sms * host.multiprocessors / table.host_sms, dilation, label
-    host_card = card_of(host.name) or (HOST_STAND_IN if any(k in host.name for k in HOST_KINDS) else None)
+    host_card = card_of(host.name) or (HOST_STAND_IN if match_name(host.name, HOST_KINDS) else None)
     host_speed = training_speed(host_card, spec.workload) if host_card else device_speed(host, spec.workload)
     share = training_speed(preset, spec.workload) / host_speed if host_speed else 1.0
     return share * host.multiprocessors, 1.0, f"published ratio as SM share, no calibration file for {host.name!r}"

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hetero.lab.devices import describe_device, has_bf16_hardware, peak_tflops
+from lightning_hetero.lab.devices import describe_device, has_bf16_hardware, is_consumer_card, peak_tflops
 from lightning_hetero.plan.layout_choice import (
     ASSUMED_MFU,
     Card,
@@ -200,7 +200,7 @@ def nccl_recommendations(pairs: list[dict[str, Any]], names: list[str],
     """
     out: dict[str, tuple[str, str]] = {}
     no_p2p = [p["pair"] for p in pairs if not p["p2p"]]
-    consumer = [n for n in names if ("GeForce" in n or "RTX" in n) and "A6000" not in n]
+    consumer = [n for n in names if is_consumer_card(n)]
     if no_p2p:
         out["NCCL_P2P_DISABLE"] = ("1", f"GPU pairs {no_p2p} have no peer-to-peer access")
     elif consumer and len(names) > 1:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_hetero.lab.devices import is_consumer_card
 from lightning_hetero.plan.layout_choice import LAYOUT_NAMES, LayoutVerdict, compare_layouts, trainer_code
 from lightning_hetero.plan.profiling import ProfileResult
 from lightning_hetero.plan.step_cost import LayoutPlan, RankCost, Workload, predict_step
@@ -94,7 +95,7 @@ def job_link(device_type: str, names: Sequence[str], emulated: Optional[str]) ->
         return emulated
     if device_type != "cuda":
         return "ethernet"
-    return "pcie" if any(("GeForce" in n or "RTX" in n) and "A6000" not in n for n in names) else "nvlink"
+    return "pcie" if any(is_consumer_card(n) for n in names) else "nvlink"
 
 
 def check_profile(profile: ProfileResult, labels: Sequence[str], param_bytes: int, link: str,
