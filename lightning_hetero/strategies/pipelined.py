@@ -256,6 +256,7 @@ class PipelinedReplica:
         self.least_micro_batch = 1
         self.last_micro_batch = 0  # the size of the last training step's micro-batches
         self.partition: Optional[list[list[str]]] = None  # every stage's parameter names
+        self._foreign_params: Optional[list[Tensor]] = None  # the other stages' parameters (see `_foreign`)
         self._built: dict[tuple, Any] = {}
         self._built_forward: dict[tuple, Any] = {}  # evaluation's forward-only schedules, kept apart from training's
         self.holding = StageHolding(module, device)
@@ -389,10 +390,13 @@ class PipelinedReplica:
         return self.work(lambda: self._micro_batch_loss(output, index))
 
     def _foreign(self) -> list[Tensor]:
-        """The parameters of the other stages (placeholders here)."""
+        """The parameters of the other stages (placeholders here), found once: the partition is fixed for the fit
+        and holding a stage swaps the parameters' data, not the parameters."""
         assert self.partition is not None
-        own = set(self.partition[self.stage])
-        return [p for n, p in self.module.named_parameters() if n not in own]
+        if self._foreign_params is None:
+            own = set(self.partition[self.stage])
+            self._foreign_params = [p for n, p in self.module.named_parameters() if n not in own]
+        return self._foreign_params
 
     def _micro_batch_loss(self, output: Any, index: Tensor) -> Tensor:
         """The user's ``training_step`` on one micro-batch, its ``self(...)`` returning the last stage's output."""
