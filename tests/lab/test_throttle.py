@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve, throttled
+from lightning_hetero.lab.emulated_device import resolve, throttled
+from lightning_hetero.lab.emulation_spec import EmulationSpec
+from lightning_hetero.lab.emulator import Emulator
 
 H100 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0),
                   memory_bytes=80 * 2**30, multiprocessors=132)
