@@ -28,9 +28,9 @@ device, unchanged). On CUDA a profile applies:
   rank). Transfers overlap the backward pass as they would on a real link; the time a real NIC's protocol stack
   would add is not modelled. Works on CPU (gloo) too.
 
-On CPU a profile's ``slowdown`` pauses the rank after each step, and ``Emulator.throttle(factor)`` slows a rank
-mid-run (:mod:`lightning_hetero.lab.emulator`). How presets get their SM count and time dilation:
-:mod:`lightning_hetero.lab.emulated_device`.
+On CPU a profile's ``slowdown`` pauses the rank after each step (:mod:`lightning_hetero.lab.step_slowdown`), and
+``Emulator.throttle(factor)`` slows a rank mid-run (:mod:`lightning_hetero.lab.emulator`). How presets get their SM
+count and time dilation: :mod:`lightning_hetero.lab.emulated_device`.
 
 The layers, from the user's argument to the running rank (each module imports only those before it):
 
@@ -38,6 +38,8 @@ The layers, from the user's argument to the running rank (each module imports on
 - :mod:`lightning_hetero.lab.emulation_spec`: the ``emulate`` argument validated, one :class:`EmulationSpec` per rank;
 - :mod:`lightning_hetero.lab.emulated_device`: a spec resolved on the host device (SM count, dilation, memory cap);
 - :mod:`lightning_hetero.lab.emulation_env`: the job's link class and emulated hosts as NCCL's environment;
+- :mod:`lightning_hetero.lab.green_context`, :mod:`lightning_hetero.lab.dilation`,
+  :mod:`lightning_hetero.lab.step_slowdown`: a step on a share of the SMs, its GPU idle after, its CPU pause after;
 - :mod:`lightning_hetero.lab.emulator`: one rank's :class:`Emulator`, around every step;
 - this module: :func:`start_emulation`, what the lab set-up calls, and :func:`lab_warning`, rank 0's notice.
 

@@ -1,5 +1,6 @@
 """The process environment of an emulated rank, set before the process group exists: NCCL's settings for the job's
-link class, and the emulated hosts (``LIGHTNING_HETERO_HOST`` and ``NCCL_HOSTID``).
+link class, the emulated hosts (``LIGHTNING_HETERO_HOST`` and ``NCCL_HOSTID``), and the device name and capability
+that :mod:`lightning_hetero.lab.devices` then reports.
 
 NCCL settings must agree on every rank, so the link class is the job's (the slowest any rank asks for), derived from
 every rank's spec. With emulated hosts, NCCL treats them as separate machines: peer-to-peer / shared memory inside a
@@ -11,10 +12,12 @@ Example::
     {'NCCL_NVLS_ENABLE': '0', 'NCCL_P2P_DISABLE': '1'}
 """
 
+import os
 import socket
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, HOST_OVERRIDE_ENV, NAME_OVERRIDE_ENV
 from lightning_hetero.lab.emulated_device import EmulatedDevice
 from lightning_hetero.lab.emulation_spec import EmulationSpec
 from lightning_hetero.lab.presets import LINK_CLASSES, PRESETS, LinkClass
@@ -74,3 +77,20 @@ def job_inter_host_gbit(specs: Sequence[Optional[EmulationSpec]]) -> Optional[fl
 def nccl_host_id(host: str) -> str:
     """``NCCL_HOSTID`` of an emulated host: unique per real machine and emulated name (NCCL hashes it)."""
     return f"{socket.gethostname()}/{host}"
+
+
+def rank_env(device: EmulatedDevice, root_type: str, link: LinkClass, hosts: bool) -> dict[str, str]:
+    """The environment variables one rank sets for ``device`` on a ``root_type`` device, in a job on ``link`` that
+    emulates ``hosts`` or not."""
+    env = {NAME_OVERRIDE_ENV: device.name}
+    if device.capability is not None:
+        env[CAPABILITY_OVERRIDE_ENV] = f"{device.capability[0]}.{device.capability[1]}"
+    if root_type == "cuda":
+        env.update(link_env(link))
+    if hosts:
+        env[HOST_OVERRIDE_ENV] = device.host or socket.gethostname()
+        env["NCCL_HOSTID"] = nccl_host_id(env[HOST_OVERRIDE_ENV])
+        env["NCCL_IB_DISABLE"] = "1"  # between emulated hosts: TCP sockets, as on an Ethernet lab
+        if "NCCL_SOCKET_IFNAME" not in os.environ:
+            env["NCCL_SOCKET_IFNAME"] = "lo"  # the emulated hosts share this machine: loopback always exists
+    return env
