@@ -12,8 +12,9 @@ one granule is clamped up to it, a card as fast as the host runs uncapped; the s
 calibrate to ``slowdown = fastest preset's rate / this preset's rate``.
 
 Example::
-    >>> resolve(EmulationSpec(preset="RTX3090"), host=describe_device(torch.device("cuda", 0), 0)).num_sms
-    32
+    >>> h200 = describe_device(torch.device("cuda", 0), 0)
+    >>> resolve(EmulationSpec(preset="RTX3090"), h200).num_sms, throttled(resolve(EmulationSpec(), h200), 2.0).num_sms
+    (32, 64)
 """
 
 import math
