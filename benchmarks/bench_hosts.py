@@ -294,7 +294,8 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
     from lightning.pytorch import seed_everything
 
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     world = len(LAYOUTS[args.layout][0])
     device = rank_device(local_rank, world, port, args.accelerator, threads=1)

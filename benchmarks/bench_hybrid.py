@@ -237,7 +237,8 @@ def emulated_lightning(base: type, emulate: list[Any], options: Optional[dict[st
         strategy = emulated_lightning(DDPStrategy, ["A100-80GB", "RTX3090"])
     """
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     from bench_lab import emulated_steps
 

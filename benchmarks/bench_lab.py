@@ -337,7 +337,8 @@ def worker(local_rank: int, scenario: str, args: argparse.Namespace, port: int, 
     from lightning.pytorch import seed_everything
 
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     world = len(SCENARIOS[scenario]["shares"])
     device = rank_device(local_rank, world, port, args.accelerator)

@@ -2,7 +2,7 @@
 
 Two ranks on an emulated lab (``mix2`` by default: GPU 1 at a quarter of the SMs, PCIe-class link; or ``same2``).
 At step ``--change-at`` one rank (``--throttle-rank``, default the fast one, rank 0: the larger share moves) slows
-``--factor`` times (:meth:`lightning_hetero.lab.emulation.Emulator.throttle`: its SM count divided and rounded to
+``--factor`` times (:meth:`lightning_hetero.lab.emulator.Emulator.throttle`: its SM count divided and rounded to
 the green-context granularity, on CPU its slowdown multiplied). One command runs, per round and model::
 
     python benchmarks/bench_rebalance.py                                # mix2, GPT-124M, 3 rounds, 2 GPUs
@@ -152,7 +152,7 @@ def _callback_classes() -> tuple[type, type]:
 def fresh(template: Any) -> Any:
     """A new emulator like ``template`` (its device, unthrottled), activated: every solo loop and Lightning
     baseline starts at the pre-change speed (the strategy builds its own from ``emulate``)."""
-    from lightning_hetero.lab.emulation import Emulator
+    from lightning_hetero.lab.emulator import Emulator
 
     emulator = Emulator(template.device, template.root_device, template.link)
     emulator.activate()
@@ -224,7 +224,8 @@ def worker(local_rank: int, args: argparse.Namespace, port: int, out_file: str) 
     from lightning.pytorch import seed_everything
 
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     world = 2
     device = rank_device(local_rank, world, port, args.accelerator)

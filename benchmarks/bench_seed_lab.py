@@ -99,7 +99,7 @@ def emulate_lab(cards: list[str], work: Workload) -> list[Any]:
     """The emulator's profiles for ``cards``: each preset with the workload family it is calibrated on ("bert" or
     "gpt"), so that every card trains at its published speed on this model (the default, family-less calibration
     is off by up to 23 % on one family: docs/emulation.md)."""
-    from lightning_hetero.lab.emulation import PRESETS
+    from lightning_hetero.lab.presets import PRESETS
 
     family = "bert" if isinstance(work.cfg, BertConfig) else "gpt"
     return [{"preset": card, "workload": family} if card in PRESETS else card for card in cards]
@@ -139,7 +139,7 @@ def replica_gib(cfg: Any) -> float:
 
 def unfit_reason(layout: str, work: Workload, lab: list[str]) -> Optional[str]:
     """Why a data-parallel layout cannot hold its replica on some card of ``lab`` (None: it may fit)."""
-    from lightning_hetero.lab.emulation import PRESETS
+    from lightning_hetero.lab.presets import PRESETS
 
     if layout not in ("ddp4", "lightning_ddp4"):
         return None
@@ -246,7 +246,9 @@ def run_solo(args: argparse.Namespace) -> None:
     from contextlib import nullcontext
 
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import alone, parse_emulate, start_emulation
+    from lightning_hetero.lab.emulated_device import alone
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     work = next(iter(workloads(args)))
     lab = parse_emulate(emulate_lab(lab_list(args), work))
@@ -569,7 +571,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         bad = [v for v in values if v not in known]
         if bad or not values:
             p.error(f"{flag}: {bad or 'none given'}, each one of {list(known)}")
-    from lightning_hetero.lab.emulation import PRESETS
+    from lightning_hetero.lab.presets import PRESETS
 
     lab = lab_list(args)
     if len(lab) != 4 or any(card not in PRESETS for card in lab):

@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.rehearse_check import solo_card  # noqa: E402
 from benchmarks.rehearse_real import EMULATION_AGREEMENT, Run, emulation_rows, run_jobs  # noqa: E402
-from lightning_hetero.lab.emulation import PRESETS, preset_tflops  # noqa: E402
+from lightning_hetero.lab.presets import PRESETS, preset_tflops  # noqa: E402
 from lightning_hetero.plan.split import split_batch  # noqa: E402
 from lightning_hetero.registry import entry  # noqa: E402
 from lightning_hetero.rehearse.cards import card_label, parse_lab  # noqa: E402

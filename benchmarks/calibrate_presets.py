@@ -42,7 +42,9 @@ from lightning_hetero.lab.calibration import (  # noqa: E402
 )
 from lightning_hetero.lab.cards import PUBLISHED, REFERENCE, WORKLOADS, training_speed  # noqa: E402
 from lightning_hetero.lab.devices import DeviceInfo, describe_device  # noqa: E402
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve  # noqa: E402
+from lightning_hetero.lab.emulated_device import resolve  # noqa: E402
+from lightning_hetero.lab.emulation_spec import EmulationSpec  # noqa: E402
+from lightning_hetero.lab.emulator import Emulator  # noqa: E402
 from models import GPT, Bert, BertConfig, GPTConfig, mlm_batch, resnet50, tiny_resnet  # noqa: E402
 
 # A dry run on CPU pretends to be this host, so that the calibration's code paths run as on the GPU.

@@ -27,7 +27,8 @@ def child(hosts: list[str]) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.lab.emulation import link_env  # noqa: E402
+from lightning_hetero.lab.emulation_env import link_env  # noqa: E402
 
 # Whole-tensor sizes (bytes) timed: a small one for the latency, a large one (a 1.1B GPT's block in bf16 is ~100 MB)
 # for the bandwidth.

@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hetero.lab.emulation import alone, parse_emulate  # noqa: E402
+from lightning_hetero.lab.emulated_device import alone  # noqa: E402
+from lightning_hetero.lab.emulation_spec import parse_emulate  # noqa: E402
 from lightning_hetero.registry import entry, names  # noqa: E402
 from lightning_hetero.rehearse.cards import card_label  # noqa: E402
 from lightning_hetero.rehearse.command import rehearse  # noqa: E402

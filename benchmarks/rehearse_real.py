@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from lightning_hetero.lab.emulation import job_link_class, parse_emulate
+from lightning_hetero.lab.emulation_env import job_link_class
+from lightning_hetero.lab.emulation_spec import parse_emulate
 from lightning_hetero.registry import entry
 from lightning_hetero.rehearse.cards import parse_lab
 from lightning_hetero.rehearse.job import WARMUP_STEPS, RankJob, RankResult

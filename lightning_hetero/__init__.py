@@ -20,7 +20,7 @@ from lightning_hetero.grad.compression_config import (
 from lightning_hetero.grad.periodic import PeriodicSync
 from lightning_hetero.grad.precision import PrecisionPolicy
 from lightning_hetero.lab.devices import describe_device
-from lightning_hetero.lab.emulation import PRESETS
+from lightning_hetero.lab.presets import PRESETS
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.plan.split import split_batch

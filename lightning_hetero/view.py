@@ -93,7 +93,7 @@ class ObservedStrategy(Protocol):
 
     @property
     def emulation(self) -> Optional[Any]:
-        """This rank's lab emulator (:class:`~lightning_hetero.lab.emulation.Emulator`), if any."""
+        """This rank's lab emulator (:class:`~lightning_hetero.lab.emulator.Emulator`), if any."""
 
     @property
     def memory_plan(self) -> Optional[list[Any]]:

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from lightning_hetero.lab.emulation import EmulationSpec
+from lightning_hetero.lab.emulation_spec import EmulationSpec
 
 from lightning_hetero import (
     CastCompression,

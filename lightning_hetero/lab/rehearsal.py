@@ -19,7 +19,10 @@ from typing import Optional
 import torch
 
 from lightning_hetero.lab.devices import CAPABILITY_OVERRIDE_ENV, NAME_OVERRIDE_ENV, DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, job_link_class, resolve
+from lightning_hetero.lab.emulated_device import resolve
+from lightning_hetero.lab.emulation_env import job_link_class
+from lightning_hetero.lab.emulation_spec import EmulationSpec
+from lightning_hetero.lab.emulator import Emulator
 
 REHEARSE_ENV = "LIGHTNING_HETERO_REHEARSE"
 

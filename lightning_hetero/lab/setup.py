@@ -21,7 +21,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import lightning_hetero._compat as _compat
 from lightning_hetero.config import Options
 from lightning_hetero.lab.devices import DeviceInfo, describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, lab_warning, start_emulation
+from lightning_hetero.lab.emulation import lab_warning, start_emulation
+from lightning_hetero.lab.emulation_spec import EmulationSpec
+from lightning_hetero.lab.emulator import Emulator
 from lightning_hetero.lab.rehearsal import lab_devices, rehearsal, rehearsed_summaries
 from lightning_hetero.lab.groups import HeteroLab, LabGroups, build_groups, gather_devices
 from lightning_hetero.lab.shared_gpu import binds_device

@@ -36,7 +36,7 @@ import torch
 
 from lightning_hetero.config import Balance
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.lab.emulation import Emulator
+from lightning_hetero.lab.emulator import Emulator
 from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
 from lightning_hetero.plan.split import (check_replicas, split_batch, split_by_cost, split_replicas,

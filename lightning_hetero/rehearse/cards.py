@@ -3,7 +3,8 @@
 import json
 from typing import Any
 
-from lightning_hetero.lab.emulation import PRESETS, parse_emulate, preset_tflops
+from lightning_hetero.lab.emulation_spec import parse_emulate
+from lightning_hetero.lab.presets import PRESETS, preset_tflops
 from lightning_hetero.plan.layout_choice import Card
 
 

@@ -34,7 +34,8 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from lightning_hetero.lab.emulation import EmulationSpec, job_link_class, parse_emulate
+from lightning_hetero.lab.emulation_env import job_link_class
+from lightning_hetero.lab.emulation_spec import EmulationSpec, parse_emulate
 from lightning_hetero.registry import entry, names
 from lightning_hetero.rehearse.advice import advise
 from lightning_hetero.rehearse.cards import card_label, parse_lab

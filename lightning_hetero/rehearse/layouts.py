@@ -13,7 +13,8 @@ Example::
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_hetero.lab.emulation import link_class_of_spec, parse_emulate
+from lightning_hetero.lab.emulation_env import link_class_of_spec
+from lightning_hetero.lab.emulation_spec import parse_emulate
 from lightning_hetero.plan.layout_choice import compare_layouts, comparison_table, trainer_code, trainer_yaml
 from lightning_hetero.plan.step_cost import RankCost, Workload
 from lightning_hetero.rehearse.job import RankResult

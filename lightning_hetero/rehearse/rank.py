@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero.config import sharded_refusals
-from lightning_hetero.lab.emulation import PRESETS, Emulator, parse_emulate, start_emulation
+from lightning_hetero.lab.emulation import start_emulation
+from lightning_hetero.lab.emulation_spec import parse_emulate
+from lightning_hetero.lab.emulator import Emulator
+from lightning_hetero.lab.presets import PRESETS
 from lightning_hetero.lab.rehearsal import host_device
 from lightning_hetero.observe.errors import user_message
 from lightning_hetero.plan.memory import GIB

@@ -32,7 +32,7 @@ from lightning_hetero.data.split import LoaderSplit
 from lightning_hetero.grad.nonfinite import NonFiniteCheck
 from lightning_hetero.grad.precision import PrecisionPolicy, RankPrecision, parse_precision_policy
 from lightning_hetero.strategies.step import StepState
-from lightning_hetero.lab.emulation import EmulationSpec, parse_emulate
+from lightning_hetero.lab.emulation_spec import EmulationSpec, parse_emulate
 from lightning_hetero.lab.setup import LabSetup
 from lightning_hetero.observe.monitor import HeteroMonitor
 from lightning_hetero.observe.notices import restore_inexact_resume_warning

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from lightning_hetero.data.sampler import HeteroBatchSampler
 from lightning_hetero.grad.exchange import GradExchange, InBackward
-from lightning_hetero.lab.emulation import Emulator
+from lightning_hetero.lab.emulator import Emulator
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.plan.rebalance import ShareController
 from lightning_hetero.plan.shares import SharePlan

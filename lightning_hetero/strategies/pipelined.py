@@ -41,7 +41,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
 from torch.overrides import TorchFunctionMode
 
 import lightning_hetero._compat as _compat
-from lightning_hetero.lab.emulation import Emulator
+from lightning_hetero.lab.emulator import Emulator
 from lightning_hetero.data.microbatch import LogCapture, loss_of, slice_batch
 from lightning_hetero.plan.layout import micro_batch_count
 from lightning_hetero.strategies.stage_memory import StageHolding
@@ -236,7 +236,7 @@ class PipelinedReplica:
         schedule: ``"gpipe"`` or ``"1f1b"`` (GPipe where a step has fewer micro-batches than stages).
         micro_batches: the most micro-batches a step runs (``None``: 2 × stages), see
             :func:`~lightning_hetero.plan.layout.micro_batch_count`.
-        emulator: this rank's emulator (:class:`~lightning_hetero.lab.emulation.Emulator`): on CPU, emulating a
+        emulator: this rank's emulator (:class:`~lightning_hetero.lab.emulator.Emulator`): on CPU, emulating a
             slower card, it pauses after each micro-batch's work, where the neighbour stage waits for it as for a
             slow card.
     """

@@ -143,7 +143,8 @@ def cap(out: str) -> dict[str, Any]:
                               "quarter_step_s": quarter, "slowdown": quarter / full, "summary": summary}
     # memory cap: a 4 GiB profile cannot hold 6 GiB (last: the cap stays for the rest of the process)
     from lightning_hetero.lab.devices import describe_device
-    from lightning_hetero.lab.emulation import parse_emulate, start_emulation
+    from lightning_hetero.lab.emulation import start_emulation
+    from lightning_hetero.lab.emulation_spec import parse_emulate
 
     device = torch.device("cuda", 0)
     import gc

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lightning_hetero.lab.devices import describe_device
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve
+from lightning_hetero.lab.emulated_device import resolve
+from lightning_hetero.lab.emulation_spec import EmulationSpec
+from lightning_hetero.lab.emulator import Emulator
 
 pytestmark = pytest.mark.gpu(1)
 

@@ -43,7 +43,9 @@ def test_the_emulation_check_times_the_pause_of_a_slowed_cpu_rank():
     import torch
 
     from lightning_hetero.lab.devices import DeviceInfo
-    from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve
+    from lightning_hetero.lab.emulated_device import resolve
+    from lightning_hetero.lab.emulation_spec import EmulationSpec
+    from lightning_hetero.lab.emulator import Emulator
     from tests.helpers import retry_timing
 
     cpu = DeviceInfo(rank=0, host="h", type="cpu", name="cpu", capability=(0, 0), memory_bytes=8 * 2**30,

@@ -18,7 +18,9 @@ from lightning_hetero.lab.calibration import (
 from lightning_hetero.lab.cards import PUBLISHED, WORKLOADS, card_of, device_speed, training_speed
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.lab.dilation import StepWindow, spin_cycles, spin_seconds
-from lightning_hetero.lab.emulation import PRESETS, EmulationSpec, parse_emulate, resolve
+from lightning_hetero.lab.emulated_device import resolve
+from lightning_hetero.lab.emulation_spec import EmulationSpec, parse_emulate
+from lightning_hetero.lab.presets import PRESETS
 from lightning_hetero.plan.capacity import parse_capacities, resolve_static_capacities
 
 

@@ -21,17 +21,12 @@ from lightning_hetero.lab.devices import (
     DeviceInfo,
     peak_tflops,
 )
-from lightning_hetero.lab.emulation import (
-    PRESETS,
-    EmulationSpec,
-    Emulator,
-    job_link,
-    link_env,
-    parse_emulate,
-    resolve,
-    round_sms,
-    start_emulation,
-)
+from lightning_hetero.lab.emulated_device import resolve, round_sms
+from lightning_hetero.lab.emulation import start_emulation
+from lightning_hetero.lab.emulation_env import job_link, link_env
+from lightning_hetero.lab.emulation_spec import EmulationSpec, parse_emulate
+from lightning_hetero.lab.emulator import Emulator
+from lightning_hetero.lab.presets import PRESETS
 from tests.helpers import TinyModel, free_port, retry_timing
 
 H200 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H200", capability=(9, 0), memory_bytes=141 * 2**30,

@@ -20,7 +20,9 @@ from lightning_hetero.grad.compression_config import (
     parse_compression,
 )
 from lightning_hetero.lab.devices import HOST_OVERRIDE_ENV, describe_device
-from lightning_hetero.lab.emulation import job_link_class, parse_emulate, start_emulation
+from lightning_hetero.lab.emulation import start_emulation
+from lightning_hetero.lab.emulation_env import job_link_class
+from lightning_hetero.lab.emulation_spec import parse_emulate
 from lightning_hetero.lab.link_pacing import LinkPacer
 from tests.helpers import Recorder, TinyModel, free_port, max_rel_diff, reference_run
 

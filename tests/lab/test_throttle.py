@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lightning_hetero.lab.devices import DeviceInfo
-from lightning_hetero.lab.emulation import EmulationSpec, Emulator, resolve, throttled
+from lightning_hetero.lab.emulated_device import resolve, throttled
+from lightning_hetero.lab.emulation_spec import EmulationSpec
+from lightning_hetero.lab.emulator import Emulator
 
 H100 = DeviceInfo(rank=0, host="h", type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0),
                   memory_bytes=80 * 2**30, multiprocessors=132)
@@ -105,11 +107,11 @@ def test_cuda_throttle_moves_the_steps_to_a_new_green_context(monkeypatch):
     capped = Emulator(resolve(EmulationSpec(sm_share=0.25, link="pcie"), H100), device, "pcie")
     capped.activate()
     assert capped.stream == "stream-32"
-    old = capped._green
+    old = capped.green_context.context
     capped.throttle(2.0)
     # work() reads the stream at every step: the next one runs on 16 SMs; the old context is kept until the end.
     assert (capped.stream, capped.device.num_sms, _FakeGreen.created) == ("stream-16", 16, [32, 16])
-    assert synced == [device] and capped._retired == [old]
+    assert synced == [device] and capped.green_context.retired == [old]
     assert not capped.slows_cpu
 
     whole = Emulator(resolve(EmulationSpec(link="pcie"), H100), device, "pcie")
