@@ -217,9 +217,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
     def _layout_replicas(self, devices: Sequence[DeviceInfo],
                          capacities: Sequence[float]) -> tuple[tuple[int, ...], ...]:
-        """The job's layout, chosen when the plan has resolved the capacities (it asks, in ``setup_environment``),
-        and its replicas for the plan: a pipeline is one replica, its least share one sample, not one per stage
-        rank."""
+        """The job's layout, chosen when the plan has resolved the capacities (it asks, in ``setup_environment``;
+        a method: the spawn launcher pickles it), and its replicas for the plan: a pipeline is one replica, its
+        least share one sample, not one per stage rank."""
         assert self.pipelines is not None
         layout = self.layout = plan_layout(self.pipelines, connected_module(self), devices, capacities,
                                            float(self.core.options.profiling.memory_headroom), self.world_size)

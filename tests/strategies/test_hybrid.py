@@ -455,7 +455,7 @@ def test_norm_clipping_under_bf16_mixed_leaves_the_given_plugin_alone(tmp_path):
     final = _flat(records[0]["params"][-1])
     diff, off = max_rel_diff(final, ref_params[-1]), max_rel_diff(final, unclipped[-1])
     print(f"bf16-mixed, clipped by norm: rel diff {diff:.2e} (from the unclipped run: {off:.2e})")
-    assert diff <= 2e-3 < off
+    assert diff <= 1e-3 < off
     assert [torch.load(os.path.join(str(tmp_path), f"given{r}.pt")) for r in range(world)] == [True] * world
     for r in (1, 2):
         for name in records[r]["owned"]:
