@@ -115,13 +115,6 @@ def move_batch_to_device(module: object, batch: object, device: object) -> objec
     return module._apply_batch_transfer_handler(batch, device=device)  # type: ignore[attr-defined]
 
 
-def clip_by_norm_with(precision: object, clip: "Callable[[Any, Union[int, float]], None]") -> None:
-    """Lightning's gradient clipping by norm on ``precision`` runs ``clip(optimizer, clip_val)``: a rank that holds
-    part of the model's gradients clips by the whole model's norm, and Lightning's precision plugins offer no hook
-    for that (``Precision.clip_gradients`` calls its own ``clip_grad_by_norm``; waits for a public clipping hook)."""
-    setattr(precision, "clip_grad_by_norm", clip)
-
-
 def queue_after_backward(callback: "Callable[[], None]") -> None:
     """Run ``callback`` once the running backward pass has accumulated every gradient: autograd's engine has no
     public way to queue it (DDP uses the same call for its end-of-backward work)."""

@@ -30,7 +30,7 @@ Example::
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -41,6 +41,11 @@ from lightning_hetero.lab.groups import HeteroLab
 from lightning_hetero.plan.capacity import CapacitySpec, resolve_static_capacities
 from lightning_hetero.plan.split import (check_replicas, split_batch, split_by_cost, split_replicas,
                                          split_replicas_by_cost)
+
+
+# The ranks that train one replica together (a pipeline's stage ranks), chosen on the lab's devices and the
+# capacities resolved on them: ``replicas_of(devices, capacities)`` covers every rank once.
+ReplicasOf = Callable[[Sequence[DeviceInfo], Sequence[float]], Sequence[Sequence[int]]]
 
 
 @dataclass(frozen=True)
@@ -212,12 +217,16 @@ class SharePlan:
 
     ``global_batch_size`` is the user's explicit global batch (``None``: the training loader's ``batch_size`` x world
     size). Capacities are resolved once the lab's devices are known (:meth:`resolve`); from then on the schedule is
-    the one store, and :meth:`adopt` the one way shares change.
+    the one store, and :meth:`adopt` the one way shares change. ``replicas_of`` groups ranks that train one replica
+    together (a layout's pipelines), asked by :meth:`resolve` once the capacities are known; ``None``: one replica
+    per rank.
     """
 
-    def __init__(self, spec: CapacitySpec, global_batch_size: Optional[int]) -> None:
+    def __init__(self, spec: CapacitySpec, global_batch_size: Optional[int],
+                 replicas_of: Optional[ReplicasOf] = None) -> None:
         self.spec = spec
         self.global_batch_size = global_batch_size
+        self.replicas_of = replicas_of
         self.source = "not yet resolved"
         # The one store: the training loader's schedule; before that loader, one without a global batch that holds
         # the capacities resolved at set-up. Capacities, caps and the split are read from it.
@@ -244,20 +253,18 @@ class SharePlan:
     def replicas(self) -> Optional[tuple[tuple[int, ...], ...]]:
         """Groups of ranks that train one replica together (a pipeline's stage ranks): training global batches are
         split over them as one, the least share per replica (:func:`~lightning_hetero.plan.split.split_replicas`);
-        ``None``: every rank its own replica. Evaluation, where every rank runs the whole model, splits by rank."""
+        ``None``: every rank its own replica. Evaluation, where every rank runs the whole model, splits by rank.
+        Set by :meth:`resolve` from the constructor's ``replicas_of``."""
         return self._replicas
-
-    @replicas.setter
-    def replicas(self, value: Optional[Sequence[Sequence[int]]]) -> None:
-        self._replicas = None if value is None else tuple(tuple(g) for g in value)
-        if self._schedule is not None:
-            self._schedule.set_replicas(self._replicas)
 
     # -- writers: the lab set-up, then profiling, rebalancing and resume through `adopt` ------------------------------
     def resolve(self, devices: Sequence[DeviceInfo], dtype: torch.dtype) -> None:
-        """Capacities that need no measurement (the ``capacities`` argument against the lab's devices)."""
+        """Capacities that need no measurement (the ``capacities`` argument against the lab's devices), and the
+        replicas ``replicas_of`` groups the ranks into on them."""
         weights, self.source = resolve_static_capacities(self.spec, devices, dtype)
         self._schedule = ShareSchedule(None, weights)
+        if self.replicas_of is not None:
+            self._replicas = check_replicas(self.replicas_of(devices, self._schedule.capacities), len(devices))
         self._schedule.set_replicas(self._replicas)
         self._schedule.set_min_share(self._min_share)
         self._loader_bound = False

@@ -39,7 +39,7 @@ from lightning_hetero.observe.notices import restore_inexact_resume_warning
 from lightning_hetero.plan.capacity import CapacitySpec, parse_capacities
 from lightning_hetero.plan.profile_run import Measure, ShareProfiler
 from lightning_hetero.plan.rebalance import ShareController
-from lightning_hetero.plan.shares import SharePlan
+from lightning_hetero.plan.shares import ReplicasOf, SharePlan
 from lightning_hetero.plan.state import ShareState
 from lightning_hetero.resilience.hooks import ResilienceHooks
 from lightning_hetero.strategies.predictions import PaddingPredictions
@@ -52,11 +52,11 @@ class HeteroCore:
     def __init__(self, view: StrategyView, capacity_spec: CapacitySpec, global_batch_size: Optional[int],
                  options: Options, emulate: Optional[list[Optional[EmulationSpec]]],
                  precision_policy: Optional[PrecisionPolicy], sharded: bool = False,
-                 measure: Optional[Measure] = None) -> None:
+                 measure: Optional[Measure] = None, replicas_of: Optional[ReplicasOf] = None) -> None:
         self.view = view
         self.options = options
         self.sharded = sharded  # the model's forward and backward issue collectives: steps are timed in lockstep
-        self.plan = SharePlan(capacity_spec, global_batch_size)
+        self.plan = SharePlan(capacity_spec, global_batch_size, replicas_of)
         self.lab = LabSetup(view, options, emulate)
         self.precision = RankPrecision(view, precision_policy)
         self.resilience = ResilienceHooks(view, options.resilience)
@@ -123,10 +123,12 @@ class HeteroCore:
 
 def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: Optional[int], options: Options,
                         emulate: Any, precision_policy: Any, precision_plugin: Any,
-                        sharded: bool = False, measure: Optional[Measure] = None) -> HeteroCore:
+                        sharded: bool = False, measure: Optional[Measure] = None,
+                        replicas_of: Optional[ReplicasOf] = None) -> HeteroCore:
     """A strategy's core from its user-facing arguments, each checked with the argument named (``sharded``: the
     model's parameters are sharded, so its forward and backward issue collectives; ``measure``: how a layout whose
-    replicas are not single ranks profiles them, :class:`~lightning_hetero.plan.profile_run.ShareProfiler`)."""
+    replicas are not single ranks profiles them, :class:`~lightning_hetero.plan.profile_run.ShareProfiler`;
+    ``replicas_of``: how such a layout groups its ranks, :class:`~lightning_hetero.plan.shares.SharePlan`)."""
     check("", "global_batch_size", global_batch_size, global_batch_size is None or (
         is_int(global_batch_size) and global_batch_size >= 1), "a positive integer or None")
     policy = parse_precision_policy(precision_policy)
@@ -137,4 +139,4 @@ def core_from_arguments(view: StrategyView, capacities: Any, global_batch_size: 
     if refused:
         raise ValueError(next(iter(refused.values())))
     return HeteroCore(view, spec, global_batch_size, options, parse_emulate(emulate), policy, sharded,
-                      measure)
+                      measure, replicas_of)

@@ -21,7 +21,7 @@ data-parallel replica holding the whole model. The composition, in the order a f
    trained parameter and the whole optimizer state) writes a full, layout-free checkpoint.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -35,14 +35,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-import lightning_hetero._compat as _compat
 from lightning_hetero.config import (DataSplit, Observation, Profiling, Resilience, StartMethod,
                                      from_flat_arguments)
+from lightning_hetero.grad.clipping import clipping_by_whole_norm
 from lightning_hetero.grad.precision import PrecisionPolicyArg
 from lightning_hetero.grad.stage_compression import StageCompressionArg, parse_stage_compression
 from lightning_hetero.grad.compression import warn_double_momentum
 from lightning_hetero.grad.stage_sync import StageSync
 from lightning_hetero.grad.weighting import loss_weight
+from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.plan.layout import HybridLayout
 from lightning_hetero.strategies.arguments import parallel_arguments
@@ -190,9 +191,10 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
                                split_points, options.data)
         super().__init__(**parallel_arguments(options, start_method, process_group_backend, accelerator,
                                               parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
-        # Measured capacities time a pipeline as one replica.
+        # Measured capacities time a pipeline as one replica; the plan splits training batches over replicas.
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin, measure=self._profile_layout)
+                                        precision_plugin, measure=self._profile_layout,
+                                        replicas_of=self._layout_replicas)
         self.pipelines, self.micro_batches, self.schedule = pipelines, micro_batches, schedule
         self.split_points, self.stage_compression = split_points, compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
@@ -213,16 +215,22 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         return profile_layout(self, sampler, dataloader)
 
     # -- set-up: the layout, its groups, this rank's stage --------------------------------------------------------
+    def _layout_replicas(self, devices: Sequence[DeviceInfo],
+                         capacities: Sequence[float]) -> tuple[tuple[int, ...], ...]:
+        """The job's layout, chosen when the plan has resolved the capacities (it asks, in ``setup_environment``;
+        a method: the spawn launcher pickles it), and its replicas for the plan: a pipeline is one replica, its
+        least share one sample, not one per stage rank."""
+        assert self.pipelines is not None
+        layout = self.layout = plan_layout(self.pipelines, connected_module(self), devices, capacities,
+                                           float(self.core.options.profiling.memory_headroom), self.world_size)
+        self.pipelines = [list(p) for p in layout.pipelines]
+        return layout.replicas
+
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
-        assert self.pipelines is not None
-        layout = self.layout = plan_layout(self.pipelines, connected_module(self), self.lab.devices,
-                                           self.plan.capacities, float(self.core.options.profiling.memory_headroom),
-                                           self.world_size)
-        self.pipelines = [list(p) for p in layout.pipelines]
-        # A pipeline is one replica: its least share is one sample, not one per stage rank.
-        self.plan.replicas = layout.replicas
+        super().setup_environment()  # the plan resolves the capacities, then `_layout_replicas` picks the layout
+        layout = self.layout
+        assert layout is not None
         check_pipeline_modes(self.core.precision.modes, layout.pipelines)
         # `new_group` is collective: every rank builds every group, in the same order.
         groups = [dist.new_group(list(p)) for p in layout.pipelines]
@@ -246,6 +254,9 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         fitting = trainer.state.fn == TrainerFn.FITTING
         check_pipelined_run(self.precision_plugin, connected_module(self), fitting and self.layout is not None
                             and bool(self.layout.pipelines))
+        # Lightning clips by norm in the precision plugin, by this rank's gradients: a stage rank's are one stage's.
+        # The strategy's own plugin (a copy of the one it was given) clips by the whole model's norm.
+        self.precision_plugin = clipping_by_whole_norm(self.precision_plugin, self._clip_by_whole_norm)
         super().setup(trainer)
         if fitting and self.stage_exchange is not None:
             self.stage_exchange.agree_overlap(connected_module(self), trainer.callbacks, self.root_device)
@@ -261,14 +272,11 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         broadcast_start(connected_module(self), parked, self.root_device)
         if self.replica is not None:
             self.replica.optimizers = self.optimizers
-        # Lightning clips each rank's gradients by their own norm: a stage rank's are one stage's.
-        _compat.clip_by_norm_with(self.precision_plugin, self.clip_grad_by_norm)
 
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+    def _clip_by_whole_norm(self, params: list[Tensor], max_norm: float) -> None:
         """Lightning's clipping by norm, by the whole model's norm: a stage rank's own gradients are one stage's."""
         assert self.stage_sync is not None
-        params = list(self.precision_plugin.main_params(optimizer))
-        self.stage_sync.clip_grad_norm(connected_module(self), params, float(clip_val), self.root_device)
+        self.stage_sync.clip_grad_norm(connected_module(self), params, max_norm, self.root_device)
 
     @property
     def overlapping(self) -> bool:

@@ -181,10 +181,18 @@ def test_a_pipeline_is_one_replica_whose_least_share_is_one_sample() -> None:
         split_replicas(12, [1, 1, 1], [[0], [1]])
 
     cpus = [DeviceInfo(r, "host", "cpu", "cpu", (0, 0), 2**34, 2) for r in range(3)]
-    plan = SharePlan(parse_capacities([6, 0.5, 0.5]), global_batch_size=12)
+    plan = SharePlan(parse_capacities([6, 0.5, 0.5]), global_batch_size=12,
+                     replicas_of=lambda devices, capacities: [[0], [1, 2]])
     plan.resolve(cpus, torch.float32)
-    plan.replicas = [[0], [1, 2]]
-    assert plan.split == (11, 1, 0)  # before any loader: what the lab table reads
+    assert plan.replicas == ((0,), (1, 2))
+    assert plan.split == (11, 1, 0)
+    # The layout is chosen on the resolved capacities; one that does not cover every rank once is refused.
+    asked = []
+    SharePlan(parse_capacities([6, 0.5, 0.5]), 12, lambda d, c: asked.append((len(d), tuple(c))) or [[0], [1, 2]]
+              ).resolve(cpus, torch.float32)
+    assert asked == [(3, (6.0, 0.5, 0.5))]
+    with pytest.raises(ValueError, match="`replicas`"):
+        SharePlan(parse_capacities([6, 0.5, 0.5]), 12, lambda d, c: [[0], [2, 1]]).resolve(cpus, torch.float32)  # before any loader: what the lab table reads
     train = _training_sampler(plan, 48, 12)
     assert train.split_at(0) == [11, 1, 0] and [len(b) for b in train][:2] == [11, 11]
     # Evaluation runs the whole model on every rank: its schedule splits by rank.
@@ -203,11 +211,12 @@ def test_a_global_batch_needs_one_sample_per_replica_not_per_rank() -> None:
     from lightning_hetero.plan.shares import ShareSchedule
 
     cpus = [DeviceInfo(r, "host", "cpu", "cpu", (0, 0), 2**34, 2) for r in range(4)]
-    plan = SharePlan(parse_capacities("equal"), global_batch_size=3)
-    plan.resolve(cpus, torch.float32)
+    by_rank = SharePlan(parse_capacities("equal"), global_batch_size=3)
+    by_rank.resolve(cpus, torch.float32)
     with pytest.raises(ValueError, match=r"`global_batch_size`=3 is smaller than the world size 4"):
-        plan.new_schedule(3)
-    plan.replicas = [[0], [1], [2, 3]]
+        by_rank.new_schedule(3)
+    plan = SharePlan(parse_capacities("equal"), global_batch_size=3, replicas_of=lambda d, c: [[0], [1], [2, 3]])
+    plan.resolve(cpus, torch.float32)
     assert plan.split == (1, 1, 1, 0)
     train = _training_sampler(plan, 19, 3)
     assert [train.split_at(k, train.global_batch_len(k)) for k in (0, 6)] == [[1, 1, 1, 0], [0, 0, 1, 0]]
@@ -217,9 +226,9 @@ def test_a_global_batch_needs_one_sample_per_replica_not_per_rank() -> None:
     with pytest.raises(ValueError, match=r"`global_batch_size`=2 is smaller than the world size 4"):
         ShareSchedule(2, [1, 1, 1, 1])
     # The least share is per replica too (BatchNorm trained unsynced: 2 each of 3 replicas).
-    unsynced = SharePlan(parse_capacities("equal"), global_batch_size=6)
+    unsynced = SharePlan(parse_capacities("equal"), global_batch_size=6, replicas_of=lambda d, c: [[0], [1], [2, 3]])
     unsynced.resolve(cpus, torch.float32)
-    unsynced.replicas, unsynced.min_share = [[0], [1], [2, 3]], 2
+    unsynced.min_share = 2
     assert _training_sampler(unsynced, 12, 6).split_at(0) == [2, 2, 1, 1]
     with pytest.raises(ValueError, match=r"`global_batch_size`=5 is smaller than 2 x the 3 replicas"):
         unsynced.use_train_schedule(unsynced.new_schedule(5))

@@ -184,7 +184,8 @@ def test_checkpointing_in_place_recomputes_and_keeps_parameter_names():
 
 
 
-def _strategy_fit(tmp_path, capacities, optimizer="sgd", n=53, epochs=3, strategy_kwargs=None, **trainer_kwargs):
+def _strategy_fit(tmp_path, capacities, optimizer="sgd", n=53, epochs=3, strategy_kwargs=None, after_backward=None,
+                  **trainer_kwargs):
     seed_everything(0)
     model = TinyModel(optimizer, n=n, batch_size=4)
     reference_model = copy.deepcopy(model)
@@ -192,7 +193,8 @@ def _strategy_fit(tmp_path, capacities, optimizer="sgd", n=53, epochs=3, strateg
                                                                       **(strategy_kwargs or {})},
                               max_epochs=epochs, strategy_class=HeteroFSDPStrategy, **trainer_kwargs)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
-    ref_params, _ = reference_run(reference_model, len(capacities), capacities, epochs, accumulate=accumulate)
+    ref_params, _ = reference_run(reference_model, len(capacities), capacities, epochs, accumulate=accumulate,
+                                  after_backward=after_backward)
     return records, ref_params
 
 
@@ -204,6 +206,21 @@ def test_strategy_equals_one_process(tmp_path, capacities, optimizer):
     for step, expected in enumerate(ref_params):
         for r in records[1:]:
             assert torch.equal(r["params"][step], records[0]["params"][step])
+        assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE, step
+
+
+@pytest.mark.slow
+def test_norm_clipping_under_sharding_equals_one_process(tmp_path):
+    """`gradient_clip_val` by norm: a rank holds shards of the gradients (DTensors), whose norm torch's
+    `clip_grad_norm_` (Lightning's clipping) reduces over the mesh: every rank clips by the whole model's norm."""
+    max_norm = 0.02
+    records, ref_params = _strategy_fit(tmp_path, [3, 1], epochs=1, gradient_clip_val=max_norm,
+                                        after_backward=lambda m: nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+    seed_everything(0)
+    unclipped, _ = reference_run(TinyModel("sgd", n=53, batch_size=4), 2, [3, 1], 1)
+    assert max_rel_diff(unclipped[-1], ref_params[-1]) > 1e-3  # the clipping bites
+    for step, expected in enumerate(ref_params):
+        assert torch.equal(records[1]["params"][step], records[0]["params"][step])
         assert max_rel_diff(records[0]["params"][step], expected) <= TOLERANCE, step
 
 

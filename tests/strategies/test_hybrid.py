@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hetero.strategies.hybrid import HeteroHybridStrategy
@@ -420,6 +421,42 @@ def test_norm_clipping_uses_the_whole_models_norm(tmp_path):
     assert max_rel_diff(unclipped[-1], ref_params[-1]) > 1e-3  # the clipping bites
     records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities), 1, gradient_clip_val=max_norm)
     assert max_rel_diff(_flat(records[0]["params"][-1]), ref_params[-1]) <= 2e-5
+    for r in (1, 2):
+        for name in records[r]["owned"]:
+            assert torch.equal(records[r]["params"][-1][name], records[0]["params"][-1][name])
+
+
+class GivenPlugin(Callback):
+    """Per rank, after the fit: whether the precision plugin passed to the strategy still clips by norm with its
+    class's own method (the strategy clips through a plugin of its own)."""
+
+    def __init__(self, plugin, out_dir):
+        self.plugin, self.out_dir = plugin, out_dir
+
+    def teardown(self, trainer, pl_module, stage):
+        untouched = ("clip_grad_by_norm" not in vars(self.plugin)
+                     and self.plugin.clip_grad_by_norm.__func__ is type(self.plugin).clip_grad_by_norm)
+        torch.save(untouched, os.path.join(self.out_dir, f"given{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_norm_clipping_under_bf16_mixed_leaves_the_given_plugin_alone(tmp_path):
+    """A user's bf16-mixed plugin and `gradient_clip_val`: clipped by the whole model's norm as one process clips
+    (within bf16's rounding, far from the unclipped run), the plugin object the user passed unchanged on every rank."""
+    world, capacities, n, max_norm = 3, [2, 1, 1], 53, 0.02
+    seed_everything(0)
+    model = Chain(optimizer="sgd", n=n)
+    ref_params, _ = reference_run(_clipped_by_norm(copy.deepcopy(model), max_norm), world, capacities, 1)
+    unclipped, _ = reference_run(copy.deepcopy(model), world, capacities, 1)
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    records = fit(model, str(tmp_path), world, hybrid([[1, 2]], capacities, precision_plugin=plugin), 1,
+                  callbacks=[GivenPlugin(plugin, str(tmp_path))], default_root_dir=str(tmp_path),
+                  gradient_clip_val=max_norm)
+    final = _flat(records[0]["params"][-1])
+    diff, off = max_rel_diff(final, ref_params[-1]), max_rel_diff(final, unclipped[-1])
+    print(f"bf16-mixed, clipped by norm: rel diff {diff:.2e} (from the unclipped run: {off:.2e})")
+    assert diff <= 1e-3 < off
+    assert [torch.load(os.path.join(str(tmp_path), f"given{r}.pt")) for r in range(world)] == [True] * world
     for r in (1, 2):
         for name in records[r]["owned"]:
             assert torch.equal(records[r]["params"][-1][name], records[0]["params"][-1][name])
