@@ -109,7 +109,8 @@ class Lever:
         for item in filter(None, text.split("+")):
             key, sep, value = item.partition("=")
             if not sep or not value:
-                raise ValueError(f"`--levers` item {item!r} of {text!r}: give key=value (caps, gb, memory, keep_gathered)")
+                raise ValueError(f"`--levers` item {item!r} of {text!r}: give key=value (caps, gb, memory, "
+                                 "keep_gathered)")
             if key == "caps":
                 ok = value in ("measured", "peak", "equal") or all(_positive(v) for v in value.split("/"))
                 if not ok:

@@ -391,6 +391,8 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                 # (the same verdict on every rank: the plan is derived from every rank's numbers).
                 keep_blocks_gathered(self.lightning_module, False)
                 chosen = replace(chosen, keep_gathered=False)
+                rank_zero_info("memory plan: no room for the blocks kept gathered (`memory.keep_gathered` 'auto') "
+                               "once the step is counted: resharded after forward.")
                 steps = self._measure_steps(samples[self.global_rank])
                 self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
         except MemoryFitError as err:
