@@ -454,7 +454,7 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
 
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
         estimators.append(estimate_for)
-    if policy.keep_gathered == "auto":
+    if policy.keep_gathered == "auto" and shard_ranks > 1:  # a shard group of one gathers nothing over a link
         plans = _keep_gathered(plans, estimators)
     short = [p for p in plans if not p.fits]
     if short:
@@ -478,7 +478,8 @@ def _keep_gathered(plans: list[RankMemory], estimators: Sequence[Callable[..., R
     """``keep_gathered="auto"``: the plans with every block kept gathered from its forward to its backward where each
     rank's plan (its offloaded and recomputed blocks as chosen without) still fits with that, else ``plans``. One
     choice for the job: a rank that kept its blocks gathered would skip the backward's all-gathers the others join.
-    It is taken only where it costs no block recomputed or offloaded more."""
+    It is taken only where it costs no block recomputed or offloaded more, and with shard groups of more than one rank
+    (one rank's all-gather is a local copy: nothing to save for the memory it would hold)."""
     kept = [estimate_for(p.mode, True) for p, estimate_for in zip(plans, estimators)]
     return kept if all(p.fits for p in kept) else plans
 

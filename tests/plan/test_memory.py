@@ -233,6 +233,9 @@ def test_auto_keeps_the_blocks_gathered_where_every_rank_still_fits():
     assert all(p.fits for p in plans)
     assert all(cell.endswith(", kept gathered (auto)") for cell in memory_column(plans, policy))
     assert "blocks kept gathered forward to backward" in plans[1].describe()
+    # One rank per shard group (alone, or HSDP with one GPU per host) all-gathers nothing: resharded.
+    alone = resolve_memory(policy, small, [A100], [6], [device_budget(A100, 0.1)], 1, GIB)
+    assert alone[0].fits and not alone[0].keep_gathered
 
 
 def test_auto_reshards_every_rank_when_one_rank_has_no_room_for_the_gathered_model():
