@@ -23,9 +23,7 @@ norm, known only after the last gradient), no loss scaler and no ``resilience.no
 the step after the backward), automatic optimization, and a LightningModule that overrides none of
 ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``. Elsewhere the fused step runs
 after the closure, as the plain step does. The overlap is armed only inside the optimizer's ``step``, which Lightning
-calls on the last micro-step of an accumulation window only, so accumulating micro-steps never update (nor start a
-worker); and only for the blocks whose gradients' arrival it can see (none before the closure): no worker starts
-where every block's gradient already exists (``zero_grad(set_to_none=False)``).
+calls on the last micro-step of an accumulation window only, so accumulating micro-steps never update.
 
 Example::
 
@@ -69,8 +67,7 @@ class HostStepStats:
     threads: int = 0  # intra-op threads the host update ran with (as observed in the thread that ran it)
     blocks_overlapped: int = 0
     blocks: int = 0
-    # The overlap's looks for arrived gradients; 0 where it had nothing to watch and started no worker.
-    polls: int = 0
+    polls: int = 0  # the overlap worker's looks for newly arrived gradients
 
     @property
     def ns_per_parameter(self) -> Optional[float]:
@@ -143,8 +140,7 @@ class HostStep:
         done: set[int] = set()
         loss = None
         if closure is not None:
-            watched = _watchable(self.units) if self.overlap else []
-            worker = _Overlap(self, stats, done, watched) if watched else None
+            worker = _Overlap(self, stats, done) if self.overlap else None
             try:
                 with torch.enable_grad():
                     loss = closure()
@@ -189,32 +185,29 @@ class HostStep:
         self.optimizer.__dict__.pop("_hetero_host_step", None)
 
 
-def _watchable(units: Sequence[_Unit]) -> list[int]:
-    """The units whose gradients' arrival the overlap can see, in the order the backward meets them (the last block
-    first). A gradient that exists before the backward (``zero_grad(set_to_none=False)``, or none called) is
-    accumulated into in place: its unit waits for the end of the closure, and with every unit so, no worker starts."""
-    return [i for i in range(len(units) - 1, -1, -1) if all(p.grad is None for p in units[i].params)]
-
-
 class _Overlap:
-    """The worker thread of one step: steps each of the ``pending`` units once every gradient of it has arrived,
-    until :meth:`finish`; the units left are stepped after the closure."""
+    """The worker thread of one step: steps each unit once every gradient of it has arrived (a new ``grad``
+    object), until :meth:`finish`; the units left are stepped after the closure."""
 
-    def __init__(self, host: HostStep, stats: HostStepStats, done: set[int], pending: list[int]) -> None:
-        self.host, self.stats, self.done, self.pending = host, stats, done, pending
+    def __init__(self, host: HostStep, stats: HostStepStats, done: set[int]) -> None:
+        self.host, self.stats, self.done = host, stats, done
+        # A gradient that exists before the backward (not set to None by `zero_grad`) is accumulated into in place:
+        # its arrival cannot be seen, so its unit waits for the end of the closure.
+        self.before = [[p.grad for p in u.params] for u in host.units]
         self.stop = threading.Event()
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name="hetero-host-step", daemon=True)
         self.thread.start()
 
     def _arrived(self, index: int) -> bool:
-        return all(p.grad is not None for p in self.host.units[index].params)
+        unit = self.host.units[index]
+        return all(p.grad is not None and p.grad is not old for p, old in zip(unit.params, self.before[index]))
 
     def _run(self) -> None:
         try:
             torch.set_num_threads(self.host.threads)  # per thread: OpenMP's thread count is a per-thread setting
             self.stats.threads = torch.get_num_threads()
-            pending = self.pending
+            pending = list(range(len(self.host.units) - 1, -1, -1))  # the backward meets the last block first
             while pending and not self.stop.is_set():
                 self.stats.polls += 1
                 ready = [i for i in pending if self._arrived(i)]
