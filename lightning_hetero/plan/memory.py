@@ -426,7 +426,7 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
                    activation_bytes_per_sample: Optional[int] = None,
                    micro_limits: Optional[Sequence[Optional[int]]] = None,
                    steps: Optional[Sequence[Optional[StepBytes]]] = None) -> list[RankMemory]:
-    """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fit (see
+    """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fits (see
     :func:`_auto_plan`), and the job's ``keep_gathered`` (:func:`_keep_gathered`). ``micro_limits``: each rank's
     samples per forward/backward (``None``: no micro-batches), so a rank that splits its share is planned with the
     model gathered across its micro-batches and one micro-batch's activations. ``steps``: each rank's step bytes
