@@ -18,8 +18,10 @@ emulation timed on a fixed workload before its first step), in this order:
 2. **levers** (ours): one run per configuration of ``--levers``, each ``key=value`` joined by ``+``:
    ``caps=measured`` (the solo rates of step 1), ``caps=peak``, ``caps=equal`` or ``caps=5/1``; ``gb=16`` (global
    batch; default the config's ``batch_size`` × 2); ``memory=auto`` (any ``memory`` rule);
-   ``keep_gathered=true`` (``MemoryPolicy(keep_gathered=True)``: FSDP's ``reshard_after_forward=False``, one
-   all-gather per block and step instead of two). E.g. ``--levers "caps=measured,caps=measured+keep_gathered=true"``.
+   ``keep_gathered=true|false|auto`` (``MemoryPolicy(keep_gathered=...)``; default ``auto``, the plan's choice:
+   FSDP's ``reshard_after_forward=False``, one all-gather per block and step instead of two, where memory allows).
+   E.g. ``--levers "caps=measured,caps=measured+keep_gathered=false"``: the plan's choice against blocks resharded
+   after forward. Each run records the choice (``keep_gathered``, also in the table's plans).
 3. **baseline**: Lightning's ``FSDPStrategy`` (``fsdp``; ``fsdp:offload`` with its CPU offload) at every global
    batch a lever ran, equal batches, every step under the rank's emulation; ``ddp`` on CPU, where Lightning's FSDP
    does not run, to exercise the path.
@@ -57,7 +59,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -75,10 +77,11 @@ from lightning_hetero.rehearse.launch import free_port, launch_ranks  # noqa: E4
 
 OURS = "hetero_fsdp"
 BASELINES = {"fsdp": ("real_fsdp", None), "fsdp:offload": ("real_fsdp", "offload"), "ddp": ("real_ddp", None)}
-# The config's batch (8: 7 + 1 at the measured rates), then a third less traffic on the PCIe-class link, then twice the
-# batch (each card's compute against the same traffic and fixed costs), then both.
-DEFAULT_LEVERS = ("caps=measured,caps=measured+keep_gathered=true,caps=measured+gb=16,"
-                  "caps=measured+gb=16+keep_gathered=true")
+# The config's batch (8: 7 + 1 at the measured rates) with the plan's choice of keeping blocks gathered, then with them
+# resharded after forward (a third more traffic on the PCIe-class link), then twice the batch (each card's compute
+# against the same traffic and fixed costs), then both.
+DEFAULT_LEVERS = ("caps=measured,caps=measured+keep_gathered=false,caps=measured+gb=16,"
+                  "caps=measured+gb=16+keep_gathered=false")
 # The big check's model: width, heads and sequence of the 1.1B config's family, vocabulary padded as nanoGPT does.
 BIG_SEQ, BIG_VOCAB = 512, 50304
 # CPU AdamW cost assumed by the big check's time estimate (ns per offloaded parameter and step, 16 host cores): an
@@ -98,7 +101,7 @@ class Lever:
     capacities: str = "measured"
     global_batch: Optional[int] = None
     memory: str = "auto"
-    keep_gathered: bool = False
+    keep_gathered: Union[bool, str] = "auto"  # MemoryPolicy's: True, False or "auto" (the plan's choice)
 
     @classmethod
     def parse(cls, text: str) -> "Lever":
@@ -106,7 +109,8 @@ class Lever:
         for item in filter(None, text.split("+")):
             key, sep, value = item.partition("=")
             if not sep or not value:
-                raise ValueError(f"`--levers` item {item!r} of {text!r}: give key=value (caps, gb, memory)")
+                raise ValueError(f"`--levers` item {item!r} of {text!r}: give key=value (caps, gb, memory, "
+                                 "keep_gathered)")
             if key == "caps":
                 ok = value in ("measured", "peak", "equal") or all(_positive(v) for v in value.split("/"))
                 if not ok:
@@ -119,9 +123,10 @@ class Lever:
             elif key == "memory":
                 fields["memory"] = value
             elif key == "keep_gathered":
-                if value not in ("true", "false"):
-                    raise ValueError(f"`--levers` keep_gathered={value!r}: true or false")
-                fields["keep_gathered"] = value == "true"
+                choices = {"true": True, "false": False, "auto": "auto"}
+                if value not in choices:
+                    raise ValueError(f"`--levers` keep_gathered={value!r}: true, false or auto")
+                fields["keep_gathered"] = choices[value]
             else:
                 raise ValueError(f"`--levers` key {key!r} of {text!r}: one of caps, gb, memory, keep_gathered")
         return cls(text, **fields)
@@ -140,7 +145,7 @@ class Lever:
         """Our strategy's arguments under this lever (as a config's ``init_args``); ``policy``: more
         :class:`~lightning_hetero.MemoryPolicy` fields."""
         memory: Any = self.memory
-        if self.keep_gathered or policy:
+        if self.keep_gathered != "auto" or policy:
             memory = {"rules": {"*": self.memory}, "keep_gathered": self.keep_gathered, **(policy or {})}
         args: dict[str, Any] = {"capacities": self.capacities_for(measured), "memory": memory}
         if self.global_batch:
@@ -215,7 +220,8 @@ def run_record(name: str, results: list[RankResult], global_batch: Optional[int]
     rate, spread = samples_per_s(results, global_batch)
     emulation, misses = emulation_check(results)
     return {"run": name, "samples_per_s": rate, "spread": spread, "split": results[0].split if results else None,
-            "plans": [r.plan for r in results], "batches": [r.batch for r in results],
+            "plans": [r.plan for r in results], "keep_gathered": results[0].keep_gathered if results else None,
+            "batches": [r.batch for r in results],
             "step_seconds": [r.step_time for r in results], "peak_bytes": [r.peak_allocated_bytes for r in results],
             "estimate_bytes": [r.estimated_bytes for r in results],
             "host_rss_bytes": [r.host_rss_bytes for r in results],
@@ -431,7 +437,7 @@ def format_pair(result: dict[str, Any]) -> str:
     for lever in result["levers"]:
         run = lever["runs"][0] if lever["runs"] else {}
         span = f"{_fmt(lever['samples_per_s'])} ({_fmt(lever['min'])}-{_fmt(lever['max'])})"
-        lines.append(f"{lever['lever']:<36} {str(run.get('split')):>9} {str(run.get('plans')):<28} {span:>22} "
+        lines.append(f"{lever['lever']:<36} {str(run.get('split')):>9} {_plans(run):<28} {span:>22} "
                      f"{_fmt(lever['over_sum_solo'])    :>7} {_fmt(lever['over_lightning']):>10}")
     shown = set()
     for base in result["baseline"]:
@@ -452,6 +458,11 @@ def format_pair(result: dict[str, Any]) -> str:
                      for e in run["emulation"]]
             lines.append(f"  {name:<36} " + "; ".join(cells) + "".join(f"  MISS {m}" for m in run["emulation_misses"]))
     return "\n".join(lines)
+
+
+def _plans(run: dict[str, Any]) -> str:
+    """A run's memory plans, and ``+gathered`` where its blocks stayed gathered from forward to backward."""
+    return str(run.get("plans")) + (" +gathered" if run.get("keep_gathered") else "")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -67,6 +67,7 @@ class HostStepStats:
     threads: int = 0  # intra-op threads the host update ran with (as observed in the thread that ran it)
     blocks_overlapped: int = 0
     blocks: int = 0
+    polls: int = 0  # the overlap worker's looks for newly arrived gradients
 
     @property
     def ns_per_parameter(self) -> Optional[float]:
@@ -208,6 +209,7 @@ class _Overlap:
             self.stats.threads = torch.get_num_threads()
             pending = list(range(len(self.host.units) - 1, -1, -1))  # the backward meets the last block first
             while pending and not self.stop.is_set():
+                self.stats.polls += 1
                 ready = [i for i in pending if self._arrived(i)]
                 if not ready:
                     time.sleep(POLL_S)

@@ -159,6 +159,20 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
         module.set_requires_gradient_sync(sync)
 
 
+def keep_blocks_gathered(module: nn.Module, keep: bool) -> None:
+    """Whether the sharded blocks of ``module`` keep their gathered parameters from forward to backward (FSDP2's
+    ``reshard_after_forward``, changed between steps); the root is FSDP's to decide. Every rank must set the same:
+    a block that stays gathered skips the all-gather of its backward.
+
+    Example::
+
+        >>> keep_blocks_gathered(model, False)   # on every rank, between steps
+    """
+    for m in module.modules():
+        if isinstance(m, FSDPModule) and m is not module:
+            m.set_reshard_after_forward(not keep, recurse=False)
+
+
 @contextmanager
 def gathered_across_micro_batches(module: nn.Module) -> Iterator[None]:
     """Around the forward and backward of every micro-batch but a rank's last in the step: the parameters stay

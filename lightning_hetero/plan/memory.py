@@ -18,6 +18,9 @@ Only placement and recomputation differ per rank: the block boundaries and the c
 The ``memory`` policy, in the style of ``precision_policy``: ``"auto"`` (per rank, the fewest offloaded blocks, then
 the fewest recomputed ones, that fit its budget: recomputing a block costs a fraction of its step, offloading one moves
 its optimizer step to the CPU), one rule for all, or a mapping from device-name substring or ``"rank:N"`` to a rule.
+One choice is the job's, not a rank's: ``keep_gathered`` (every block's parameters held gathered from its forward to
+its backward, one all-gather per block and step instead of two), which ``"auto"`` takes where every rank's plan
+still fits with it (:func:`resolve_memory`).
 A job that cannot fit fails before its first step, naming each rank's numbers; after the first steps the measured peak
 of each rank is set beside its estimate (:func:`peak_report`).
 
@@ -141,7 +144,8 @@ class MemoryPolicy:
         keep_gathered: keep each block's gathered parameters from its forward to its backward (FSDP's
             ``reshard_after_forward=False``) on every rank: one all-gather per block and step instead of two, a third
             less traffic on a slow link, for the whole model's parameters held on each device (counted by the plan).
-            One setting for the job: it decides which collectives every rank joins.
+            ``"auto"``: kept where every rank's plan still fits with them held (the blocks it offloads and recomputes
+            unchanged), else resharded. One setting for the job: it decides which collectives every rank joins.
         host_step: how the parameters in host memory (offloaded blocks) are stepped
             (:mod:`lightning_hetero.grad.host_optimizer`): ``"overlap"`` (torch's fused CPU Adam/AdamW, each block
             started as soon as its gradient is on the host, while the backward goes on; after the backward where
@@ -156,7 +160,7 @@ class MemoryPolicy:
     checkpointed_fraction: float = 0.5
     granularity: Granularity = "block"
     measure: bool = True
-    keep_gathered: bool = False
+    keep_gathered: Union[bool, Literal["auto"]] = "auto"
     host_step: HostStepMode = "overlap"
     host_threads: Optional[int] = None
 
@@ -177,7 +181,8 @@ class MemoryPolicy:
         check("memory", "granularity", self.granularity, self.granularity in get_args(Granularity),
               f"one of {get_args(Granularity)}")
         check("memory", "measure", self.measure, isinstance(self.measure, bool), "True or False")
-        check("memory", "keep_gathered", self.keep_gathered, isinstance(self.keep_gathered, bool), "True or False")
+        keep = self.keep_gathered
+        check("memory", "keep_gathered", keep, isinstance(keep, bool) or keep == "auto", "True, False or 'auto'")
         self.host  # checks host_step and host_threads
         fraction = self.checkpointed_fraction
         check("memory", "checkpointed_fraction", fraction, is_number(fraction) and 0 < fraction <= 1,
@@ -274,6 +279,7 @@ class RankMemory:
     # forward and backward at setup (:mod:`lightning_hetero.plan.activations`: "allocator", "live tensors").
     source: str = "formula"
     resident: int = 0  # measured: what the device holds besides the model's state (buffers, kernel workspaces)
+    keep_gathered: bool = False  # the job's blocks stay gathered from forward to backward (:class:`MemoryPolicy`)
 
     @property
     def activations(self) -> int:
@@ -295,7 +301,7 @@ class RankMemory:
     @property
     def gathered_what(self) -> str:
         if self.micro_batches <= 1:
-            return "gathered blocks"
+            return "blocks kept gathered forward to backward" if self.keep_gathered else "gathered blocks"
         return f"model gathered over {self.micro_batches} micro-batches"
 
     @property
@@ -359,7 +365,7 @@ def estimate(footprint: ModelFootprint, mode: str, device: DeviceInfo, shard_ran
         gathered = step.fixed + micro_batch_gathered_bytes(footprint, pieces)
         per_sample, source, resident = step.per_sample, step.source, step.resident
     return RankMemory(device.rank, device.name, rule_name(offload, checkpoint, n), shard, state, gathered, per_sample,
-                      piece_samples, budget, offload, checkpoint, n, pieces, source, resident)
+                      piece_samples, budget, offload, checkpoint, n, pieces, source, resident, keep_gathered)
 
 
 def micro_batches(samples: int, micro_limit: Optional[int]) -> tuple[int, int]:
@@ -421,29 +427,35 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
                    micro_limits: Optional[Sequence[Optional[int]]] = None,
                    steps: Optional[Sequence[Optional[StepBytes]]] = None) -> list[RankMemory]:
     """Every rank's plan and estimate: the rule's, or under ``"auto"`` the fastest that fits (see
-    :func:`_auto_plan`). ``micro_limits``: each rank's samples per forward/backward (``None``: no micro-batches), so a
-    rank that splits its share is planned with the model gathered across its micro-batches and one micro-batch's
-    activations. ``steps``: each rank's step bytes measured under its rule (``None``: counted); a rule of
-    ``"auto"`` with a measurement is an error (the measurement holds for the plan it ran). Deterministic in its
-    inputs, so every rank derives the same list. Raises :class:`MemoryFitError`
-    naming every rank's numbers when some rank does not fit."""
+    :func:`_auto_plan`), and the job's ``keep_gathered`` (:func:`_keep_gathered`). ``micro_limits``: each rank's
+    samples per forward/backward (``None``: no micro-batches), so a rank that splits its share is planned with the
+    model gathered across its micro-batches and one micro-batch's activations. ``steps``: each rank's step bytes
+    measured under its rule (``None``: counted); ``"auto"`` (a rule or ``keep_gathered``) with a measurement is an
+    error (the measurement holds for the plan it ran). Deterministic in its inputs, so every rank derives the same
+    list. Raises :class:`MemoryFitError` naming every rank's numbers when some rank does not fit."""
     per_sample = policy.activation_bytes_per_sample
     if per_sample is None:
         per_sample = activation_bytes_per_sample or 0
     limits = list(micro_limits) if micro_limits is not None else [None] * len(devices)
     measured = list(steps) if steps is not None else [None] * len(devices)
-    plans = []
+    if policy.keep_gathered == "auto" and any(s is not None for s in measured):
+        raise ValueError("a measured step holds for the plan it ran, not for `memory.keep_gathered` 'auto'.")
+    plans, estimators = [], []
     for device, count, budget, limit, step in zip(devices, samples, budgets, limits, measured):
         rule = policy.rank_rules.for_device(device)
         if rule == "auto" and step is not None:
             raise ValueError(f"rank {device.rank}: a measured step holds for the plan it ran, not for `memory` 'auto'.")
 
-        def estimate_for(mode: str, device: DeviceInfo = device, count: int = count, budget: int = budget,
-                         limit: Optional[int] = limit, step: Optional[StepBytes] = step) -> RankMemory:
+        def estimate_for(mode: str, keep: bool = policy.keep_gathered is True, device: DeviceInfo = device,
+                         count: int = count, budget: int = budget, limit: Optional[int] = limit,
+                         step: Optional[StepBytes] = step) -> RankMemory:
             return estimate(footprint, mode, device, shard_ranks, count, per_sample, budget,
-                            policy.checkpointed_fraction, limit, step, policy.keep_gathered)
+                            policy.checkpointed_fraction, limit, step, keep)
 
         plans.append(_auto_plan(footprint, policy.granularity, estimate_for) if rule == "auto" else estimate_for(rule))
+        estimators.append(estimate_for)
+    if policy.keep_gathered == "auto" and shard_ranks > 1:  # a shard group of one gathers nothing over a link
+        plans = _keep_gathered(plans, estimators)
     short = [p for p in plans if not p.fits]
     if short:
         # A rank that splits its share holds the whole model gathered: running it whole may be what fits.
@@ -455,21 +467,37 @@ def resolve_memory(policy: MemoryPolicy, footprint: ModelFootprint, devices: Seq
             "`max_batch_per_rank`), "
             + ("run their share whole (`data.micro_batch`: several micro-batches hold the whole model gathered), "
                if split else "")
+            + ("set `memory.keep_gathered` to 'auto' or False (True holds every block's parameters from its forward "
+               "to its backward), " if policy.keep_gathered is True else "")
             + "or use more ranks."
         )
     return plans
 
 
+def _keep_gathered(plans: list[RankMemory], estimators: Sequence[Callable[..., RankMemory]]) -> list[RankMemory]:
+    """``keep_gathered="auto"``: the plans with every block kept gathered from its forward to its backward where each
+    rank's plan (its offloaded and recomputed blocks as chosen without) still fits with that, else ``plans``. One
+    choice for the job: a rank that kept its blocks gathered would skip the backward's all-gathers the others join.
+    It is taken only where it costs no block recomputed or offloaded more, and with shard groups of more than one rank
+    (one rank's all-gather is a local copy: nothing to save for the memory it would hold)."""
+    kept = [estimate_for(p.mode, True) for p, estimate_for in zip(plans, estimators)]
+    return kept if all(p.fits for p in kept) else plans
+
+
 def memory_column(plans: Sequence[RankMemory], policy: MemoryPolicy) -> list[str]:
-    """Lab-table column: each rank's plan (``auto: ...`` when the policy chose it) and its estimate."""
+    """Lab-table column: each rank's plan (``auto: ...`` when the policy chose it), its estimate, and the blocks kept
+    gathered from forward to backward where they are (``(auto)`` when the policy chose it; ``resharded (auto)`` when
+    it chose not to)."""
     rules = policy.rank_rules
+    auto = " (auto)" if policy.keep_gathered == "auto" else ""
     column = []
     for p in plans:
         chosen = "auto: " if rules.lookup(p.rank, p.device) == "auto" else ""
         pieces = ""
         if p.micro_batches > 1:
             pieces = f", {p.micro_batches} micro-batches: {p.gathered / GIB:.2g} GiB gathered"
-        column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB{pieces}")
+        kept = f", kept gathered{auto}" if p.keep_gathered else (f", resharded{auto}" if auto else "")
+        column.append(f"{chosen}{p.mode} {p.needed / GIB:.2g}/{p.budget / GIB:.2g} GiB{pieces}{kept}")
     return column
 
 

@@ -62,6 +62,8 @@ class RankResult:
     capacities_asked: Optional[str] = None  # the strategy's `capacities` source ("auto", "profile", "peak", ...)
     split: Optional[list[int]] = None
     memory_modes: Optional[list[str]] = None
+    # A sharded strategy's blocks kept gathered from forward to backward (its memory plan's `keep_gathered`).
+    keep_gathered: Optional[bool] = None
     card_memory_bytes: Optional[int] = None
     local_memory_bytes: Optional[int] = None
     peak_allocated_bytes: Optional[int] = None

@@ -391,6 +391,7 @@ def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
         result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
         result.blocks = memory_plan[job.rank].blocks if memory_plan else None
         result.estimate_source = memory_plan[job.rank].source if memory_plan else None
+        result.keep_gathered = memory_plan[job.rank].keep_gathered if memory_plan else None
         result.plan = result.memory_modes[job.rank] if result.memory_modes else "replica"
     else:
         result.global_batch = (result.batch or 0) * len(job.lab)

@@ -68,6 +68,7 @@ from lightning_hetero.grad.sharding import (
     device_mesh,
     gathered_across_micro_batches,
     is_sharded,
+    keep_blocks_gathered,
     mixed_precision,
     set_gradient_sync,
     shard_module,
@@ -328,7 +329,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         modes = self.core.precision.modes or (str(getattr(self.precision_plugin, "precision", "32-true")),)
         shard_module(module, device_mesh(hosts, self.root_device.type), blocks, checkpoint=plan.checkpoint_blocks,
                      offload=plan.offload_blocks, mp_policy=mixed_precision(modes),
-                     reshard_after_forward=not self.memory_policy.keep_gathered)
+                     reshard_after_forward=not plan.keep_gathered)
         check_ties(module, self._ties_before_sharding)
         self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
@@ -376,11 +377,24 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             return
         slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
         self._footprint = replace(self._footprint, optimizer_slots=slots)
-        chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan})
+        chosen = replace(self.memory_policy, rules={f"rank:{p.rank}": p.mode for p in self.memory_plan},
+                         keep_gathered=self.memory_plan[0].keep_gathered)
         samples = list(sampler.split_at(0, sampler.global_batch_len(0)))
         steps = self._measure_steps(samples[self.global_rank])
         try:
-            self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
+            try:
+                self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
+            except MemoryFitError:
+                if not chosen.keep_gathered or self.memory_policy.keep_gathered != "auto":
+                    raise
+                # "auto" kept the blocks gathered by the count at setup; the step as it runs has no room: reshard
+                # (the same verdict on every rank: the plan is derived from every rank's numbers).
+                keep_blocks_gathered(self.lightning_module, False)
+                chosen = replace(chosen, keep_gathered=False)
+                rank_zero_info("memory plan: no room for the blocks kept gathered (`memory.keep_gathered` 'auto') "
+                               "once the step is counted: resharded after forward.")
+                steps = self._measure_steps(samples[self.global_rank])
+                self.memory_plan = self._plan_memory(samples, chosen, self._micro_limits(), steps)
         except MemoryFitError as err:
             unknown = []
             if steps is not None and any(rule == "auto" for _, rule in self.memory_policy.rank_rules.rules):

@@ -15,6 +15,7 @@ from lightning_hetero.plan.blocks import top_level_blocks
 from lightning_hetero.lab.devices import DeviceInfo
 from lightning_hetero.plan.memory import (
     GIB,
+    MemoryFitError,
     MemoryPolicy,
     ModelFootprint,
     device_budget,
@@ -186,8 +187,9 @@ def test_micro_batches_count_the_model_gathered_and_one_micro_batch_of_activatio
 
 def test_auto_chooses_with_the_micro_batches_counted():
     """The same job with the 3090 splitting its share: auto offloads blocks to make room for the gathered model,
-    the fewest that fit; the A100, which runs its share whole, is planned as before; the lab column says so."""
-    policy = parse_memory_policy("auto")
+    the fewest that fit; the A100, which runs its share whole, is planned as before; the lab column says so. (Blocks
+    resharded after forward: keeping them gathered is a choice of the whole job, see the tests below.)"""
+    policy = MemoryPolicy(keep_gathered=False)
     devices = (A100, RTX3090)
     budgets = [device_budget(d, policy.headroom) for d in devices]
     whole = resolve_memory(policy, FOOTPRINT, devices, [12, 4], budgets, 2, 2 * GIB)
@@ -212,6 +214,58 @@ def test_keep_gathered_counts_the_whole_model_held_from_forward_to_backward():
     assert plans[0].mode == "keep" and plans[1].offload_blocks > 0  # the 3090 offloads to hold the gathered model
     assert all(p.gathered == 4 * 250_000_000 + FOOTPRINT.parameter_bytes for p in plans)
     with pytest.raises(ValueError, match="keep_gathered"):
+        MemoryPolicy(keep_gathered="yes")
+
+
+def test_auto_keeps_the_blocks_gathered_where_every_rank_still_fits():
+    """``keep_gathered="auto"`` (the default): a 3 GB model leaves both cards room for every block's parameters held
+    from forward to backward, so the job keeps them gathered, each rank's blocks as chosen without; the lab column
+    says so."""
+    small = ModelFootprint(parameter_bytes=3_000_000_000, largest_block_bytes=100_000_000, blocks=30,
+                           optimizer_slots=2)
+    policy = MemoryPolicy()
+    assert policy.keep_gathered == "auto"
+    plans = _plan(policy, samples=(6, 2), per_sample=GIB, footprint=small)
+    resharded = _plan(MemoryPolicy(keep_gathered=False), samples=(6, 2), per_sample=GIB, footprint=small)
+    assert [p.keep_gathered for p in plans] == [True, True]
+    assert [p.mode for p in plans] == [p.mode for p in resharded] == ["keep", "keep"]
+    assert all(k.gathered - r.gathered == small.parameter_bytes for k, r in zip(plans, resharded))
+    assert all(p.fits for p in plans)
+    assert all(cell.endswith(", kept gathered (auto)") for cell in memory_column(plans, policy))
+    assert "blocks kept gathered forward to backward" in plans[1].describe()
+    # One rank per shard group (alone, or HSDP with one GPU per host) all-gathers nothing: resharded.
+    alone = resolve_memory(policy, small, [A100], [6], [device_budget(A100, 0.1)], 1, GIB)
+    assert alone[0].fits and not alone[0].keep_gathered
+
+
+def test_auto_reshards_every_rank_when_one_rank_has_no_room_for_the_gathered_model():
+    """The 3090 fits its whole share with every block resharded after forward (13.97 GiB of state, 2 GiB of
+    activations) but not with the 6.98 GiB model held gathered besides: no rank keeps its blocks gathered (the A100,
+    with room to spare, neither: a rank that kept them would skip the all-gathers of the backward the other joins),
+    and auto does not recompute or offload a block to make room."""
+    policy = MemoryPolicy()
+    plans = _plan(policy, samples=(12, 1))
+    assert [p.mode for p in plans] == ["keep", "keep"]
+    assert [p.keep_gathered for p in plans] == [False, False]
+    assert plans[1].fits
+    kept = estimate(FOOTPRINT, "keep", RTX3090, 2, 1, 2 * GIB, plans[1].budget, keep_gathered=True)
+    assert not kept.fits and plans[0].budget - plans[0].needed > FOOTPRINT.parameter_bytes  # the A100 had room
+    assert plans == _plan(MemoryPolicy(keep_gathered=False), samples=(12, 1))
+    assert all(cell.endswith(", resharded (auto)") for cell in memory_column(plans, policy))
+    # A card that checkpoints to fit has no room either.
+    assert not any(p.keep_gathered for p in _plan(policy))
+
+
+def test_keep_gathered_asked_where_it_cannot_fit_fails_naming_the_field():
+    with pytest.raises(MemoryFitError) as err:
+        _plan(MemoryPolicy(rules={"*": "keep"}, keep_gathered=True), samples=(12, 1))
+    message = str(err.value)
+    assert "rank 1 (NVIDIA GeForce RTX 3090, keep)" in message and "blocks kept gathered forward to backward" in message
+    assert "set `memory.keep_gathered` to 'auto' or False" in message
+    with pytest.raises(MemoryFitError) as err:
+        _plan(MemoryPolicy(rules={"*": "keep"}, keep_gathered="auto"), samples=(12, 8))
+    assert "keep_gathered" not in str(err.value)  # auto never asks for it
+    with pytest.raises(ValueError, match="`memory.keep_gathered`='yes' must be True, False or 'auto'"):
         MemoryPolicy(keep_gathered="yes")
 
 

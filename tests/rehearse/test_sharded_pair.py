@@ -36,6 +36,10 @@ def test_levers_parse_into_the_strategys_arguments():
         "capacities": [40.1235, 4.5], "memory": {"rules": {"*": "auto"}, "keep_gathered": True},
         "global_batch_size": 12}
     assert Lever.parse("caps=5/1+memory=keep").strategy_args(None) == {"capacities": [5.0, 1.0], "memory": "keep"}
+    # The plan's choice unless the lever names one: resharded after forward asked for as False.
+    assert Lever.parse("caps=5/1").keep_gathered == Lever.parse("caps=5/1+keep_gathered=auto").keep_gathered == "auto"
+    assert Lever.parse("caps=5/1+keep_gathered=false").strategy_args(None)["memory"] == {
+        "rules": {"*": "auto"}, "keep_gathered": False}
     assert Lever.parse("caps=peak").strategy_args(None)["capacities"] == "peak"
     with pytest.raises(ValueError, match="solo rates were not measured"):
         Lever.parse("caps=measured").strategy_args(None)

@@ -447,5 +447,5 @@ def test_a_sharding_choice_that_differs_between_ranks_is_named_before_any_collec
     with pytest.raises(Exception) as err:
         fit_distributed(TinyModel(n=32), str(tmp_path), 2, {"capacities": [1, 1]}, strategy_class=_KeepGatheredOnRank1)
     message = "".join(str(e) for e in (err.value, err.value.__cause__) if e is not None)
-    assert "`memory.keep_gathered` differs between ranks (rank 0: False, rank 1: True)" in message
+    assert "`memory.keep_gathered` differs between ranks (rank 0: auto, rank 1: True)" in message
     assert not (tmp_path / "rank0.pt").exists()

@@ -3,6 +3,7 @@ outside the blocks (embeddings, heads, the LightningModule's own) are gathered w
 stay one parameter; buffers, parameters unused on some steps, ``configure_model`` and compiled blocks work."""
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -346,17 +347,27 @@ def test_micro_batches_with_a_per_block_plan_equal_one_process(tmp_path):
 
 
 class RecordsItsResharding(WrapperModule):
-    """Writes, per rank, whether its blocks reshard after forward (FSDP2's flag as the strategy set it)."""
+    """Writes, per rank, whether its blocks reshard after forward (FSDP2's flag as the strategy set it) and whether
+    the memory plan kept them gathered, at the end and as sharded at setup (before the check of the first step)."""
 
     def __init__(self, out_dir: str, optimizer: str = "adamw", n: int = 40) -> None:
         super().__init__(optimizer, n=n)
         self.out_dir = out_dir
+        self.at_setup: tuple[list[bool], bool] = ([], False)
 
-    def on_train_end(self) -> None:
+    def _state(self) -> tuple[list[bool], bool]:
         from lightning_hetero._compat import fsdp_flags
 
-        flags = [fsdp_flags(block)[0] for block in self.model.blocks]
-        torch.save(flags, f"{self.out_dir}/reshard{self.global_rank}.pt")
+        plan = self.trainer.strategy.memory_plan[self.global_rank]
+        return [fsdp_flags(block)[0] for block in self.model.blocks], plan.keep_gathered
+
+    def on_train_start(self) -> None:  # Lightning runs the module's hook before the strategy's
+        self.at_setup = self._state()
+
+    def on_train_end(self) -> None:
+        flags, kept = self._state()
+        torch.save({"reshard": flags, "kept": kept, "at_setup": self.at_setup},
+                   f"{self.out_dir}/reshard{self.global_rank}.pt")
 
 
 @pytest.mark.slow
@@ -369,4 +380,42 @@ def test_blocks_kept_gathered_until_their_backward_equal_one_process(tmp_path):
     records, ref_params = _fit_and_reference(tmp_path, RecordsItsResharding(str(tmp_path)), [3, 1],
                                              strategy_kwargs={"memory": MemoryPolicy(keep_gathered=True)})
     _assert_exact(records, ref_params)
-    assert [torch.load(tmp_path / f"reshard{r}.pt") for r in range(2)] == [[False, False]] * 2
+    assert [torch.load(tmp_path / f"reshard{r}.pt")["reshard"] for r in range(2)] == [[False, False]] * 2
+
+
+@pytest.mark.slow
+def test_auto_keeps_the_blocks_gathered_where_memory_allows_and_equals_one_process(tmp_path):
+    """The default ``memory="auto"`` on two CPU ranks with room to spare: the plan keeps every block gathered from
+    forward to backward on both ranks (recorded in the plan, applied to FSDP2's flags); one process's parameters."""
+    seed_everything(0)
+    records, ref_params = _fit_and_reference(tmp_path, RecordsItsResharding(str(tmp_path)), [3, 1])
+    _assert_exact(records, ref_params)
+    for r in range(2):
+        state = torch.load(tmp_path / f"reshard{r}.pt")
+        assert (state["reshard"], state["kept"]) == ([False, False], True)
+
+
+@pytest.mark.slow
+def test_auto_reshards_when_the_first_steps_counted_bytes_leave_no_room(tmp_path):
+    """Rank 1 capped so that, once its share's activations are counted before the first step, its plan fits only
+    with the blocks resharded after forward. At setup (shares not known yet) the plan kept them gathered; before the
+    first step every rank reshards them, and the fit is one process's."""
+    from lightning_hetero.plan.blocks import default_blocks
+    from lightning_hetero.plan.memory import MemoryPolicy, ModelFootprint
+
+    seed_everything(0)
+    model = RecordsItsResharding(str(tmp_path))
+    footprint = ModelFootprint.of(model, default_blocks(model), 2)  # AdamW: 2 slots
+    on_device = 2 * 2 * math.ceil(footprint.parameter_bytes / 2) + 4 * footprint.largest_block_bytes
+    cap = 2**20
+    budget = int(cap * 0.9)  # the default headroom
+    # Rank 1's 2 samples fill the budget but for half the model: room for no gathered copy of it.
+    per_sample = (budget - on_device - footprint.parameter_bytes // 2) // 2
+    policy = MemoryPolicy(activation_bytes_per_sample=per_sample)
+    records, ref_params = _fit_and_reference(tmp_path, model, [3, 1], strategy_kwargs={
+        "memory": policy, "emulate": [None, {"memory_gib": cap / 2**30}]})
+    _assert_exact(records, ref_params)
+    for r in range(2):
+        state = torch.load(tmp_path / f"reshard{r}.pt")
+        assert state["at_setup"] == ([False, False], True)
+        assert (state["reshard"], state["kept"]) == ([True, True], False)

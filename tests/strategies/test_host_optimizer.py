@@ -122,6 +122,20 @@ def test_overlapped_host_step_equals_plain_adamw(tmp_path, schedule):
 
 
 @pytest.mark.slow
+def test_under_accumulation_the_overlap_runs_on_the_stepping_micro_step_only_and_equals_plain_adamw(tmp_path):
+    """``accumulate_grad_batches=2``: 6 micro-steps, 3 optimizer steps. The wrapped step (and its worker) runs on
+    every second micro-step only, overlapping both offloaded blocks there; the parameters equal the plain AdamW's."""
+    plain = _fit(str(tmp_path / "plain"), "plain", max_steps=3, accumulate_grad_batches=2)
+    overlapped = _fit(str(tmp_path / "overlap"), "overlap", max_steps=3, accumulate_grad_batches=2)
+    assert len(overlapped[0]["params"]) == 6
+    _same_params(overlapped, plain)
+    records = [step[0] for step in overlapped[1]["host"]]  # after each micro-step: the last optimizer step's record
+    assert [r["steps"] for r in records] == [0, 1, 1, 2, 2, 3]
+    stepped = records[1::2]
+    assert all(r["overlap"] and r["blocks_overlapped"] == r["blocks"] == 2 and r["polls"] > 0 for r in stepped)
+
+
+@pytest.mark.slow
 def test_with_gradient_clipping_the_host_step_runs_after_the_backward_and_equals_plain_adamw(tmp_path):
     plain = _fit(str(tmp_path / "plain"), "plain", gradient_clip_val=0.05)
     fused = _fit(str(tmp_path / "overlap"), "overlap", gradient_clip_val=0.05)
