@@ -30,6 +30,7 @@ def test_every_strategy_is_observed(make):
 def test_no_strategy_lists_the_protocol_members_itself():
     """The face is its own object: the strategy classes keep the few public names the docs give, no more."""
     documented = {"lab", "plan", "share_controller", "emulation", "comm_bytes_last_step"}
+    documented.add("sharded")  # a fact of the class, which the rehearsal reads before a strategy exists
     for cls in (HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy):
         assert not (set(MEMBERS) - documented) & set(dir(cls)), cls.__name__
 

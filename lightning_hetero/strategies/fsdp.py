@@ -245,6 +245,7 @@ class HeteroFSDPStrategy(FSDP2Lifecycle):
     """
 
     strategy_name = "hetero_fsdp"
+    sharded = True
 
     def __init__(
         self,
@@ -278,12 +279,11 @@ class HeteroFSDPStrategy(FSDP2Lifecycle):
         super().__init__(**parallel_arguments(options, start_method, process_group_backend, accelerator,
                                               parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
-                                        precision_plugin, sharded=True)
+                                        precision_plugin, sharded=self.sharded)
         self.hetero = ShardedFacade(self)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
-        # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
-        self.memory_peaks: Optional[list[Optional[int]]] = None
+        self.memory_peaks: Optional[list[Optional[int]]] = None  # measured after the first steps (CUDA)
         self._footprint: Optional[ModelFootprint] = None
         self.host_steps: list[HostStep] = []  # the wrapped steps of the optimizers with offloaded parameters
 
@@ -297,7 +297,10 @@ class HeteroFSDPStrategy(FSDP2Lifecycle):
     def configure_ddp(self) -> None:
         module = connected_module(self)  # sharded in place: `self.model` stays the LightningModule
         blocks = self.blocks or default_blocks(module)
-        self._check_same_sharding(blocks)
+        # The choices that decide which collectives every rank joins (one host's config that differs would hang the
+        # first all-gather until the resilience timeout instead).
+        _same_on_every_rank({"blocks": sorted(f"{b.__module__}.{b.__qualname__}" for b in blocks),
+                             "memory.keep_gathered": self.memory_policy.keep_gathered}, self.world_size)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         # The plan's split of an explicit global batch (none yet otherwise: the shares are known at the loader).
         # Explicit micro-batch limits are known here, before the loader; "auto" ones follow the profiled caps and
@@ -312,20 +315,6 @@ class HeteroFSDPStrategy(FSDP2Lifecycle):
                      reshard_after_forward=not self.memory_policy.keep_gathered)
         check_ties(module, self._ties_before_sharding)
         self.hetero.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
-
-    def _check_same_sharding(self, blocks: tuple[type[nn.Module], ...]) -> None:
-        """The choices that decide which collectives every rank joins, equal on every rank (one host's config that
-        differs would hang the first all-gather until the resilience timeout instead)."""
-        mine = {"blocks": sorted(f"{b.__module__}.{b.__qualname__}" for b in blocks),
-                "memory.keep_gathered": self.memory_policy.keep_gathered}
-        every: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(every, mine)
-        for field in mine:
-            values = [e[field] for e in every]
-            if any(v != values[0] for v in values):
-                each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(f"`{field}` differs between ranks ({each}): it must be the same on every rank of a "
-                                 "sharded job.")
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy, micro: Optional[list[Optional[int]]],
                      steps: Optional[list[Optional[StepBytes]]] = None) -> list[RankMemory]:
@@ -465,6 +454,22 @@ class ShardedFacade(HeteroFacade):
     @property
     def memory_plan(self) -> Optional[list[Any]]:
         return self.owner.memory_plan
+
+
+def _same_on_every_rank(mine: dict[str, Any], world_size: int) -> None:
+    """Refuse, naming the field and every rank's value, a setting in ``mine`` that differs between ranks (a
+    collective: every rank calls it).
+
+        >>> _same_on_every_rank({"memory.keep_gathered": False}, world_size=2)
+    """
+    every: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(every, mine)
+    for field in mine:
+        values = [e[field] for e in every]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"`{field}` differs between ranks ({each}): it must be the same on every rank of a "
+                             "sharded job.")
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

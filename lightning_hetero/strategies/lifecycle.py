@@ -75,6 +75,7 @@ class HeteroLifecycle(DDPStrategy):
     """
 
     strategy_name: str  # the name of the strategy's line in lightning_hetero/registry.py
+    sharded: bool = False  # parameters sharded across ranks: a fact of the class (the rehearsal reads it)
     core: HeteroCore
     hetero: HeteroFacade  # the public, read-only face (strategies/facade.py)
     exchange: GradExchange = InBackward()  # how the gradients cross ranks in a step (called in one place below)
@@ -130,14 +131,7 @@ class HeteroLifecycle(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
-        # Evaluating: Lightning's prediction sampler asserts a sample on every rank (the batch sampler gives a
-        # sampleless rank a padding step), and a standalone validate / test would warn that a DistributedSampler
-        # replicates samples (the batch sampler evaluates each sample once).
-        trainer = _compat.trainer_of(self.lightning_module) if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self.core.loaders.sampler_kwargs()
 
     @override
     def setup_environment(self) -> None:
