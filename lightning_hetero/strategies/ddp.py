@@ -183,7 +183,8 @@ class HeteroDDPStrategy(HeteroLifecycle):
         self.hetero.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
             # Its own pacer: the link probe's bytes and pauses stay out of the training step's link statistics.
-            self.periodic.setup(self.lab, self.hetero.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
+            pacer = self.core.lab.link_pacer(len(self.lab.hosts))
+            self.periodic.setup(self.lab, self.hetero.groups, self.global_rank, pacer)
             self.hetero.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
 
     # -- the model ----------------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ from lightning_hetero.strategies.core import HeteroCore
 from lightning_hetero.strategies.facade import FromFacade, HeteroFacade
 
 
-
 # What an evaluation step logs for where it runs a batch not its own (a pipeline's joined batch): whether that is a
 # padding step, and its samples.
 StepRuns = tuple[bool, Optional[int]]
