@@ -136,7 +136,7 @@ def cpu_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None
         class WithoutStages(HeteroMonitor):
             def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
                 super().on_train_start(trainer, pl_module)
-                trainer.strategy.observe_pipeline_stage(None)
+                trainer.strategy.hetero.observe_pipeline_stage(None)
 
         toggled = WithoutStages(summary=False, warn=False, every_n_steps=args.exchange_every)
     else:

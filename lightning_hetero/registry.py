@@ -13,7 +13,7 @@ A new strategy is one module (``strategies/<name>.py``, see docs/development.md)
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 # Registry name suffix → Lightning launcher start method.
 LAUNCHERS: tuple[tuple[str, str], ...] = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
@@ -66,3 +66,16 @@ def entry(name: str) -> StrategyEntry:
 def entry_of(name: str) -> Optional[StrategyEntry]:
     """The entry whose name, or a launcher variant's (``"hetero_ddp_spawn"``), is ``name``; ``None`` if none."""
     return next((e for e in STRATEGIES if any(variant == name for variant, _ in e.variants())), None)
+
+
+def register_with_lightning(strategy_class: Any, strategy_registry: Any) -> None:
+    """Register the names of ``strategy_class``'s line (its ``strategy_name``) with Lightning's registry, one per
+    launcher variant.
+
+        >>> register_with_lightning(HeteroDDPStrategy, StrategyRegistry)   # "hetero_ddp", "hetero_ddp_spawn", ...
+    """
+    listed = entry(strategy_class.strategy_name)
+    for name, start_method in listed.variants():
+        if name not in strategy_registry:
+            strategy_registry.register(name, strategy_class, start_method=start_method,
+                                       description=f"{listed.description}, start '{start_method}'")

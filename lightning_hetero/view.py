@@ -58,10 +58,11 @@ class StrategyView(Protocol):
 @runtime_checkable
 class ObservedStrategy(Protocol):
     """What this package's callbacks (the monitor, the non-finite check, the rehearsal) read from a heterogeneous
-    strategy. A callback checks ``isinstance(trainer.strategy, ObservedStrategy)`` once and then reads typed members,
-    instead of probing attribute names: a renamed member fails the type check and the test that every strategy
-    satisfies this protocol, not a callback's feature silently. (Lightning's own strategies do not satisfy it: a
-    callback then runs without what only ours provide.)"""
+    strategy, through its face (``strategy.hetero``, :class:`~lightning_hetero.strategies.facade.HeteroFacade`). A
+    callback calls :func:`observed` once and then reads typed members, instead of probing attribute names: a renamed
+    member fails the type check and the test that every strategy's face satisfies this protocol, not a callback's
+    feature silently. (Lightning's own strategies have no face: a callback then runs without what only ours
+    provide.)"""
 
     @property
     def train_step_size(self) -> Optional[float]:
@@ -113,9 +114,25 @@ class ObservedStrategy(Protocol):
         """Time this rank's pipeline steps with ``timer`` (``None``: stop); False: no stage here."""
 
 
+@runtime_checkable
+class HeteroStrategy(Protocol):
+    """A strategy of this package: it owns its public face, ``hetero``."""
+
+    @property
+    def hetero(self) -> ObservedStrategy: ...
+
+
 def observed(strategy: object) -> Optional[ObservedStrategy]:
-    """``strategy`` as an :class:`ObservedStrategy`, or ``None`` (a Lightning strategy of its own)."""
-    return strategy if isinstance(strategy, ObservedStrategy) else None
+    """``strategy``'s face (``strategy.hetero``) as an :class:`ObservedStrategy`, or ``None`` (a Lightning strategy
+    of its own).
+
+        >>> hetero = observed(trainer.strategy)
+        >>> samples = hetero.train_step_size if hetero is not None else None
+    """
+    if not isinstance(strategy, HeteroStrategy):
+        return None
+    face = strategy.hetero
+    return face if isinstance(face, ObservedStrategy) else None
 
 
 # The running strategy's name, for messages from the modules both strategies share (set in

@@ -1,5 +1,6 @@
 """The callbacks read a strategy through one typed protocol (:class:`~lightning_hetero.view.ObservedStrategy`), not
-by probing attribute names: every strategy satisfies it, and a renamed member fails here."""
+by probing attribute names: every strategy's face (``strategy.hetero``) satisfies it, and a renamed member fails
+here."""
 
 import ast
 import pathlib
@@ -22,8 +23,16 @@ MEMBERS = sorted(name for name in vars(ObservedStrategy) if not name.startswith(
                          ids=["ddp", "fsdp", "hybrid"])
 def test_every_strategy_is_observed(make):
     strategy = make()
-    assert observed(strategy) is strategy
-    assert isinstance(strategy, ObservedStrategy)
+    assert observed(strategy) is strategy.hetero
+    assert isinstance(strategy.hetero, ObservedStrategy) and isinstance(strategy.hetero, HeteroFacade)
+
+
+def test_no_strategy_lists_the_protocol_members_itself():
+    """The face is its own object: the strategy classes keep the few public names the docs give, no more."""
+    documented = {"lab", "plan", "share_controller", "emulation", "comm_bytes_last_step"}
+    documented.add("sharded")  # a fact of the class, which the rehearsal reads before a strategy exists
+    for cls in (HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy):
+        assert not (set(MEMBERS) - documented) & set(dir(cls)), cls.__name__
 
 
 def test_lightning_strategies_are_not():
@@ -31,11 +40,15 @@ def test_lightning_strategies_are_not():
 
 
 def test_a_renamed_member_is_no_longer_observed():
-    """What a rename does: the strategy stops satisfying the protocol (so the tests above fail)."""
+    """What a rename does: the face stops satisfying the protocol, and the callbacks see no hetero strategy (so the
+    tests above fail)."""
     for name in MEMBERS:
-        renamed = type("Renamed", (HeteroDDPStrategy,), {name: property(lambda self: (_ for _ in ()).throw(
+        renamed = type("Renamed", (HeteroFacade,), {name: property(lambda self: (_ for _ in ()).throw(
             AttributeError(name)))})
-        assert not isinstance(renamed(), ObservedStrategy), name
+        strategy = HeteroDDPStrategy()
+        strategy.hetero = renamed(strategy)
+        assert not isinstance(strategy.hetero, ObservedStrategy), name
+        assert observed(strategy) is None, name
 
 
 def test_the_facade_defines_every_member():

@@ -51,6 +51,18 @@ class LoaderSplit:
         # This rank's samples per forward/backward (None: the whole share).
         self.micro_limit: Optional[int] = None
 
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's ``DistributedSampler`` arguments (the batch sampler replaces that sampler anyway): the
+        cluster's world size, not num_nodes × devices (unequal hosts). Evaluating: one replica, since Lightning's
+        prediction sampler asserts a sample on every rank (the batch sampler gives a sampleless rank a padding step),
+        and a standalone validate / test would warn that a DistributedSampler replicates samples (the batch sampler
+        evaluates each sample once)."""
+        view = self.view
+        trainer = _compat.trainer_of(view.lightning_module) if view.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": view.world_size, "rank": view.global_rank}
+
     def process_dataloader(self, dataloader: object) -> object:
         view = self.view
         trainer = _compat.trainer_of(view.lightning_module)

@@ -9,8 +9,10 @@ in place of Lightning's whenever torchrun launched the job.
 """
 
 import os
+from typing import Optional
 
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment, TorchElasticEnvironment
 from typing_extensions import override
 
 
@@ -29,3 +31,20 @@ class PerNodeTorchElasticEnvironment(TorchElasticEnvironment):
         if nodes is not None and int(nodes) != num_nodes:
             raise ValueError(f"You set `num_nodes={num_nodes}` but torchrun runs {nodes} nodes (--nnodes). "
                              f"Set `num_nodes={nodes}`.")
+
+
+def per_node_environment(environment: Optional[ClusterEnvironment], devices: Optional[list[torch.device]],
+                         ) -> tuple[Optional[ClusterEnvironment], Optional[list[torch.device]]]:
+    """The environment and devices a strategy launches with: under torchrun, :class:`PerNodeTorchElasticEnvironment`
+    in place of Lightning's, and CPU processes counted as torchrun started them on this node (``--nproc-per-node``:
+    they have no device to count). Otherwise both unchanged.
+
+        >>> strategy.cluster_environment, strategy.parallel_devices = per_node_environment(
+        ...     strategy.cluster_environment, strategy.parallel_devices)
+    """
+    if type(environment) is not TorchElasticEnvironment:
+        return environment, devices
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if local and devices and all(d.type == "cpu" for d in devices) and len(devices) != local:
+        devices = [torch.device("cpu")] * local
+    return PerNodeTorchElasticEnvironment(), devices

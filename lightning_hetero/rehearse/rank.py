@@ -386,7 +386,8 @@ def record_plan(result: RankResult, job: RankJob, strategy: Any) -> None:
         result.split, result.capacity_source = plan["split"], plan["capacity_source"]
         result.capacities_asked = strategy.plan.spec.source
         result.global_batch = plan["global_batch_size"]
-        memory_plan = strategy.memory_plan
+        ours = observed(strategy)
+        memory_plan = ours.memory_plan if ours is not None else None
         result.memory_modes = [p.mode for p in memory_plan] if memory_plan else None
         result.estimated_bytes = memory_plan[job.rank].needed if memory_plan else None
         result.blocks = memory_plan[job.rank].blocks if memory_plan else None

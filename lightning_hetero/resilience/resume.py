@@ -84,3 +84,15 @@ class ResumingMultiProcessingLauncher(ReportingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         with forwarding_signals(self):  # SIGTERM to this parent reaches the ranks
             return launch_resolved(super().launch, self.resume, function, args, kwargs, trainer)
+
+
+def resuming_launcher(strategy: Any, start_method: str, resume: Optional[str]) -> Any:
+    """Lightning's launcher for ``start_method`` (``"popen"``: the script launcher) resolving ``resume`` to the
+    trainer's ``ckpt_path`` before ``fit`` starts.
+
+        >>> strategy._launcher = resuming_launcher(strategy, "spawn", resume="last")
+    """
+    if start_method == "popen":
+        return ResumingSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes,
+                                          resume=resume)
+    return ResumingMultiProcessingLauncher(strategy, start_method=start_method, resume=resume)

@@ -18,8 +18,8 @@ one job and read the Lightning strategy through one typed :class:`~lightning_het
 and adds the callbacks the options ask for (pre-emption, monitor, non-finite check).
 
 :class:`~lightning_hetero.strategies.lifecycle.HeteroLifecycle` is the thin layer of Lightning strategy overrides
-that calls them at each lifecycle point; a strategy is ``class HeteroXStrategy(HeteroLifecycle, XStrategy)`` plus
-what its parallelism needs.
+that calls them at each lifecycle point; a strategy is ``class HeteroXStrategy(HeteroLifecycle)`` plus what its
+parallelism needs.
 """
 
 from typing import Any, Optional

@@ -16,7 +16,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -45,6 +44,7 @@ from lightning_hetero.plan.capacity import CapacitiesArg
 from lightning_hetero.grad.exchange import InBackward
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.facade import HeteroFacade
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 
 
@@ -62,7 +62,7 @@ def unused_parameters_hint(strategy: object) -> str:
     )
 
 
-class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
+class HeteroDDPStrategy(HeteroLifecycle):
     """Data-parallel training over unequal devices, with the math of one device on the global batch.
 
     The flat spellings of earlier releases (``timeout=``, ``resume=``, ``monitor=``, ``profile_steps=``,
@@ -171,19 +171,21 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.compression: Optional[GradientCompression] = None  # bytes per step, per-rank state (after setup)
         self.weighting: Optional[WeightingState] = None  # the comm hook's weights (None: weighted on the loss)
         self.exchange = InBackward(self._hook_bytes)  # the comm hook runs in the backward
+        self.hetero = DDPFacade(self)
 
     # -- set-up: links and compression ------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         host_link = self.core.lab.link_pacer(len(self.lab.hosts))
-        self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.groups,
+        self.compression_config, columns = resolve_compression(self.compression_request, self.lab, self.hetero.groups,
                                                                self.root_device, host_link, self.lightning_module)
-        self.add_lab_columns(columns)
+        self.hetero.add_lab_columns(columns)
         if self.periodic is not None:  # knows the hosts now; the lab table says what crosses them
             # Its own pacer: the link probe's bytes and pauses stay out of the training step's link statistics.
-            self.periodic.setup(self.lab, self.groups, self.global_rank, self.core.lab.link_pacer(len(self.lab.hosts)))
-            self.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
+            pacer = self.core.lab.link_pacer(len(self.lab.hosts))
+            self.periodic.setup(self.lab, self.hetero.groups, self.global_rank, pacer)
+            self.hetero.add_lab_columns({"between hosts": self.periodic.describe(self.lab)})
 
     # -- the model ----------------------------------------------------------------------------------------------------
     @override
@@ -221,7 +223,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         self.weighting = WeightingState(self.world_size, inner_hook=inner_hook, inner_state=inner_state)
         self.model.register_comm_hook(self.weighting, weighted_allreduce_hook)
         if emulator is not None and emulator.slows_cpu:
-            self.observe_backward_end(emulator.bucket_ready)
+            self.weighting.observe(emulator.bucket_ready)
 
     def _inner_comm_hook(self) -> tuple[Optional[Callable], Any]:
         """The averaging hook that receives the weighted bucket: the user's, compression, a paced link; else None."""
@@ -236,7 +238,7 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         if hook is None and wrapper is None:
             assert isinstance(self.model, DistributedDataParallel)
             self.compression = GradientCompression(
-                config, list(self.model.module.parameters()), self.world_size, self.root_device, self.groups,
+                config, list(self.model.module.parameters()), self.world_size, self.root_device, self.hetero.groups,
                 pacer=pacer if hierarchical else None,
             )
             self.core.resilience.rank_states.register("compression", self.compression)  # restored state loads here
@@ -278,12 +280,6 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
                     "normalise over; leave BatchNorm unsynced.")
         return super().batchnorm_sync_refusal()
 
-    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
-        """Call ``observer`` as each gradient bucket enters the comm hook (the last call: the backward ended)."""
-        if self.weighting is not None:
-            self.weighting.observe(observer, observe)
-        return self.weighting is not None
-
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         # The weighting keeps the batch's weight: manual optimization may run another backward in this batch.
@@ -306,9 +302,23 @@ class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy):
         _compat.augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=unused_parameters_hint(self))
         super().on_exception(exception)
 
-    @property
-    def owns_comm_hook(self) -> bool:
-        return self.weighting is not None
-
     def _hook_bytes(self) -> Optional[int]:  # the last step's bytes on the wire, where a compression hook counts them
         return self.compression.bytes_last_step if self.compression is not None else None
+
+
+class DDPFacade(HeteroFacade):
+    """The façade of :class:`HeteroDDPStrategy`: its weighting comm hook, where it registered one, marks the end of
+    the backward."""
+
+    owner: HeteroDDPStrategy
+
+    @property
+    def owns_comm_hook(self) -> bool:
+        return self.owner.weighting is not None
+
+    def observe_backward_end(self, observer: Callable[[], None], observe: bool = True) -> bool:
+        """Call ``observer`` as each gradient bucket enters the comm hook (the last call: the backward ended)."""
+        weighting = self.owner.weighting
+        if weighting is not None:
+            weighting.observe(observer, observe)
+        return weighting is not None

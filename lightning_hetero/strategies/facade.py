@@ -1,22 +1,24 @@
 """The public, read-only face of a heterogeneous strategy: what users, callbacks and tools read from it.
 
-:class:`HeteroFacade` is the base of :class:`~lightning_hetero.strategies.lifecycle.HeteroLifecycle`; it reads the
-strategy's :class:`~lightning_hetero.strategies.core.HeteroCore` (``self.core``) and overrides nothing of
+Each strategy owns one :class:`HeteroFacade` as ``strategy.hetero``: it reads the strategy's
+:class:`~lightning_hetero.strategies.core.HeteroCore` and its gradient exchange, and overrides nothing of
 Lightning's. It satisfies :class:`~lightning_hetero.view.ObservedStrategy`, the protocol this package's callbacks
-(the monitor, the non-finite check, the rehearsal) import instead of probing attribute names; a strategy whose
-parallelism has more to say (a comm hook's bytes, a pipeline stage to time) overrides the member in its own class.
+(the monitor, the non-finite check, the rehearsal) read through :func:`~lightning_hetero.view.observed` instead of
+probing attribute names; a strategy whose parallelism has more to say (a comm hook, a memory plan, a pipeline stage
+to time) gives its own small subclass in its module.
 
 Example::
 
-    if isinstance(trainer.strategy, ObservedStrategy):
-        print(trainer.strategy.capacity_source, trainer.strategy.train_step_size)
+    hetero = observed(trainer.strategy)   # trainer.strategy.hetero, or None for Lightning's own strategies
+    if hetero is not None:
+        print(hetero.capacity_source, hetero.train_step_size)
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, Protocol, TypeVar, overload
 
 from lightning_hetero.data.sampler import HeteroBatchSampler
-from lightning_hetero.grad.exchange import GradExchange, InBackward
+from lightning_hetero.grad.exchange import GradExchange
 from lightning_hetero.lab.emulator import Emulator
 from lightning_hetero.lab.groups import HeteroLab, LabGroups
 from lightning_hetero.plan.rebalance import ShareController
@@ -24,19 +26,34 @@ from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.strategies.core import HeteroCore
 
 
-class HeteroFacade:
-    """Read-only views of the core, and the defaults of :class:`~lightning_hetero.view.ObservedStrategy`."""
+T = TypeVar("T")
+
+
+class FacadeOwner(Protocol):
+    """What the façade reads from its strategy: the core, and the exchange (the hybrid's is built at set-up)."""
 
     core: HeteroCore
-    # How the gradients cross ranks in a step (the lifecycle calls it in one place).
-    exchange: GradExchange = InBackward()
-    # The model's parameters are sharded across ranks: its forward and backward issue collectives, and the options
-    # a sharded strategy refuses (`config.sharded_refusals`) are refused.
-    sharded: bool = False
+    exchange: GradExchange
+
+
+class HeteroFacade:
+    """Read-only views of the core, and the defaults of :class:`~lightning_hetero.view.ObservedStrategy`.
+
+    Example::
+
+        strategy.hetero.plan.split, strategy.hetero.lab.devices
+    """
+
     # Each rank holds every parameter's gradient after the exchange (a pipeline's stage rank: its stage's alone).
     holds_partial_gradients: bool = False
-    # Every rank's memory mode and estimate, where the strategy plans memory (the sharded one), after set-up.
-    memory_plan: Optional[list[Any]] = None
+    owner: FacadeOwner
+
+    def __init__(self, owner: FacadeOwner) -> None:
+        self.owner = owner
+
+    @property
+    def core(self) -> HeteroCore:
+        return self.owner.core
 
     @property
     def lab(self) -> HeteroLab:
@@ -78,6 +95,17 @@ class HeteroFacade:
         return self.core.shares.rebalance
 
     @property
+    def sharded(self) -> bool:
+        """The model's parameters are sharded across ranks: its forward and backward issue collectives, and the
+        options a sharded strategy refuses (``config.sharded_refusals``) are refused."""
+        return self.core.sharded
+
+    @property
+    def memory_plan(self) -> Optional[list[Any]]:
+        """Every rank's memory mode and estimate, where the strategy plans memory (the sharded one), after set-up."""
+        return None
+
+    @property
     def train_step_size(self) -> Optional[float]:
         """This rank's real samples (or token weight) in the current training batch."""
         return self.core.step.train_step_size()
@@ -85,7 +113,7 @@ class HeteroFacade:
     @property
     def comm_bytes_last_step(self) -> Optional[int]:
         """Bytes this rank handed to the last optimizer step's gradient collectives (None: nothing counts them)."""
-        return self.exchange.bytes_last_step
+        return self.owner.exchange.bytes_last_step
 
     @property
     def owns_comm_hook(self) -> bool:
@@ -124,3 +152,34 @@ class HeteroFacade:
     def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
         """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
         return False
+
+
+class FromFacade(Generic[T]):
+    """A strategy attribute that reads the same name off its façade (``strategy.hetero``): the public names the docs
+    give on the strategy itself (``strategy.plan``, ``strategy.lab`` ...).
+
+    Example::
+
+        class HeteroLifecycle(DDPStrategy):
+            plan: FromFacade[SharePlan] = FromFacade()   # strategy.plan is strategy.hetero.plan
+    """
+
+    name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, strategy: None, owner: type) -> "FromFacade[T]": ...
+
+    @overload
+    def __get__(self, strategy: "Faced", owner: type) -> T: ...
+
+    def __get__(self, strategy: Optional["Faced"], owner: type) -> Any:
+        return self if strategy is None else getattr(strategy.hetero, self.name)
+
+
+class Faced(Protocol):
+    """A strategy that owns a façade."""
+
+    hetero: HeteroFacade

@@ -16,7 +16,7 @@ fit meets it:
 3. the model (:func:`~lightning_hetero.grad.sharding.shard_module`): blocks, then the root, sharded on a 1-D mesh
    (one host) or a 2-D HSDP mesh (equal hosts), never splitting a tied parameter; the optimizers are built on the
    shards;
-4. the steps (:meth:`FSDP2Strategy.training_step` ...): each runs through the sharded root's ``__call__`` with its
+4. the steps (:meth:`FSDP2Lifecycle.run_step`): each runs through the sharded root's ``__call__`` with its
    ``forward`` redirected to the step, as Lightning runs DDP's wrapper, so the root's parameters are gathered whatever
    the step calls;
 5. exact weighting (:meth:`HeteroFSDPStrategy.weigh_loss`): each rank's loss times b_r·W/G, so FSDP's averaging
@@ -26,21 +26,21 @@ fit meets it:
    distributed checkpoint, resumable on another world size, exportable to one file.
 
 Lightning's own FSDP2 strategy (``ModelParallelStrategy``) needs the model to shard itself in ``configure_model`` and
-launches by script only, so :class:`FSDP2Strategy` below is built on ``DDPStrategy`` for its process group and
-launchers, and never builds a DDP wrapper.
+launches by script only, so :class:`FSDP2Lifecycle` below is built on the lifecycle (``DDPStrategy`` for its process
+group and launchers), and never builds a DDP wrapper. The chain: ``DDPStrategy`` ← ``HeteroLifecycle`` ←
+``FSDP2Lifecycle`` (FSDP2's Lightning overrides) ← ``HeteroFSDPStrategy`` (the memory plan and the weighting).
 """
 
 import importlib
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
@@ -96,22 +96,24 @@ from lightning_hetero.resilience.checkpoint import CheckpointError, verify_manif
 from lightning_hetero.resilience.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
-from lightning_hetero.strategies.lifecycle import HeteroLifecycle
+from lightning_hetero.strategies.facade import HeteroFacade
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle, StepName, connected_module
 from lightning_hetero.strategies.trial_step import sample_batches, trial_steps
 
 
 _ROOT_REDIRECTION = _compat.ForwardRedirection()
+# Each step's precision context, as Lightning's own steps enter it.
+_STEP_CONTEXTS: dict[str, Callable[[Precision], AbstractContextManager[Any]]] = {
+    "training_step": lambda p: p.train_step_context(), "validation_step": lambda p: p.val_step_context(),
+    "test_step": lambda p: p.test_step_context(), "predict_step": lambda p: p.predict_step_context()}
 
 # The measured peaks are compared with the plan after this many optimizer steps (the optimizer state exists by then).
 PEAK_AFTER_STEPS = 2
 
 
-class FSDP2Strategy(DDPStrategy):
-    """The parallelism: FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
-    recomputes and offloads comes from :meth:`shard`, which the hetero strategy supplies."""
-
-    def shard(self, module: nn.Module) -> None:
-        raise NotImplementedError
+class FSDP2Lifecycle(HeteroLifecycle):
+    """The lifecycle with FSDP2 sharding instead of the DDP wrapper, and sharded checkpoints. What each rank shards,
+    recomputes and offloads is the strategy's (its ``configure_ddp`` shards the model in place)."""
 
     @override
     def connect(self, model: Any) -> None:
@@ -120,31 +122,13 @@ class FSDP2Strategy(DDPStrategy):
         self._ties_before_sharding = tied_parameters(model)
 
     # -- steps: through the sharded root's `__call__`, so FSDP2's root pre-forward gathers the root's parameters ----
-    def _through_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+    @override
+    def run_step(self, name: StepName, *args: Any, **kwargs: Any) -> Any:
         # The root is the LightningModule itself, so Lightning's own steps call it unwrapped: a step that uses
         # `self.model(...)` would meet the root's parameters (embeddings, heads) still sharded.
-        module = self.lightning_module
-        return _ROOT_REDIRECTION(module, module, step, *args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._through_root("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._through_root("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._through_root("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._through_root("predict_step", *args, **kwargs)
+        module = connected_module(self)
+        with _STEP_CONTEXTS[name](self.precision_plugin):
+            return _ROOT_REDIRECTION(module, module, name, *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -152,10 +136,6 @@ class FSDP2Strategy(DDPStrategy):
         # whole model first would need it to fit the smallest card.
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             super().model_to_device()
-
-    @override
-    def configure_ddp(self) -> None:
-        self.shard(self.lightning_module)  # in place: `self.model` stays the LightningModule
 
     @contextmanager
     @override
@@ -186,17 +166,16 @@ class FSDP2Strategy(DDPStrategy):
         return {}
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
         # Rank 0 writes the directory's checksum manifest once every shard is on disk, before it is published.
         save_sharded(self.broadcast(str(filepath)), checkpoint, self.lightning_module, list(self.optimizers),
                      self.global_rank, self.barrier, before_publish=write_manifest)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
+    def read_checkpoint(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        path = self.broadcast(str(path))
         if not is_sharded_checkpoint(path):
-            load = super().load_checkpoint  # one full file (e.g. from one device)
-            return load(path, **_compat.weights_only_argument(load, weights_only))
+            return super().read_checkpoint(path, weights_only)  # one full file (e.g. from one device)
         problem = self.broadcast(verify_manifest(path) if self.global_rank == 0 else None)  # one verdict for all
         if problem is not None:
             raise CheckpointError(f"cannot resume from {path!r}: {problem}")
@@ -227,7 +206,7 @@ class FSDP2Strategy(DDPStrategy):
         super().teardown()
 
 
-class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
+class HeteroFSDPStrategy(FSDP2Lifecycle):
     """Sharded training over unequal devices: per-rank batch shares, per-rank memory modes, one device's math.
 
     Args:
@@ -302,10 +281,10 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                                               parallel_devices, cluster_environment, checkpoint_io, precision_plugin))
         self.core = core_from_arguments(self, capacities, global_batch_size, options, emulate, precision_policy,
                                         precision_plugin, sharded=self.sharded)
+        self.hetero = ShardedFacade(self)
         self._ties_before_sharding: list[tuple[str, ...]] = []  # recorded when Lightning connects the model
         self.memory_plan: Optional[list[RankMemory]] = None  # every rank's mode and estimate (after setup)
-        # Every rank's measured peak (CUDA; None elsewhere) after the first steps.
-        self.memory_peaks: Optional[list[Optional[int]]] = None
+        self.memory_peaks: Optional[list[Optional[int]]] = None  # measured after the first steps (CUDA)
         self._footprint: Optional[ModelFootprint] = None
         self.host_steps: list[HostStep] = []  # the wrapped steps of the optimizers with offloaded parameters
 
@@ -315,9 +294,14 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         return None if self._block_paths is None else tuple(_import_class(p) for p in self._block_paths)
 
     # -- memory plan and sharding ---------------------------------------------------------------------------------
-    def shard(self, module: nn.Module) -> None:
+    @override
+    def configure_ddp(self) -> None:
+        module = connected_module(self)  # sharded in place: `self.model` stays the LightningModule
         blocks = self.blocks or default_blocks(module)
-        self._check_same_sharding(blocks)
+        # The choices that decide which collectives every rank joins (one host's config that differs would hang the
+        # first all-gather until the resilience timeout instead).
+        _same_on_every_rank({"blocks": sorted(f"{b.__module__}.{b.__qualname__}" for b in blocks),
+                             "memory.keep_gathered": self.memory_policy.keep_gathered}, self.world_size)
         self._footprint = ModelFootprint.of(module, blocks, optimizer_slots(None))
         # The plan's split of an explicit global batch (none yet otherwise: the shares are known at the loader).
         # Explicit micro-batch limits are known here, before the loader; "auto" ones follow the profiled caps and
@@ -331,21 +315,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
                      offload=plan.offload_blocks, mp_policy=mixed_precision(modes),
                      reshard_after_forward=not plan.keep_gathered)
         check_ties(module, self._ties_before_sharding)
-        self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
-
-    def _check_same_sharding(self, blocks: tuple[type[nn.Module], ...]) -> None:
-        """The choices that decide which collectives every rank joins, equal on every rank (one host's config that
-        differs would hang the first all-gather until the resilience timeout instead)."""
-        mine = {"blocks": sorted(f"{b.__module__}.{b.__qualname__}" for b in blocks),
-                "memory.keep_gathered": self.memory_policy.keep_gathered}
-        every: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(every, mine)
-        for field in mine:
-            values = [e[field] for e in every]
-            if any(v != values[0] for v in values):
-                each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(f"`{field}` differs between ranks ({each}): it must be the same on every rank of a "
-                                 "sharded job.")
+        self.hetero.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
 
     def _plan_memory(self, samples: list[int], policy: MemoryPolicy, micro: Optional[list[Optional[int]]],
                      steps: Optional[list[Optional[StepBytes]]] = None) -> list[RankMemory]:
@@ -372,7 +342,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         if self.world_size > 1:
             torch.distributed.all_gather_object(notes, note)
         rank_zero_info("; ".join(f"rank {r}: {n}" for r, n in enumerate(notes)))
-        sampler = self.train_batch_sampler
+        sampler = self.core.loaders.train_sampler
         if sampler is None or self._footprint is None or self.memory_plan is None:
             return
         slots = optimizer_slots(self.optimizers[0] if self.optimizers else None)
@@ -412,7 +382,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
             # The model was sharded before the loader existed: its plan could not count what only the loader knows.
             raise MemoryFitError(f"{err} The plan was chosen at setup, before the batch shares, memory caps and "
                                  f"step bytes were known: {'; '.join(unknown)}.") from None
-        self.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
+        self.hetero.add_lab_columns({"memory": memory_column(self.memory_plan, self.memory_policy)})
         near = [p for p in self.memory_plan if p.near_budget]
         if near and self.global_rank == 0:
             rank_zero_warn("the memory plan fills its budget to within 2 % on " + "; ".join(p.describe() for p in near)
@@ -441,7 +411,7 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         # synchronises only inside a step.
         batch_norm = any(isinstance(m, _compat.BatchNormBase) and m.training for m in module.modules())
         resident = resident_bytes(self.root_device, module, self.optimizers)
-        trials = trial_steps(module, self.root_device, lambda batch: FSDP2Strategy.training_step(self, batch, 0),
+        trials = trial_steps(module, self.root_device, lambda batch: self.run_step("training_step", batch, 0),
                              self.batch_to_device)
         # On the step's stream: the trials allocate the kernel workspaces a step does.
         with trials as trial, self.core.lab.emulated_stream():
@@ -488,6 +458,32 @@ class HeteroFSDPStrategy(HeteroLifecycle, FSDP2Strategy):
         if share is None or self.world_size == 1:
             return loss
         return scaled(loss, loss_weight(share[0], share[1], self.world_size))
+
+
+class ShardedFacade(HeteroFacade):
+    """The façade of :class:`HeteroFSDPStrategy`: its memory plan."""
+
+    owner: "HeteroFSDPStrategy"
+
+    @property
+    def memory_plan(self) -> Optional[list[Any]]:
+        return self.owner.memory_plan
+
+
+def _same_on_every_rank(mine: dict[str, Any], world_size: int) -> None:
+    """Refuse, naming the field and every rank's value, a setting in ``mine`` that differs between ranks (a
+    collective: every rank calls it).
+
+        >>> _same_on_every_rank({"memory.keep_gathered": False}, world_size=2)
+    """
+    every: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(every, mine)
+    for field in mine:
+        values = [e[field] for e in every]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"`{field}` differs between ranks ({each}): it must be the same on every rank of a "
+                             "sharded job.")
 
 
 def _gather_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -30,7 +30,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
@@ -51,7 +50,8 @@ from lightning_hetero.strategies.core import core_from_arguments
 from lightning_hetero.strategies.hybrid_plan import (broadcast_start, check_hybrid_arguments, check_pipeline_modes,
                                                     check_pipelined_run, plan_layout, split_points_for)
 from lightning_hetero.strategies.hybrid_profile import profile_layout
-from lightning_hetero.strategies.lifecycle import HeteroLifecycle, attached_trainer, connected_module
+from lightning_hetero.strategies.facade import HeteroFacade
+from lightning_hetero.strategies.lifecycle import HeteroLifecycle, StepName, attached_trainer, connected_module
 from lightning_hetero.strategies.pipelined import PipelinedReplica
 from lightning_hetero.strategies.pipelined_step import PipelinedStep
 from lightning_hetero.strategies.stage_evaluation import StageEvaluation
@@ -61,9 +61,9 @@ from lightning_hetero.strategies.stage_exchange import StageExchange
 ScheduleName = Literal["gpipe", "1f1b"]
 
 
-class _UnwrappedDDP(DDPStrategy):
-    """Lightning's DDP strategy without its wrapper (gradients are exchanged per stage group), whose training step
-    on a stage rank is the pipeline's (inside the precision's autocast, as Lightning runs a step)."""
+class _UnwrappedDDP(HeteroLifecycle):
+    """The lifecycle without DDP's wrapper (gradients are exchanged per stage group), whose training step on a stage
+    rank is the pipeline's (inside the precision's autocast, as Lightning runs a step)."""
 
     replica: Optional[PipelinedReplica] = None
     runner: Optional[PipelinedStep] = None  # a stage rank's step
@@ -77,9 +77,9 @@ class _UnwrappedDDP(DDPStrategy):
         pass
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.runner is None:
-            return super().training_step(*args, **kwargs)
+    def run_step(self, name: StepName, *args: Any, **kwargs: Any) -> Any:
+        if self.runner is None or name != "training_step":
+            return super().run_step(name, *args, **kwargs)
         accumulate = attached_trainer(connected_module(self)).accumulate_grad_batches
         with self.precision_plugin.train_step_context():  # Lightning passes (batch, batch_idx) by position
             return self.runner.run(connected_module(self), args[0], args[1], accumulate)
@@ -97,7 +97,7 @@ class WholeModelAtTrainEnd(Callback):
         self.holding.hold_whole()
 
 
-class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
+class HeteroHybridStrategy(_UnwrappedDDP):
     """Data-parallel ranks and pipelined replicas in one job, with the math of one device on the global batch.
 
     Args:
@@ -154,8 +154,6 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
     """
 
     strategy_name = "hetero_hybrid"
-    # A stage rank holds one stage's gradients: the non-finite check agrees over every rank before it acts.
-    holds_partial_gradients = True
     stage_sync: Optional[StageSync] = None
     stage_exchange: Optional[StageExchange] = None
     evaluation: Optional[StageEvaluation] = None  # built with the layout
@@ -199,17 +197,7 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
         self.split_points, self.stage_compression = split_points, compression
         self.overlap_stage_exchange, self.pipelined_evaluation = overlap_stage_exchange, pipelined_evaluation
         self.layout: Optional[HybridLayout] = None
-
-    @property
-    def pipeline_ranks(self) -> Optional[list[list[int]]]:
-        return [list(p) for p in self.layout.pipelines] if self.layout is not None else None
-
-    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
-        """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
-        if self.replica is None:
-            return False
-        self.replica.timer = timer
-        return True
+        self.hetero = HybridFacade(self)
 
     def _profile_layout(self, sampler: Any, dataloader: Any) -> Any:  # a method: the spawn launcher pickles it
         return profile_layout(self, sampler, dataloader)
@@ -352,3 +340,24 @@ class HeteroHybridStrategy(HeteroLifecycle, _UnwrappedDDP):
 
     def batchnorm_sync_refusal(self) -> Optional[str]:
         return "a pipelined replica's stages hold different layers; BatchNorm cannot sync across them."
+
+
+class HybridFacade(HeteroFacade):
+    """The façade of :class:`HeteroHybridStrategy`: its pipelines, and a stage rank's steps to time."""
+
+    # A stage rank holds one stage's gradients: the non-finite check agrees over every rank before it acts.
+    holds_partial_gradients = True
+    owner: HeteroHybridStrategy
+
+    @property
+    def pipeline_ranks(self) -> Optional[list[list[int]]]:
+        layout = self.owner.layout
+        return [list(p) for p in layout.pipelines] if layout is not None else None
+
+    def observe_pipeline_stage(self, timer: Optional[Any]) -> bool:
+        """Time this rank's pipeline steps with the monitor's ``timer`` (``None``: stop); False: no stage here."""
+        replica = self.owner.replica
+        if replica is None:
+            return False
+        replica.timer = timer
+        return True

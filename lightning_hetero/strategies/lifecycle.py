@@ -2,20 +2,19 @@
 :class:`HeteroCore` (``core.lab``, ``core.plan``, ``core.shares``, ``core.loaders``, ``core.step``,
 ``core.resilience``).
 
-A strategy is ``class HeteroXStrategy(HeteroLifecycle, XStrategy)``: Python's method order runs these overrides
-first, and each hands on to the parallelism's own (``super()``).
+One chain of single inheritance: ``HeteroLifecycle(DDPStrategy)``, then a strategy's own class (or a class that
+gives another parallelism's Lightning overrides, then the strategy's). Where a parallelism runs a step or reads and
+writes checkpoints in its own way, it overrides the hook this layer calls there (:meth:`HeteroLifecycle.run_step`,
+:meth:`~HeteroLifecycle.read_checkpoint`, :meth:`~HeteroLifecycle.write_checkpoint`; DDP's by default).
 """
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
@@ -23,26 +22,25 @@ from typing_extensions import override
 
 import lightning_hetero._compat as _compat
 from lightning_hetero.grad.batchnorm import sync_for_strategy, synced_statistics
-from lightning_hetero.lab.environments import PerNodeTorchElasticEnvironment
+from lightning_hetero.grad.exchange import GradExchange, InBackward
+from lightning_hetero.lab.emulator import Emulator
+from lightning_hetero.lab.groups import HeteroLab
+from lightning_hetero.lab.environments import per_node_environment
 from lightning_hetero.observe.metrics import discard_padding_step, evaluation_padding, reduce_logged, step_indices
+from lightning_hetero.plan.rebalance import ShareController
+from lightning_hetero.plan.shares import SharePlan
 from lightning_hetero.view import name_running_strategy
-from lightning_hetero.registry import entry
-from lightning_hetero.resilience.resume import ResumingMultiProcessingLauncher, ResumingSubprocessLauncher
+from lightning_hetero.registry import register_with_lightning
+from lightning_hetero.resilience.resume import resuming_launcher
 from lightning_hetero.strategies.core import HeteroCore
-from lightning_hetero.strategies.facade import HeteroFacade
-
-
-# The lifecycle is mixed in before Lightning's DDPStrategy or a subclass of it (the concrete strategy supplies it at
-# run time): a type checker checks its `super()` calls against DDPStrategy.
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import DDPStrategy as _Parallel
-else:
-    _Parallel = object
+from lightning_hetero.strategies.facade import FromFacade, HeteroFacade
 
 
 # What an evaluation step logs for where it runs a batch not its own (a pipeline's joined batch): whether that is a
 # padding step, and its samples.
 StepRuns = tuple[bool, Optional[int]]
+# The strategy methods through which Lightning runs the LightningModule's steps.
+StepName = Literal["training_step", "validation_step", "test_step", "predict_step"]
 
 
 def _batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -66,18 +64,43 @@ def attached_trainer(module: LightningModule) -> Trainer:
     return trainer
 
 
-class HeteroLifecycle(HeteroFacade, _Parallel):
+class HeteroLifecycle(DDPStrategy):
     """Lightning strategy overrides that call the :class:`HeteroCore` (``self.core``) at each lifecycle point.
 
-    Mixed in before a Lightning parallel strategy: ``class HeteroDDPStrategy(HeteroLifecycle, DDPStrategy)``. The
-    concrete strategy provides :meth:`weigh_loss` (its exact gradient weighting, if done on the loss) and
-    :meth:`no_sync` (accumulation without gradient communication, for micro-batches).
+    A strategy subclasses it (``class HeteroDDPStrategy(HeteroLifecycle)``), builds ``self.core`` and its façade
+    ``self.hetero`` in its constructor, and overrides what its parallelism does otherwise: :meth:`weigh_loss` (its
+    exact gradient weighting, if done on the loss), :meth:`no_sync` (accumulation without gradient communication, for
+    micro-batches), :meth:`run_step` and the checkpoint hooks.
     """
 
     strategy_name: str  # the name of the strategy's line in lightning_hetero/registry.py
+    sharded: bool = False  # parameters sharded across ranks: a fact of the class (the rehearsal reads it)
+    core: HeteroCore
+    hetero: HeteroFacade  # the public, read-only face (strategies/facade.py)
+    exchange: GradExchange = InBackward()  # how the gradients cross ranks in a step (called in one place below)
     _stepping: bool = False  # inside the optimizer step's closure, whose backward the step's exchange follows
 
-    # -- what the parallelism supplies ------------------------------------------------------------------------------
+    # The public names the docs give on the strategy, each read off the façade.
+    lab: FromFacade[HeteroLab] = FromFacade()
+    plan: FromFacade[SharePlan] = FromFacade()
+    share_controller: FromFacade[ShareController] = FromFacade()
+    emulation: FromFacade[Optional[Emulator]] = FromFacade()
+    comm_bytes_last_step: FromFacade[Optional[int]] = FromFacade()
+
+    # -- what the parallelism supplies (DDP's by default) ----------------------------------------------------------
+    def run_step(self, name: StepName, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's step ``name`` as the parallelism does (DDP: through its wrapper)."""
+        return getattr(super(), name)(*args, **kwargs)
+
+    def read_checkpoint(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        """The checkpoint at ``path`` as the parallelism stores it (DDP: one file)."""
+        load = super().load_checkpoint
+        return load(path, **_compat.weights_only_argument(load, weights_only))
+
+    def write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Write ``checkpoint`` as the parallelism stores it (DDP: rank 0 writes one file)."""
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
     def weigh_loss(self, loss: Tensor) -> Tensor:
         """The loss this rank back-propagates for exact weighting (identity when the weighting happens elsewhere)."""
         return loss
@@ -92,48 +115,22 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
                     "BatchNorm collectives would not pair up; use one or the other.")
         return None
 
-    # -- registration --------------------------------------------------------------------------------------------
+    # -- registration and launch ----------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the names of this strategy's line in :mod:`lightning_hetero.registry` (its ``strategy_name``)
-        with Lightning's registry, one per launcher variant."""
-        listed = entry(cls.strategy_name)
-        for name, start_method in listed.variants():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"{listed.description}, start '{start_method}'")
+        register_with_lightning(cls, strategy_registry)  # its line in lightning_hetero/registry.py
 
-    # -- launch and process group ------------------------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
         # Hosts with unequal GPU counts (2 + 1): torchrun's ranks are right, Lightning's devices × nodes check is not.
-        if type(self.cluster_environment) is TorchElasticEnvironment:
-            self.cluster_environment = PerNodeTorchElasticEnvironment()
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-            devices = self.parallel_devices or []
-            if local and devices and all(d.type == "cpu" for d in devices) and len(devices) != local:
-                # CPU processes have no device to count: this node runs what torchrun started (--nproc-per-node).
-                self.parallel_devices = [torch.device("cpu")] * local
-        # Lightning's launchers, resolving `resilience.resume` to the trainer's `ckpt_path` before `fit` starts.
-        resume = self.core.options.resilience.resume
-        if self._start_method == "popen":
-            self._launcher = ResumingSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                        resume=resume)
-        else:
-            self._launcher = ResumingMultiProcessingLauncher(self, start_method=self._start_method, resume=resume)
+        self.cluster_environment, self.parallel_devices = per_node_environment(self.cluster_environment,
+                                                                               self.parallel_devices)
+        self._launcher = resuming_launcher(self, self._start_method, self.core.options.resilience.resume)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The cluster's world size, not num_nodes × devices (unequal hosts); the batch sampler replaces it anyway.
-        trainer = _compat.trainer_of(self.lightning_module) if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
-            # Lightning's prediction sampler (replaced too) asserts that every rank has a sample: one sample on two
-            # ranks would fail there, before the batch sampler gives the sampleless rank a padding step. And for a
-            # standalone validate / test it warns that a DistributedSampler replicates samples: not so here, the
-            # batch sampler evaluates each sample once.
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self.core.loaders.sampler_kwargs()
 
     @override
     def setup_environment(self) -> None:
@@ -162,7 +159,6 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
             _compat.set_layer_sync(self, plugin)
         super().setup(trainer)
 
-    # -- data -------------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
         return self.core.loaders.process_dataloader(dataloader)
@@ -189,11 +185,11 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
             micro = self.core.loaders.micro_limit
             sizes = step.micro_batch_sizes(_batch_size_of(args, kwargs)) if micro else None
             if sizes is None:
-                return super().training_step(*args, **kwargs)
+                return self.run_step("training_step", *args, **kwargs)
             optimizer = self.optimizers[0] if self.optimizers else None
             return step.run_micro_batches(
                 sizes, args[0] if args else kwargs["batch"],
-                forward=lambda chunk: super(HeteroLifecycle, self).training_step(chunk, *args[1:], **kwargs),
+                forward=lambda chunk: self.run_step("training_step", chunk, *args[1:], **kwargs),
                 # Lightning divides the step's loss by the accumulation window; the micro-batches' losses likewise.
                 backward=lambda loss: super(HeteroLifecycle, self).backward(
                     self.weigh_loss(loss / trainer.accumulate_grad_batches), optimizer),
@@ -244,22 +240,18 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("validation", "val_dataloaders", args, kwargs):
-            return super().validation_step(*args, **kwargs)
+            return self.run_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("test", "test_dataloaders", args, kwargs):
-            return super().test_step(*args, **kwargs)
+            return self.run_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluation_step("predict", "predict_dataloaders", args, kwargs) as padding:
-            output = super().predict_step(*args, **kwargs)
-        # A padding step runs for the collectives only: its sample is another rank's prediction.
-        batch_idx, dataloader_idx = step_indices(args, kwargs)
-        if batch_idx is not None:
-            self.core.predictions.step(batch_idx, dataloader_idx, padding)
-        return None if padding else output
+            output = self.run_step("predict_step", *args, **kwargs)
+        return self.core.predictions.step(step_indices(args, kwargs), padding, output)
 
     @override
     def on_predict_start(self) -> None:
@@ -300,8 +292,7 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
     # -- checkpoints and teardown -----------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        load = super().load_checkpoint
-        checkpoint = load(checkpoint_path, **_compat.weights_only_argument(load, weights_only))
+        checkpoint = self.read_checkpoint(checkpoint_path, weights_only)
         self.core.resilience.on_load(checkpoint, checkpoint_path)
         return checkpoint
 
@@ -309,7 +300,7 @@ class HeteroLifecycle(HeteroFacade, _Parallel):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self.core.on_save(checkpoint)
         with self.core.resilience.in_phase("checkpoint"):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            self.write_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def teardown(self) -> None:

@@ -20,7 +20,7 @@ Example::
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.callbacks import BasePredictionWriter
 
@@ -49,10 +49,16 @@ class PaddingPredictions:
                 writer.on_predict_epoch_end = functools.partial(self._epoch_end, writer.on_predict_epoch_end)
                 self._writers.append(writer)
 
-    def step(self, batch_idx: int, dataloader_idx: int, padding: bool) -> None:
-        """The strategy ran predict step ``batch_idx`` of loader ``dataloader_idx``, as a padding step or not."""
-        if padding:
+    def step(self, indices: tuple[Optional[int], int], padding: bool, output: Any) -> Any:
+        """The strategy ran the predict step at ``indices`` (batch, loader), as a padding step or not: its output as
+        the trainer gets it (a padding step runs for the collectives only: its sample is another rank's prediction).
+
+            >>> return predictions.step(step_indices(args, kwargs), padding, output)
+        """
+        batch_idx, dataloader_idx = indices
+        if padding and batch_idx is not None:
             self._padding.add((dataloader_idx, batch_idx))
+        return None if padding else output
 
     def end(self, trainer: Any) -> None:
         """After the prediction loop: padding entries out of the returned predictions; the writers as they were."""

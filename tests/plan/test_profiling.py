@@ -139,7 +139,7 @@ class _Probe(Callback):
         torch.save({"same_params": same,
                     "capacities": list(profile.capacities), "cost_s": profile.cost_s,
                     "split": list(strategy.plan.split), "table": strategy.lab.table(strategy.plan),
-                    "first_split": strategy.train_batch_sampler.split_at(0)},
+                    "first_split": strategy.hetero.train_batch_sampler.split_at(0)},
                    os.path.join(self.out_dir, f"probe{trainer.global_rank}.pt"))
         trainer.should_stop = True
 

@@ -65,7 +65,7 @@ class _Splits(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        sampler = trainer.strategy.train_batch_sampler
+        sampler = trainer.strategy.hetero.train_batch_sampler
         self.rows.append((trainer.current_epoch, batch_idx, sampler.split_at(batch_idx)[1],
                           [int(i) for i in batch[2]]))
 

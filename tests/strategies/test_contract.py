@@ -9,20 +9,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
 from torch import Tensor
 
 import lightning_hetero.registry as registry
+from lightning_hetero import HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy
 from lightning_hetero.config import Observation, Resilience, from_flat_arguments
 from lightning_hetero.grad.weighting import loss_weight
 from lightning_hetero.registry import StrategyEntry
 from lightning_hetero.strategies.arguments import parallel_arguments
 from lightning_hetero.strategies.core import core_from_arguments
+from lightning_hetero.strategies.facade import HeteroFacade
 from lightning_hetero.strategies.lifecycle import HeteroLifecycle
 from tests.helpers import TinyModel, fit_distributed, max_rel_diff, reference_run
 
 
-class HeteroSummedStrategy(HeteroLifecycle, DDPStrategy):
+class HeteroSummedStrategy(HeteroLifecycle):
     """Data parallel without DDP's wrapper: each rank's loss weighted b_r / G, the gradients summed over the ranks
     once, after the backward, before the optimizer step.
 
@@ -41,6 +43,7 @@ class HeteroSummedStrategy(HeteroLifecycle, DDPStrategy):
         options = from_flat_arguments(None, False, None, resilience, observation, flat={})
         super().__init__(**parallel_arguments(options, start_method, None, None, None, None, None, None))
         self.core = core_from_arguments(self, capacities, None, options, None, None, None)
+        self.hetero = HeteroFacade(self)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no wrapper: the gradients are summed in `optimizer_step`
@@ -80,6 +83,15 @@ def test_it_registers_under_its_name(registered):
     assert StrategyRegistry["hetero_summed_fork"]["strategy"] is HeteroSummedStrategy
     trainer = Trainer(accelerator="cpu", devices=2, strategy="hetero_summed_spawn", logger=False)
     assert isinstance(trainer.strategy, HeteroSummedStrategy) and trainer.strategy._start_method == "spawn"
+
+
+@pytest.mark.parametrize("cls", [HeteroDDPStrategy, HeteroFSDPStrategy, HeteroHybridStrategy, HeteroSummedStrategy])
+def test_every_strategy_is_one_chain_of_single_inheritance(cls):
+    """No mixins: each class of the package in a strategy's chain has one base, and the chain ends in Lightning's
+    DDPStrategy (what Lightning's own `isinstance` checks look for)."""
+    ours = [c for c in cls.__mro__ if c.__module__.startswith(("lightning_hetero", __name__))]
+    assert ours[-1] is HeteroLifecycle and all(len(c.__bases__) == 1 for c in ours), [c.__bases__ for c in ours]
+    assert issubclass(cls, DDPStrategy) and issubclass(cls, ParallelStrategy)
 
 
 @pytest.mark.slow

@@ -436,10 +436,10 @@ def test_registry_names_build_the_strategy():
 class _KeepGatheredOnRank1(HeteroFSDPStrategy):
     """One rank's config differs (as a second host's YAML might): rank 1 keeps its blocks gathered."""
 
-    def shard(self, module):
+    def configure_ddp(self):
         if self.global_rank == 1:
             self.memory_policy = dataclasses.replace(self.memory_policy, keep_gathered=True)
-        super().shard(module)
+        super().configure_ddp()
 
 
 @pytest.mark.slow

@@ -115,7 +115,8 @@ def test_padding_entries_leave_the_stored_predictions_and_the_writers_are_restor
     padding.start(trainer)
     for loader in range(loaders):
         for step in range(3):
-            padding.step(step, loader, padding=step == 2)
+            output = padding.step((step, loader), padding=step == 2, output=f"p{step}")
+            assert output == (None if step == 2 else f"p{step}")  # a padding step's output reaches no one
             writer.on_predict_batch_end(trainer, None, None, None, step, loader)
     assert writer.steps == [0, 1] * loaders  # never the padding step
     padding.end(trainer)
