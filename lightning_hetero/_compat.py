@@ -471,3 +471,16 @@ def cuda_spin(cycles: int) -> None:
     import torch
 
     torch.cuda._sleep(int(cycles))
+
+
+@contextmanager
+def optimizers_set_aside(strategy: object) -> "Iterator[None]":
+    """Inside, ``strategy`` lists no optimizers, its ``optimizers`` untouched otherwise: Lightning's
+    ``Strategy.teardown`` moves every optimizer's state to the CPU and has no switch to leave it (its
+    ``FSDPStrategy`` skips that base teardown altogether)."""
+    optimizers = strategy._optimizers  # type: ignore[attr-defined]
+    strategy._optimizers = []  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        strategy._optimizers = optimizers  # type: ignore[attr-defined]

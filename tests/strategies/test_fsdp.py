@@ -449,3 +449,22 @@ def test_a_sharding_choice_that_differs_between_ranks_is_named_before_any_collec
     message = "".join(str(e) for e in (err.value, err.value.__cause__) if e is not None)
     assert "`memory.keep_gathered` differs between ranks (rank 0: auto, rank 1: True)" in message
     assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_teardown_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):
+    """Lightning's base teardown copies every optimizer state to the host; a host already full of offloaded blocks
+    cannot take that copy (the 13B GPT's rank was killed there), and Lightning's own FSDPStrategy skips it."""
+    import lightning.pytorch.strategies.strategy as strategy_module
+
+    moved: list[int] = []
+    real = strategy_module._optimizers_to_device
+    monkeypatch.setattr(strategy_module, "_optimizers_to_device",
+                        lambda optimizers, device: (moved.append(len(optimizers)), real(optimizers, device)))
+    seed_everything(0)
+    strategy = HeteroFSDPStrategy(observation={"print_table": False})
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path))
+    trainer.fit(TinyModel("adam", n=16, batch_size=4))
+    assert moved == [0]
+    assert len(trainer.optimizers) == 1 and trainer.optimizers[0].state  # the state kept, not dropped
