@@ -465,6 +465,10 @@ def test_teardown_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=str(tmp_path))
-    trainer.fit(TinyModel("adam", n=16, batch_size=4))
+    try:
+        trainer.fit(TinyModel("adam", n=16, batch_size=4))
+    finally:  # a process group of one, in this process: later tests start their own
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert moved == [0]
     assert len(trainer.optimizers) == 1 and trainer.optimizers[0].state  # the state kept, not dropped
