@@ -492,6 +492,39 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_big(result: dict[str, Any], path: str) -> None:
+    """The big check: each run's samples/s, and each profiled rank's step by kind (device compute, copies,
+    collectives; the host optimizer's seconds, overlapped or waited for)."""
+    from plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    runs = result["runs"]
+    fig, (rates, split) = plt.subplots(1, 2, figsize=(12, 4))
+    rates.bar([r["run"] for r in runs], [r["samples_per_s"] or 0 for r in runs],
+              color=["tab:orange" if r["run"].startswith("Lightning") else "tab:blue" for r in runs])
+    rates.set_ylabel("samples/s (0: the run did not finish)")
+    rates.tick_params(axis="x", rotation=20)
+    bars = [(f"{r['run']}\nrank {s['rank']}", s) for r in runs for s in r.get("split") or []]
+    kinds = {"step (wall)": lambda s: s["wall_s"], "device compute": lambda s: s["device_s"]["compute"],
+             "device copies": lambda s: s["device_s"]["copies"],
+             "device collectives": lambda s: s["device_s"]["collectives"],
+             "host optimizer": lambda s: (s["host_optimizer"] or [{}])[0].get("seconds") or 0.0}
+    width = 0.8 / len(kinds)
+    for k, (kind, seconds) in enumerate(kinds.items()):
+        split.bar([i + (k - len(kinds) / 2 + 0.5) * width for i in range(len(bars))],
+                  [seconds(s) for _, s in bars], width=width, label=kind)
+    split.set_xticks(range(len(bars)), [n for n, _ in bars])
+    split.set_ylabel("seconds in the profiled step (kinds run at once)")
+    split.legend(fontsize=7)
+    model = result["model"]
+    fig.suptitle(f"GPT {model['layers']}x{model['width']} ({result['estimate']['parameters'] / 1e9:.2f}B) on "
+                 f"{result['caps_gib']} GiB, global batch {result['estimate']['batch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 # -- the largest model --------------------------------------------------------------------------------------------
 def big_model(params_b: float, width: int, seq: int = BIG_SEQ) -> dict[str, Any]:
     """GPT arguments of about ``params_b`` billion parameters at ``width`` (heads of 128) and ``seq`` tokens."""
@@ -678,6 +711,7 @@ def big_check(args: argparse.Namespace) -> dict[str, Any]:
     result["ours_over_lightning"] = ours / theirs if ours and theirs else None
     with open(os.path.join(args.out, "sharded_big.json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot_big(result, os.path.join(args.out, "sharded_big.png"))
     print(f"big {estimate['parameters'] / 1e9:.2f}B on {caps} GiB, global batch {args.big_batch}:")
     for record in result["runs"]:
         print(f"  {record['run']:<22} {_fmt(record['samples_per_s'], 3):>7} samples/s  step "

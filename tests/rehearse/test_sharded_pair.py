@@ -14,6 +14,7 @@ from benchmarks.bench_sharded_pair import (
     big_model,
     emulation_check,
     format_split,
+    plot_big,
     read_splits,
     samples_per_s,
 )
@@ -148,3 +149,16 @@ def test_each_ranks_profiled_step_is_read_back_and_printed(tmp_path):
         "    rank 0: step 3.00 s; device: compute 1.00 s, copies 1.25 s, collectives 0.50 s; no host step",
         "    rank 1: step 3.00 s; device: compute 1.00 s, copies 1.25 s, collectives 0.50 s; host optimizer 1.50 s "
         "(1.00 s during the backward, 0.50 s waited after it), 0.50 ns/param, 15 threads"]
+
+
+def test_the_big_check_plots_every_run_and_each_profiled_rank(tmp_path):
+    pytest.importorskip("matplotlib")
+    split = {"rank": 0, "step": 3, "wall_s": 3.0, "host_optimizer": None,
+             "device_s": {"compute": 1.0, "copies": 1.25, "collectives": 0.5}}
+    result = {"model": {"layers": 2, "width": 64}, "caps_gib": [1.0, 0.5],
+              "estimate": {"parameters": 1e8, "batch": 4},
+              "runs": [{"run": "big-ours-overlap", "samples_per_s": None, "split": [split, {**split, "rank": 1}]},
+                       {"run": "Lightning fsdp:offload", "samples_per_s": 0.25, "split": None}]}
+    path = tmp_path / "big.png"
+    plot_big(result, str(path))
+    assert path.stat().st_size > 10_000
