@@ -30,13 +30,17 @@ def lab_rows(output: str) -> list[dict[str, str]]:
 
 def run_demo(tmp_path, core: int) -> tuple[str, int, int]:
     """The demo's output and split (fast, slow), its two ranks on one core of this machine."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())}
+    # A launcher's variables left in this process (LOCAL_RANK: "started from outside") would keep the demo from
+    # starting its second rank.
+    launched = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK")
+    env = {**{k: v for k, v in os.environ.items() if k not in launched}, "PYTHONPATH": ROOT,
+           "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, os.path.join(ROOT, "examples", "train_digits.py"), "fit",
            "--config", os.path.join(ROOT, "configs", "cpu_lab.yaml"),
            "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=0",
            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
-           # A stuck collective ends with the strategy's own error naming the rank, inside the run's time limit (one
-           # run of the full suite on 2026-11-29 outlasted the limit, 300 s, silently; 21 runs alone did not).
+           # A rank that never joins or a stuck collective ends with the strategy's own error naming the rank,
+           # inside the run's time limit.
            "--trainer.strategy.init_args.resilience.timeout=90"]
     try:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,

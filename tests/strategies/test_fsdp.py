@@ -460,6 +460,7 @@ def test_teardown_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):
     real = strategy_module._optimizers_to_device
     monkeypatch.setattr(strategy_module, "_optimizers_to_device",
                         lambda optimizers, device: (moved.append(len(optimizers)), real(optimizers, device)))
+    environment = os.environ.copy()
     seed_everything(0)
     strategy = HeteroFSDPStrategy(observation={"print_table": False})
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
@@ -470,5 +471,9 @@ def test_teardown_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):
     finally:  # a process group of one, in this process: later tests start their own
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # Lightning's launcher wrote MASTER_*, NODE_RANK and LOCAL_RANK into this process's environment: a later
+        # test's launch would read LOCAL_RANK as "started by an outside launcher" and never start its other ranks.
+        os.environ.clear()
+        os.environ.update(environment)
     assert moved == [0]
     assert len(trainer.optimizers) == 1 and trainer.optimizers[0].state  # the state kept, not dropped
